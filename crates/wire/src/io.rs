@@ -1,0 +1,241 @@
+//! Reading and writing frames on a byte stream, and the authentication handshake.
+//!
+//! The reader never buffers ahead: a data frame's payload is read by the caller straight
+//! into its own (page-aligned) buffer with [`FrameReader::read_payload`].
+
+use std::io::{Read, Write};
+
+use crate::auth::{random_bytes, Handshake, JobToken};
+use crate::cluster::Role;
+use crate::error::WireError;
+use crate::frame::{Header, HEADER_LEN};
+use crate::message::{Message, Service, DATA_META_LEN};
+
+/// Payloads up to this size are copied behind the header so a small frame is one write.
+const COALESCE_LIMIT: usize = 64 << 10;
+
+/// A frame whose body has been read up to its payload.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Frame {
+    pub message: Message,
+    /// Payload bytes still to be read with `read_payload` or `skip_payload`.
+    pub payload_len: usize,
+}
+
+pub struct FrameReader<R> {
+    inner: R,
+    max_body: u32,
+    pending_payload: usize,
+}
+
+impl<R: Read> FrameReader<R> {
+    pub fn new(inner: R, max_body: u32) -> Self {
+        FrameReader {
+            inner,
+            max_body,
+            pending_payload: 0,
+        }
+    }
+
+    pub fn get_ref(&self) -> &R {
+        &self.inner
+    }
+
+    /// Reads and validates the next frame up to its payload. A clean end of stream at a
+    /// frame boundary is `WireError::Closed`.
+    pub fn read(&mut self) -> Result<Frame, WireError> {
+        assert_eq!(
+            self.pending_payload, 0,
+            "the previous frame's payload must be consumed first"
+        );
+        let mut head = [0u8; HEADER_LEN];
+        self.inner.read_exact(&mut head)?;
+        let header = Header::decode(&head, self.max_body)?;
+        let body_len = header.body_len as usize;
+        let meta_len = if header.op.has_payload() {
+            if body_len < DATA_META_LEN {
+                return Err(WireError::Truncated {
+                    op: header.op,
+                    field: "meta",
+                    need: DATA_META_LEN - body_len,
+                });
+            }
+            DATA_META_LEN
+        } else {
+            body_len
+        };
+        let mut meta = vec![0u8; meta_len];
+        self.inner.read_exact(&mut meta)?;
+        let payload_len = body_len - meta_len;
+        let message = Message::decode(header.op, &meta, payload_len)?;
+        self.pending_payload = payload_len;
+        Ok(Frame {
+            message,
+            payload_len,
+        })
+    }
+
+    /// Reads the current frame's payload into `buf`, whose length must equal it.
+    pub fn read_payload(&mut self, buf: &mut [u8]) -> Result<(), WireError> {
+        assert_eq!(buf.len(), self.pending_payload, "payload length mismatch");
+        self.inner.read_exact(buf)?;
+        self.pending_payload = 0;
+        Ok(())
+    }
+
+    /// Discards the current frame's payload.
+    pub fn skip_payload(&mut self) -> Result<(), WireError> {
+        let n = std::mem::take(&mut self.pending_payload) as u64;
+        let copied = std::io::copy(&mut (&mut self.inner).take(n), &mut std::io::sink())?;
+        if copied != n {
+            return Err(WireError::Closed);
+        }
+        Ok(())
+    }
+
+    /// Reads a whole frame, payload included (control path and tests).
+    pub fn read_owned(&mut self) -> Result<(Message, Vec<u8>), WireError> {
+        let frame = self.read()?;
+        let mut payload = vec![0u8; frame.payload_len];
+        self.read_payload(&mut payload)?;
+        Ok((frame.message, payload))
+    }
+}
+
+/// Writes a frame without payload.
+pub fn write_message<W: Write>(w: &mut W, msg: &Message) -> Result<(), WireError> {
+    write_data(w, msg, &[])
+}
+
+/// Writes a frame and its payload; large payloads are written from the caller's buffer
+/// without copying.
+pub fn write_data<W: Write>(w: &mut W, msg: &Message, payload: &[u8]) -> Result<(), WireError> {
+    let mut head = msg.encode(payload.len());
+    if payload.len() <= COALESCE_LIMIT {
+        head.extend_from_slice(payload);
+        w.write_all(&head)?;
+    } else {
+        w.write_all(&head)?;
+        w.write_all(payload)?;
+    }
+    Ok(())
+}
+
+/// The authenticated identity of the client on the other end of a connection.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Peer {
+    pub role: Role,
+    pub rank: Option<u32>,
+    pub name: String,
+}
+
+/// Server side of the handshake: challenge, verify the client's proof, prove ourselves.
+/// On a bad proof the client is told `AuthFailed` before the error is returned.
+pub fn accept<S: Read + Write>(
+    stream: &mut S,
+    token: &JobToken,
+    service: Service,
+    max_body: u32,
+) -> Result<Peer, WireError> {
+    let server_nonce = random_bytes().map_err(|e| WireError::AuthFailed(e.to_string()))?;
+    write_message(
+        stream,
+        &Message::Challenge {
+            service,
+            nonce: server_nonce,
+        },
+    )?;
+    let (msg, _) = FrameReader::new(&mut *stream, max_body).read_owned()?;
+    let Message::Hello {
+        role,
+        rank,
+        nonce,
+        proof,
+        name,
+    } = msg
+    else {
+        return Err(WireError::Unexpected {
+            expected: "Hello",
+            got: msg.op(),
+        });
+    };
+    let hs = Handshake {
+        server_nonce,
+        client_nonce: nonce,
+        role,
+        rank,
+    };
+    if !token.verify_client(&hs, &proof) {
+        let why = format!("{role} '{name}' does not hold this job's token");
+        let _ = write_message(
+            stream,
+            &Message::error(crate::ErrorCode::AuthFailed, None, why.clone()),
+        );
+        return Err(WireError::AuthFailed(why));
+    }
+    write_message(
+        stream,
+        &Message::Welcome {
+            service,
+            proof: token.server_proof(&hs),
+        },
+    )?;
+    Ok(Peer { role, rank, name })
+}
+
+/// Client side of the handshake. Fails if the peer is not the expected service, refuses
+/// us, or cannot prove it holds the job token.
+pub fn connect<S: Read + Write>(
+    stream: &mut S,
+    token: &JobToken,
+    expected: Service,
+    me: &Peer,
+    max_body: u32,
+) -> Result<(), WireError> {
+    let mut reader = FrameReader::new(&mut *stream, max_body);
+    let (server_nonce, service) = match reader.read_owned()?.0 {
+        Message::Challenge { service, nonce } => (nonce, service),
+        Message::Error(e) => return Err(WireError::Rejected(e)),
+        other => {
+            return Err(WireError::Unexpected {
+                expected: "Challenge",
+                got: other.op(),
+            })
+        }
+    };
+    if service != expected {
+        return Err(WireError::AuthFailed(format!(
+            "expected a {} but this address is a {}",
+            expected.name(),
+            service.name()
+        )));
+    }
+    let hs = Handshake {
+        server_nonce,
+        client_nonce: random_bytes().map_err(|e| WireError::AuthFailed(e.to_string()))?,
+        role: me.role,
+        rank: me.rank,
+    };
+    write_message(
+        stream,
+        &Message::Hello {
+            role: me.role,
+            rank: me.rank,
+            nonce: hs.client_nonce,
+            proof: token.client_proof(&hs),
+            name: me.name.clone(),
+        },
+    )?;
+    match FrameReader::new(&mut *stream, max_body).read_owned()?.0 {
+        Message::Welcome { proof, .. } if token.verify_server(&hs, &proof) => Ok(()),
+        Message::Welcome { .. } => Err(WireError::AuthFailed(format!(
+            "the {} could not prove it holds this job's token",
+            expected.name()
+        ))),
+        Message::Error(e) => Err(WireError::Rejected(e)),
+        other => Err(WireError::Unexpected {
+            expected: "Welcome",
+            got: other.op(),
+        }),
+    }
+}

@@ -1,0 +1,26 @@
+//! sumflow's wire protocol: length-framed binary messages over TCP (docs/protocol.md).
+//!
+//! This crate owns the byte layout and the stateless validation of every frame, the job
+//! token handshake, and a framed reader/writer over any byte stream. Stateful checks (is
+//! the key initialised, is the round in sequence) belong to the services.
+
+pub mod auth;
+pub mod cluster;
+mod codec;
+pub mod dtype;
+pub mod error;
+pub mod frame;
+pub mod io;
+pub mod message;
+
+pub use auth::JobToken;
+pub use cluster::{ClusterMap, NodeId, NodeInfo, Role};
+pub use codec::MAX_STRING;
+pub use dtype::Dtype;
+pub use error::{ErrorCode, WireError};
+pub use frame::{Op, DEFAULT_MAX_BODY};
+pub use io::{FrameReader, Peer};
+pub use message::{BarrierGroup, Codec, ErrorReply, Message, PushMode, Registration, Service};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,602 @@
+//! Message bodies: layout, encoding and stateless validation.
+//!
+//! Three ops carry a bulk payload after a fixed 24-byte meta block (`InitKey`, `Push`,
+//! `PullReply`). Their `Message` value describes the payload; the bytes themselves are
+//! streamed by [`crate::io`] straight into the receiver's buffer, never through a `Vec`.
+
+use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
+use crate::codec::{Dec, Enc, MAX_NODES};
+use crate::dtype::Dtype;
+use crate::error::{ErrorCode, WireError};
+use crate::frame::{Header, Op, HEADER_LEN};
+
+/// Length of the meta block that precedes the payload of `InitKey`, `Push` and `PullReply`.
+pub const DATA_META_LEN: usize = 24;
+pub const NONCE_LEN: usize = 32;
+pub const PROOF_LEN: usize = 32;
+const NO_RANK: u32 = u32::MAX;
+
+/// Which service accepted a connection; a client checks it to catch a wrong address early.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Service {
+    Summation = 1,
+    Coordinator = 2,
+}
+
+impl Service {
+    fn from_code(code: u8) -> Option<Service> {
+        match code {
+            1 => Some(Service::Summation),
+            2 => Some(Service::Coordinator),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Service::Summation => "summation server",
+            Service::Coordinator => "coordinator",
+        }
+    }
+}
+
+/// Payload encoding. Version 1 defines raw little-endian elements only; the field exists so
+/// compressed payloads can be added without a new frame layout.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Codec {
+    Raw = 0,
+}
+
+/// What a push means. `Delta` is reserved for asynchronous training (BytePS §5, Fig. 11b):
+/// the frame decodes, and servers that do not implement it answer `Unsupported`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum PushMode {
+    /// Synchronous round: summed with every other worker's push of the same round.
+    Sum = 0,
+    /// Asynchronous delta added to the stored value.
+    Delta = 1,
+}
+
+/// Which nodes a barrier waits for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum BarrierGroup {
+    Workers = 1,
+    All = 2,
+}
+
+/// What a node tells the coordinator when it joins.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Registration {
+    pub role: Role,
+    /// A rank the node wants (e.g. torchrun's RANK); `None` lets the coordinator choose.
+    pub requested_rank: Option<u32>,
+    pub host: String,
+    pub port: u16,
+    pub host_id: String,
+    pub pid: u32,
+    pub name: String,
+}
+
+/// The body of an `Error` frame.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ErrorReply {
+    pub code: ErrorCode,
+    /// The key the error concerns, when there is one.
+    pub key: Option<u64>,
+    pub message: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Message {
+    Challenge {
+        service: Service,
+        nonce: [u8; NONCE_LEN],
+    },
+    Hello {
+        role: Role,
+        rank: Option<u32>,
+        nonce: [u8; NONCE_LEN],
+        proof: [u8; PROOF_LEN],
+        name: String,
+    },
+    Welcome {
+        service: Service,
+        proof: [u8; PROOF_LEN],
+    },
+    Register(Registration),
+    ClusterMap {
+        your_rank: u32,
+        map: ClusterMap,
+    },
+    /// Payload: the initial value (`byte_len` bytes) when `has_init`, else empty.
+    InitKey {
+        key: u64,
+        dtype: Dtype,
+        byte_len: u64,
+        has_init: bool,
+    },
+    InitAck {
+        key: u64,
+    },
+    /// Payload: the pushed elements.
+    Push {
+        key: u64,
+        round: u64,
+        dtype: Dtype,
+        codec: Codec,
+        mode: PushMode,
+    },
+    Pull {
+        key: u64,
+        round: u64,
+    },
+    /// Payload: the round's sum.
+    PullReply {
+        key: u64,
+        round: u64,
+        dtype: Dtype,
+        codec: Codec,
+    },
+    Barrier {
+        id: u64,
+        group: BarrierGroup,
+    },
+    BarrierDone {
+        id: u64,
+    },
+    Heartbeat {
+        seq: u64,
+    },
+    HeartbeatAck {
+        seq: u64,
+    },
+    NodeFailed {
+        node: NodeId,
+        name: String,
+        reason: String,
+    },
+    Shutdown {
+        reason: String,
+    },
+    Error(ErrorReply),
+}
+
+impl Message {
+    pub fn op(&self) -> Op {
+        match self {
+            Message::Challenge { .. } => Op::Challenge,
+            Message::Hello { .. } => Op::Hello,
+            Message::Welcome { .. } => Op::Welcome,
+            Message::Register(_) => Op::Register,
+            Message::ClusterMap { .. } => Op::ClusterMap,
+            Message::InitKey { .. } => Op::InitKey,
+            Message::InitAck { .. } => Op::InitAck,
+            Message::Push { .. } => Op::Push,
+            Message::Pull { .. } => Op::Pull,
+            Message::PullReply { .. } => Op::PullReply,
+            Message::Barrier { .. } => Op::Barrier,
+            Message::BarrierDone { .. } => Op::BarrierDone,
+            Message::Heartbeat { .. } => Op::Heartbeat,
+            Message::HeartbeatAck { .. } => Op::HeartbeatAck,
+            Message::NodeFailed { .. } => Op::NodeFailed,
+            Message::Shutdown { .. } => Op::Shutdown,
+            Message::Error(_) => Op::Error,
+        }
+    }
+
+    pub fn error(code: ErrorCode, key: Option<u64>, message: impl Into<String>) -> Message {
+        Message::Error(ErrorReply {
+            code,
+            key,
+            message: message.into(),
+        })
+    }
+
+    /// Encodes header and body, except the payload of data ops, whose length
+    /// `payload_len` is counted in the header; the caller writes the payload next.
+    pub fn encode(&self, payload_len: usize) -> Vec<u8> {
+        let mut e = Enc::default();
+        e.buf.resize(HEADER_LEN, 0);
+        self.encode_body(&mut e);
+        debug_assert!(self.op().has_payload() || payload_len == 0);
+        let body_len = e.buf.len() - HEADER_LEN + payload_len;
+        let header = Header {
+            op: self.op(),
+            body_len: u32::try_from(body_len).expect("frame body fits in u32"),
+        };
+        e.buf[..HEADER_LEN].copy_from_slice(&header.encode());
+        e.buf
+    }
+
+    /// Encodes a whole frame, payload included (control path and tests).
+    pub fn encode_with_payload(&self, payload: &[u8]) -> Vec<u8> {
+        let mut out = self.encode(payload.len());
+        out.extend_from_slice(payload);
+        out
+    }
+
+    fn encode_body(&self, e: &mut Enc) {
+        match self {
+            Message::Challenge { service, nonce } => {
+                e.u8(*service as u8).bytes(nonce);
+            }
+            Message::Hello {
+                role,
+                rank,
+                nonce,
+                proof,
+                name,
+            } => {
+                e.u8(*role as u8)
+                    .u32(rank.unwrap_or(NO_RANK))
+                    .bytes(nonce)
+                    .bytes(proof)
+                    .string(name);
+            }
+            Message::Welcome { service, proof } => {
+                e.u8(*service as u8).bytes(proof);
+            }
+            Message::Register(r) => {
+                e.u8(r.role as u8)
+                    .u32(r.requested_rank.unwrap_or(NO_RANK))
+                    .u16(r.port)
+                    .u32(r.pid)
+                    .string(&r.host)
+                    .string(&r.host_id)
+                    .string(&r.name);
+            }
+            Message::ClusterMap { your_rank, map } => {
+                e.u32(*your_rank).string(&map.job_id);
+                for nodes in [&map.workers, &map.servers] {
+                    e.u32(nodes.len() as u32);
+                    for n in nodes {
+                        e.u32(n.rank)
+                            .u16(n.port)
+                            .u32(n.pid)
+                            .string(&n.host)
+                            .string(&n.host_id)
+                            .string(&n.name);
+                    }
+                }
+            }
+            Message::InitKey {
+                key,
+                dtype,
+                byte_len,
+                has_init,
+            } => {
+                e.u64(*key)
+                    .u64(*byte_len)
+                    .u8(*dtype as u8)
+                    .u8(*has_init as u8)
+                    .zeros(6);
+            }
+            Message::InitAck { key } => {
+                e.u64(*key);
+            }
+            Message::Push {
+                key,
+                round,
+                dtype,
+                codec,
+                mode,
+            } => {
+                e.u64(*key)
+                    .u64(*round)
+                    .u8(*dtype as u8)
+                    .u8(*codec as u8)
+                    .u8(*mode as u8)
+                    .zeros(5);
+            }
+            Message::Pull { key, round } => {
+                e.u64(*key).u64(*round);
+            }
+            Message::PullReply {
+                key,
+                round,
+                dtype,
+                codec,
+            } => {
+                e.u64(*key)
+                    .u64(*round)
+                    .u8(*dtype as u8)
+                    .u8(*codec as u8)
+                    .zeros(6);
+            }
+            Message::Barrier { id, group } => {
+                e.u64(*id).u8(*group as u8);
+            }
+            Message::BarrierDone { id } => {
+                e.u64(*id);
+            }
+            Message::Heartbeat { seq } | Message::HeartbeatAck { seq } => {
+                e.u64(*seq);
+            }
+            Message::NodeFailed { node, name, reason } => {
+                e.u8(node.role as u8)
+                    .u32(node.rank)
+                    .string(name)
+                    .string(reason);
+            }
+            Message::Shutdown { reason } => {
+                e.string(reason);
+            }
+            Message::Error(err) => {
+                e.u16(err.code as u16)
+                    .u8(err.key.is_some() as u8)
+                    .u64(err.key.unwrap_or(0))
+                    .string(&err.message);
+            }
+        }
+    }
+
+    /// Decodes a body. For data ops `body` is the 24-byte meta block and `payload_len` the
+    /// number of payload bytes that follow it on the wire; for other ops `body` is the whole
+    /// body and `payload_len` must be 0.
+    pub fn decode(op: Op, body: &[u8], payload_len: usize) -> Result<Message, WireError> {
+        let mut d = Dec::new(op, body);
+        let msg = match op {
+            Op::Challenge => Message::Challenge {
+                service: service(&mut d)?,
+                nonce: d.array("nonce")?,
+            },
+            Op::Hello => Message::Hello {
+                role: role(&mut d)?,
+                rank: rank(&mut d, "rank")?,
+                nonce: d.array("nonce")?,
+                proof: d.array("proof")?,
+                name: d.string("name")?,
+            },
+            Op::Welcome => Message::Welcome {
+                service: service(&mut d)?,
+                proof: d.array("proof")?,
+            },
+            Op::Register => Message::Register(Registration {
+                role: role(&mut d)?,
+                requested_rank: rank(&mut d, "requested_rank")?,
+                port: d.u16("port")?,
+                pid: d.u32("pid")?,
+                host: d.string("host")?,
+                host_id: d.string("host_id")?,
+                name: d.string("name")?,
+            }),
+            Op::ClusterMap => {
+                let your_rank = d.u32("your_rank")?;
+                let job_id = d.string("job_id")?;
+                let workers = nodes(&mut d, "workers")?;
+                let servers = nodes(&mut d, "servers")?;
+                Message::ClusterMap {
+                    your_rank,
+                    map: ClusterMap {
+                        job_id,
+                        workers,
+                        servers,
+                    },
+                }
+            }
+            Op::InitKey => {
+                let key = d.u64("key")?;
+                let byte_len = d.u64("byte_len")?;
+                let dtype = dtype(&mut d)?;
+                let has_init = match d.u8("has_init")? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(d.bad("has_init", format!("{v} is not 0 or 1"))),
+                };
+                d.zeros(6, "reserved")?;
+                if byte_len == 0 || byte_len % dtype.size() as u64 != 0 {
+                    return Err(d.bad(
+                        "byte_len",
+                        format!(
+                            "{byte_len} is not a positive multiple of {dtype}'s {} bytes",
+                            dtype.size()
+                        ),
+                    ));
+                }
+                let expected = if has_init { byte_len } else { 0 };
+                if payload_len as u64 != expected {
+                    return Err(d.bad(
+                        "payload",
+                        format!("{payload_len} bytes of initial value, expected {expected}"),
+                    ));
+                }
+                Message::InitKey {
+                    key,
+                    dtype,
+                    byte_len,
+                    has_init,
+                }
+            }
+            Op::InitAck => Message::InitAck { key: d.u64("key")? },
+            Op::Push => {
+                let key = d.u64("key")?;
+                let round = d.u64("round")?;
+                let dtype = dtype(&mut d)?;
+                let codec = codec(&mut d)?;
+                let mode = match d.u8("mode")? {
+                    0 => PushMode::Sum,
+                    1 => PushMode::Delta,
+                    v => return Err(d.bad("mode", format!("unknown push mode {v}"))),
+                };
+                d.zeros(5, "reserved")?;
+                elements(&d, dtype, payload_len)?;
+                Message::Push {
+                    key,
+                    round,
+                    dtype,
+                    codec,
+                    mode,
+                }
+            }
+            Op::Pull => Message::Pull {
+                key: d.u64("key")?,
+                round: d.u64("round")?,
+            },
+            Op::PullReply => {
+                let key = d.u64("key")?;
+                let round = d.u64("round")?;
+                let dtype = dtype(&mut d)?;
+                let codec = codec(&mut d)?;
+                d.zeros(6, "reserved")?;
+                elements(&d, dtype, payload_len)?;
+                Message::PullReply {
+                    key,
+                    round,
+                    dtype,
+                    codec,
+                }
+            }
+            Op::Barrier => Message::Barrier {
+                id: d.u64("id")?,
+                group: match d.u8("group")? {
+                    1 => BarrierGroup::Workers,
+                    2 => BarrierGroup::All,
+                    v => return Err(d.bad("group", format!("unknown barrier group {v}"))),
+                },
+            },
+            Op::BarrierDone => Message::BarrierDone { id: d.u64("id")? },
+            Op::Heartbeat => Message::Heartbeat { seq: d.u64("seq")? },
+            Op::HeartbeatAck => Message::HeartbeatAck { seq: d.u64("seq")? },
+            Op::NodeFailed => Message::NodeFailed {
+                node: NodeId {
+                    role: role(&mut d)?,
+                    rank: d.u32("rank")?,
+                },
+                name: d.string("name")?,
+                reason: d.string("reason")?,
+            },
+            Op::Shutdown => Message::Shutdown {
+                reason: d.string("reason")?,
+            },
+            Op::Error => {
+                let code = ErrorCode::from_u16(d.u16("code")?);
+                let has_key = d.u8("has_key")? != 0;
+                let key = d.u64("key")?;
+                Message::Error(ErrorReply {
+                    code,
+                    key: has_key.then_some(key),
+                    message: d.string("message")?,
+                })
+            }
+        };
+        if !op.has_payload() && payload_len != 0 {
+            return Err(WireError::TrailingBytes {
+                op,
+                extra: payload_len,
+            });
+        }
+        d.finish()?;
+        Ok(msg)
+    }
+}
+
+fn service(d: &mut Dec) -> Result<Service, WireError> {
+    let v = d.u8("service")?;
+    Service::from_code(v).ok_or_else(|| d.bad("service", format!("unknown service {v}")))
+}
+
+fn role(d: &mut Dec) -> Result<Role, WireError> {
+    let v = d.u8("role")?;
+    Role::from_code(v).ok_or_else(|| d.bad("role", format!("unknown role {v}")))
+}
+
+fn rank(d: &mut Dec, field: &'static str) -> Result<Option<u32>, WireError> {
+    let v = d.u32(field)?;
+    Ok((v != NO_RANK).then_some(v))
+}
+
+fn dtype(d: &mut Dec) -> Result<Dtype, WireError> {
+    let v = d.u8("dtype")?;
+    Dtype::from_code(v).ok_or_else(|| d.bad("dtype", format!("unknown dtype code {v}")))
+}
+
+fn codec(d: &mut Dec) -> Result<Codec, WireError> {
+    match d.u8("codec")? {
+        0 => Ok(Codec::Raw),
+        v => Err(d.bad("codec", format!("unknown payload codec {v}"))),
+    }
+}
+
+fn elements(d: &Dec, dtype: Dtype, payload_len: usize) -> Result<(), WireError> {
+    if payload_len == 0 || payload_len % dtype.size() != 0 {
+        return Err(d.bad(
+            "payload",
+            format!(
+                "{payload_len} bytes is not a positive multiple of {dtype}'s {} bytes",
+                dtype.size()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+fn nodes(d: &mut Dec, field: &'static str) -> Result<Vec<NodeInfo>, WireError> {
+    let count = d.u32(field)? as usize;
+    if count > MAX_NODES {
+        return Err(d.bad(field, format!("{count} nodes exceeds {MAX_NODES}")));
+    }
+    let mut out = Vec::with_capacity(count.min(1024));
+    for i in 0..count {
+        let n = NodeInfo {
+            rank: d.u32("rank")?,
+            port: d.u16("port")?,
+            pid: d.u32("pid")?,
+            host: d.string("host")?,
+            host_id: d.string("host_id")?,
+            name: d.string("name")?,
+        };
+        if n.rank as usize != i {
+            return Err(d.bad(field, format!("entry {i} has rank {}", n.rank)));
+        }
+        out.push(n);
+    }
+    Ok(out)
+}
+
+/// A whole frame decoded from a byte slice.
+#[derive(Debug, PartialEq, Eq)]
+pub struct DecodedFrame<'a> {
+    pub message: Message,
+    pub payload: &'a [u8],
+    /// Bytes of `buf` the frame occupied.
+    pub consumed: usize,
+}
+
+/// Decodes the first frame in `buf`; `Ok(None)` when `buf` holds only part of it.
+/// This is the fuzzed entry point; the streaming reader in [`crate::io`] shares every check.
+pub fn decode_frame(buf: &[u8], max_body: u32) -> Result<Option<DecodedFrame<'_>>, WireError> {
+    let Some(head) = buf.get(..HEADER_LEN) else {
+        return Ok(None);
+    };
+    let header = Header::decode(head.try_into().expect("header length"), max_body)?;
+    let end = HEADER_LEN + header.body_len as usize;
+    let Some(body) = buf.get(HEADER_LEN..end) else {
+        return Ok(None);
+    };
+    let (meta, payload) = split_body(header.op, body)?;
+    let message = Message::decode(header.op, meta, payload.len())?;
+    Ok(Some(DecodedFrame {
+        message,
+        payload,
+        consumed: end,
+    }))
+}
+
+/// Splits a body into meta block and payload for data ops.
+fn split_body(op: Op, body: &[u8]) -> Result<(&[u8], &[u8]), WireError> {
+    if !op.has_payload() {
+        return Ok((body, &[]));
+    }
+    if body.len() < DATA_META_LEN {
+        return Err(WireError::Truncated {
+            op,
+            field: "meta",
+            need: DATA_META_LEN - body.len(),
+        });
+    }
+    Ok(body.split_at(DATA_META_LEN))
+}

@@ -1,0 +1,379 @@
+//! Round trips and rejections of every message, through both decoders.
+
+use std::io::Cursor;
+use std::net::{TcpListener, TcpStream};
+use std::thread;
+
+use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
+use crate::error::{ErrorCode, WireError};
+use crate::frame::{Op, HEADER_LEN};
+use crate::io::{accept, connect, write_data, FrameReader, Peer};
+use crate::message::*;
+use crate::{Dtype, JobToken};
+
+fn node(rank: u32) -> NodeInfo {
+    NodeInfo {
+        rank,
+        host: "10.0.0.1".into(),
+        port: 7000,
+        host_id: "machine-a".into(),
+        pid: 42,
+        name: "worker ünïcode".into(),
+    }
+}
+
+fn samples() -> Vec<(Message, Vec<u8>)> {
+    vec![
+        (
+            Message::Challenge {
+                service: Service::Summation,
+                nonce: [7; 32],
+            },
+            vec![],
+        ),
+        (
+            Message::Hello {
+                role: Role::Worker,
+                rank: Some(3),
+                nonce: [1; 32],
+                proof: [2; 32],
+                name: "w3".into(),
+            },
+            vec![],
+        ),
+        (
+            Message::Hello {
+                role: Role::Server,
+                rank: None,
+                nonce: [1; 32],
+                proof: [2; 32],
+                name: String::new(),
+            },
+            vec![],
+        ),
+        (
+            Message::Welcome {
+                service: Service::Coordinator,
+                proof: [9; 32],
+            },
+            vec![],
+        ),
+        (
+            Message::Register(Registration {
+                role: Role::Server,
+                requested_rank: None,
+                host: "127.0.0.1".into(),
+                port: 9999,
+                host_id: "h".into(),
+                pid: 77,
+                name: "server on h".into(),
+            }),
+            vec![],
+        ),
+        (
+            Message::ClusterMap {
+                your_rank: 1,
+                map: ClusterMap {
+                    job_id: "job".into(),
+                    workers: vec![node(0), node(1)],
+                    servers: vec![node(0)],
+                },
+            },
+            vec![],
+        ),
+        (
+            Message::InitKey {
+                key: 5,
+                dtype: Dtype::F16,
+                byte_len: 6,
+                has_init: true,
+            },
+            vec![1, 2, 3, 4, 5, 6],
+        ),
+        (
+            Message::InitKey {
+                key: u64::MAX,
+                dtype: Dtype::I64,
+                byte_len: 800,
+                has_init: false,
+            },
+            vec![],
+        ),
+        (Message::InitAck { key: 5 }, vec![]),
+        (
+            Message::Push {
+                key: 9,
+                round: 3,
+                dtype: Dtype::F32,
+                codec: Codec::Raw,
+                mode: PushMode::Sum,
+            },
+            vec![0; 16],
+        ),
+        (
+            Message::Push {
+                key: 9,
+                round: 3,
+                dtype: Dtype::Bf16,
+                codec: Codec::Raw,
+                mode: PushMode::Delta,
+            },
+            vec![0; 2],
+        ),
+        (Message::Pull { key: 9, round: 3 }, vec![]),
+        (
+            Message::PullReply {
+                key: 9,
+                round: 3,
+                dtype: Dtype::F64,
+                codec: Codec::Raw,
+            },
+            vec![3; 8],
+        ),
+        (
+            Message::Barrier {
+                id: 11,
+                group: BarrierGroup::Workers,
+            },
+            vec![],
+        ),
+        (
+            Message::Barrier {
+                id: 12,
+                group: BarrierGroup::All,
+            },
+            vec![],
+        ),
+        (Message::BarrierDone { id: 11 }, vec![]),
+        (Message::Heartbeat { seq: 1 }, vec![]),
+        (Message::HeartbeatAck { seq: 1 }, vec![]),
+        (
+            Message::NodeFailed {
+                node: NodeId {
+                    role: Role::Worker,
+                    rank: 2,
+                },
+                name: "worker 2".into(),
+                reason: "no heartbeat for 3.0s".into(),
+            },
+            vec![],
+        ),
+        (
+            Message::Shutdown {
+                reason: "done".into(),
+            },
+            vec![],
+        ),
+        (
+            Message::error(ErrorCode::DuplicatePush, Some(4), "again"),
+            vec![],
+        ),
+        (Message::error(ErrorCode::Timeout, None, ""), vec![]),
+    ]
+}
+
+#[test]
+fn every_message_round_trips_through_both_decoders() {
+    for (msg, payload) in samples() {
+        let bytes = msg.encode_with_payload(&payload);
+        let frame = decode_frame(&bytes, 1 << 20).unwrap().expect("complete");
+        assert_eq!(frame.message, msg);
+        assert_eq!(frame.payload, &payload[..]);
+        assert_eq!(frame.consumed, bytes.len());
+        // Every strict prefix is incomplete, never an error or a panic.
+        for cut in 0..bytes.len() {
+            assert!(decode_frame(&bytes[..cut], 1 << 20).unwrap().is_none());
+        }
+        let mut r = FrameReader::new(Cursor::new(bytes), 1 << 20);
+        let (m, p) = r.read_owned().unwrap();
+        assert_eq!((m, p), (msg, payload));
+        assert!(matches!(r.read(), Err(WireError::Closed)));
+    }
+}
+
+#[test]
+fn streamed_frames_follow_each_other() {
+    let mut wire = Vec::new();
+    let push = Message::Push {
+        key: 1,
+        round: 1,
+        dtype: Dtype::I32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+    };
+    let big = vec![5u8; 200_000];
+    write_data(&mut wire, &push, &big).unwrap();
+    write_data(&mut wire, &Message::Pull { key: 1, round: 1 }, &[]).unwrap();
+    let mut r = FrameReader::new(Cursor::new(wire), 1 << 20);
+    let f = r.read().unwrap();
+    assert_eq!(f.payload_len, big.len());
+    r.skip_payload().unwrap();
+    assert_eq!(
+        r.read().unwrap().message,
+        Message::Pull { key: 1, round: 1 }
+    );
+}
+
+fn body_err(op: Op, body: &[u8]) -> WireError {
+    let mut bytes = crate::frame::Header {
+        op,
+        body_len: body.len() as u32,
+    }
+    .encode()
+    .to_vec();
+    bytes.extend_from_slice(body);
+    decode_frame(&bytes, 1 << 20).unwrap_err()
+}
+
+#[test]
+fn malformed_bodies_are_rejected_with_the_field_named() {
+    let push = Message::Push {
+        key: 1,
+        round: 1,
+        dtype: Dtype::F32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+    };
+    let good = push.encode_with_payload(&[0; 8]);
+    let meta = &good[HEADER_LEN..HEADER_LEN + DATA_META_LEN];
+
+    let mut m = meta.to_vec();
+    m[16] = 99; // dtype
+    assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
+        .to_string()
+        .contains("dtype"));
+    let mut m = meta.to_vec();
+    m[17] = 4; // codec
+    assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
+        .to_string()
+        .contains("codec"));
+    let mut m = meta.to_vec();
+    m[18] = 9; // mode
+    assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
+        .to_string()
+        .contains("mode"));
+    let mut m = meta.to_vec();
+    m[23] = 1; // reserved
+    assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
+        .to_string()
+        .contains("reserved"));
+    // Payload not a multiple of the element size, and an empty payload.
+    let e = body_err(Op::Push, &[meta, &[0; 7]].concat());
+    assert!(e.to_string().contains("7 bytes"), "{e}");
+    assert!(body_err(Op::Push, meta).to_string().contains("payload"));
+    // Meta block cut short.
+    assert!(matches!(
+        body_err(Op::Push, &meta[..10]),
+        WireError::Truncated { .. }
+    ));
+    // Trailing bytes after a fixed-size body.
+    assert!(matches!(
+        body_err(Op::Pull, &[0; 17]),
+        WireError::TrailingBytes { extra: 1, .. }
+    ));
+    // Bad UTF-8 in a string.
+    let e = body_err(Op::Shutdown, &[2, 0, 0xff, 0xfe]);
+    assert!(e.to_string().contains("UTF-8"), "{e}");
+    // Init value length disagreeing with the declared length.
+    let init = Message::InitKey {
+        key: 1,
+        dtype: Dtype::F32,
+        byte_len: 8,
+        has_init: true,
+    };
+    let bytes = init.encode_with_payload(&[0; 4]);
+    assert!(decode_frame(&bytes, 1 << 20)
+        .unwrap_err()
+        .to_string()
+        .contains("initial value"));
+    let init = Message::InitKey {
+        key: 1,
+        dtype: Dtype::F32,
+        byte_len: 6,
+        has_init: false,
+    };
+    let e = decode_frame(&init.encode(0), 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("byte_len"), "{e}");
+    // Oversized frame, caught from the header alone.
+    let e = decode_frame(&good, 16).unwrap_err();
+    assert_eq!(e.code(), ErrorCode::FrameTooLarge);
+}
+
+#[test]
+fn random_bytes_never_panic_the_decoder() {
+    let mut x = 0x9e3779b97f4a7c15u64;
+    for _ in 0..20_000 {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let len = (x % 80) as usize;
+        let mut buf: Vec<u8> = (0..len)
+            .map(|i| (x >> (i % 8 * 8)) as u8 ^ i as u8)
+            .collect();
+        if len > 6 {
+            buf[..4].copy_from_slice(b"SFLW");
+            buf[4] = 1;
+        }
+        let _ = decode_frame(&buf, 1 << 16);
+    }
+}
+
+fn pair() -> (TcpStream, TcpStream) {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (s, _) = l.accept().unwrap();
+    (c, s)
+}
+
+#[test]
+fn handshake_authenticates_both_sides() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let t2 = token.clone();
+    let server = thread::spawn(move || accept(&mut s, &t2, Service::Summation, 1 << 20));
+    let me = Peer {
+        role: Role::Worker,
+        rank: Some(2),
+        name: "w2".into(),
+    };
+    connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap();
+    assert_eq!(server.join().unwrap().unwrap(), me);
+}
+
+#[test]
+fn wrong_token_is_refused_and_told() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let wrong = JobToken::new("another-token-entirely!!").unwrap();
+    let (mut c, mut s) = pair();
+    let server = thread::spawn(move || accept(&mut s, &token, Service::Coordinator, 1 << 20));
+    let me = Peer {
+        role: Role::Server,
+        rank: None,
+        name: "intruder".into(),
+    };
+    let err = connect(&mut c, &wrong, Service::Coordinator, &me, 1 << 20).unwrap_err();
+    assert!(
+        matches!(&err, WireError::Rejected(r) if r.code == ErrorCode::AuthFailed),
+        "{err}"
+    );
+    let server_err = server.join().unwrap().unwrap_err();
+    assert!(server_err.to_string().contains("intruder"), "{server_err}");
+}
+
+#[test]
+fn wrong_service_is_named() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let t2 = token.clone();
+    let _server = thread::spawn(move || accept(&mut s, &t2, Service::Coordinator, 1 << 20));
+    let me = Peer {
+        role: Role::Worker,
+        rank: Some(0),
+        name: "w".into(),
+    };
+    let err = connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap_err();
+    assert!(
+        err.to_string().contains("this address is a coordinator"),
+        "{err}"
+    );
+}
