@@ -1,1 +1,200 @@
+//! Page-aligned, zero-initialised byte buffers for accumulators, results and
+//! receive buffers.
+//!
+//! Page alignment keeps every SIMD load of a key's data inside one page and lets
+//! large buffers come straight from the kernel's zero pages, so a fresh 64 MB
+//! accumulator costs no memset.
 
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::ptr::NonNull;
+
+/// Alignment, and capacity granularity, of every [`AlignedBuf`].
+pub const PAGE: usize = 4096;
+
+/// Only its alignment matters: a dangling pointer to it is a page-aligned
+/// non-null address for buffers that own no memory.
+#[repr(align(4096))]
+struct Page;
+
+const _: () = assert!(std::mem::align_of::<Page>() == PAGE);
+
+/// A heap byte buffer whose first byte is page aligned and whose bytes are always
+/// initialised (zero unless written).
+pub struct AlignedBuf {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// Bytes owned at `ptr`; 0 means nothing was allocated.
+    cap: usize,
+}
+
+// SAFETY: AlignedBuf uniquely owns its allocation, like Vec<u8>; no interior
+// mutability, so moving it across threads or sharing &AlignedBuf is sound.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: see Send; shared access only hands out &[u8].
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// A buffer of `len` zero bytes. `len == 0` allocates nothing.
+    pub fn zeroed(len: usize) -> AlignedBuf {
+        if len == 0 {
+            return AlignedBuf {
+                ptr: NonNull::<Page>::dangling().cast(),
+                len: 0,
+                cap: 0,
+            };
+        }
+        let layout = layout_for(len);
+        // SAFETY: layout has a non-zero size (len > 0, rounded up to PAGE).
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let Some(ptr) = NonNull::new(raw) else {
+            alloc::handle_alloc_error(layout)
+        };
+        AlignedBuf {
+            ptr,
+            len,
+            cap: layout.size(),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.cap
+    }
+
+    /// Set the length, reusing the allocation when capacity suffices (bytes
+    /// beyond the old length keep whatever they held, always initialised), else
+    /// reallocating zeroed. The first `min(old, new)` bytes are kept either way.
+    pub fn set_len(&mut self, len: usize) {
+        if len <= self.cap {
+            self.len = len;
+            return;
+        }
+        let mut grown = AlignedBuf::zeroed(len);
+        grown[..self.len].copy_from_slice(self);
+        *self = grown;
+    }
+}
+
+/// Capacity is rounded up to whole pages: the allocator hands out page-aligned
+/// blocks in whole pages anyway, and the slack makes small regrowth free.
+fn layout_for(len: usize) -> Layout {
+    len.checked_next_multiple_of(PAGE)
+        .and_then(|cap| Layout::from_size_align(cap, PAGE).ok())
+        .unwrap_or_else(|| panic!("AlignedBuf: {len} bytes is too large to allocate"))
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        if self.cap != 0 {
+            // SAFETY: a non-zero cap means ptr came from alloc_zeroed with exactly
+            // this layout (layout_for is deterministic in cap, which is a PAGE
+            // multiple, so layout_for(cap) has size cap).
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout_for(self.cap)) }
+        }
+    }
+}
+
+impl Deref for AlignedBuf {
+    type Target = [u8];
+
+    fn deref(&self) -> &[u8] {
+        // SAFETY: ptr is non-null and page aligned; when cap > 0 it owns cap >= len
+        // bytes, all initialised (zeroed at allocation, only ever overwritten);
+        // when len == 0 a dangling aligned pointer is valid for an empty slice.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl DerefMut for AlignedBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in deref; &mut self guarantees exclusive access.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("len", &self.len)
+            .field("capacity", &self.cap)
+            .finish()
+    }
+}
+
+impl Default for AlignedBuf {
+    fn default() -> Self {
+        AlignedBuf::zeroed(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pointer_is_page_aligned() {
+        for len in [1, 7, 4095, 4096, 4097, 1 << 20] {
+            let b = AlignedBuf::zeroed(len);
+            assert_eq!(b.as_ptr() as usize % PAGE, 0, "len {len}");
+            assert_eq!(b.len(), len);
+            assert!(b.capacity() >= len);
+        }
+    }
+
+    #[test]
+    fn contents_start_zeroed() {
+        let b = AlignedBuf::zeroed(3 * PAGE + 5);
+        assert!(b.iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn zero_length_allocates_nothing() {
+        let mut b = AlignedBuf::zeroed(0);
+        assert!(b.is_empty());
+        assert_eq!(b.capacity(), 0);
+        assert_eq!(&*b, &[] as &[u8]);
+        assert_eq!(b.as_ptr() as usize % PAGE, 0);
+        b.set_len(0);
+        assert!(b.is_empty());
+        b.set_len(10);
+        assert_eq!(&*b, &[0u8; 10]);
+    }
+
+    #[test]
+    fn set_len_keeps_contents() {
+        let mut b = AlignedBuf::zeroed(100);
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = i as u8;
+        }
+        let cap = b.capacity();
+
+        // Shrinking and regrowing within capacity reuses the bytes as they were.
+        b.set_len(10);
+        assert_eq!(b.capacity(), cap);
+        assert_eq!(&*b, &(0..10).collect::<Vec<u8>>()[..]);
+        b.set_len(100);
+        assert_eq!(&*b, &(0..100).collect::<Vec<u8>>()[..]);
+
+        // Growing past capacity reallocates, keeps the prefix and zeroes the rest.
+        b.set_len(cap + 1);
+        assert!(b.capacity() > cap);
+        assert_eq!(b.as_ptr() as usize % PAGE, 0);
+        assert_eq!(&b[..100], &(0..100).collect::<Vec<u8>>()[..]);
+        assert!(b[100..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn debug_shows_sizes_only() {
+        let b = AlignedBuf::zeroed(5);
+        assert_eq!(format!("{b:?}"), "AlignedBuf { len: 5, capacity: 4096 }");
+    }
+}

@@ -1,5 +1,22 @@
-//! The summation service (BytePS §5): sums pushed gradient partitions and returns
-//! each round's sum to every worker that pulls it. It never runs an optimizer.
+//! The summation service (BytePS §5): sums pushed gradient partitions and returns each
+//! round's sum to every worker that pulls it. It never runs an optimizer.
+//!
+//! Layout: [`connection`] validates and dispatches each worker's frames; [`engine`] threads
+//! own disjoint sets of keys ([`directory`]) and run the [`rounds`] protocol and the SIMD
+//! [`reduce`] kernels over page-aligned [`buffer`]s; [`service`] starts and stops it all.
 
 pub mod buffer;
+mod connection;
+pub mod directory;
+mod engine;
+mod pool;
 pub mod reduce;
+pub mod rounds;
+pub mod service;
+mod shared;
+
+pub use reduce::{Reducer, SimdLevel};
+pub use service::{
+    CoordinatorLink, Membership, ServerConfig, ServerError, ServerHandle, SummationService,
+};
+pub use shared::Settings;

@@ -106,6 +106,7 @@ pub enum ErrorCode {
     DuplicatePush = 19,
     DuplicatePull = 20,
     Unsupported = 21,
+    ResourceExhausted = 22,
     NodeFailed = 32,
     Timeout = 33,
     ShuttingDown = 34,
@@ -113,7 +114,7 @@ pub enum ErrorCode {
 }
 
 impl ErrorCode {
-    const ALL: [ErrorCode; 19] = [
+    const ALL: [ErrorCode; 20] = [
         ErrorCode::BadFrame,
         ErrorCode::UnsupportedVersion,
         ErrorCode::UnknownOp,
@@ -129,6 +130,7 @@ impl ErrorCode {
         ErrorCode::DuplicatePush,
         ErrorCode::DuplicatePull,
         ErrorCode::Unsupported,
+        ErrorCode::ResourceExhausted,
         ErrorCode::NodeFailed,
         ErrorCode::Timeout,
         ErrorCode::ShuttingDown,

@@ -9,7 +9,7 @@ use crate::auth::{random_bytes, Handshake, JobToken};
 use crate::cluster::Role;
 use crate::error::WireError;
 use crate::frame::{Header, HEADER_LEN};
-use crate::message::{Message, Service, DATA_META_LEN};
+use crate::message::{ErrorReply, Message, Service, DATA_META_LEN};
 
 /// Payloads up to this size are copied behind the header so a small frame is one write.
 const COALESCE_LIMIT: usize = 64 << 10;
@@ -129,14 +129,17 @@ pub struct Peer {
     pub name: String,
 }
 
-/// Server side of the handshake: challenge, verify the client's proof, prove ourselves.
-/// On a bad proof the client is told `AuthFailed` before the error is returned.
-pub fn accept<S: Read + Write>(
+/// Server side of the handshake: challenge, verify the client's proof, let `admit` accept
+/// or refuse the authenticated identity, then prove ourselves. A bad proof or a refusal is
+/// sent to the client as an `Error` frame before the error is returned, so the client's
+/// `connect` fails with the reason.
+pub fn accept<S: Read + Write, T>(
     stream: &mut S,
     token: &JobToken,
     service: Service,
     max_body: u32,
-) -> Result<Peer, WireError> {
+    admit: impl FnOnce(&Peer) -> Result<T, ErrorReply>,
+) -> Result<(Peer, T), WireError> {
     let server_nonce = random_bytes().map_err(|e| WireError::AuthFailed(e.to_string()))?;
     write_message(
         stream,
@@ -173,6 +176,14 @@ pub fn accept<S: Read + Write>(
         );
         return Err(WireError::AuthFailed(why));
     }
+    let peer = Peer { role, rank, name };
+    let admitted = match admit(&peer) {
+        Ok(v) => v,
+        Err(refusal) => {
+            let _ = write_message(stream, &Message::Error(refusal.clone()));
+            return Err(WireError::Rejected(refusal));
+        }
+    };
     write_message(
         stream,
         &Message::Welcome {
@@ -180,7 +191,7 @@ pub fn accept<S: Read + Write>(
             proof: token.server_proof(&hs),
         },
     )?;
-    Ok(Peer { role, rank, name })
+    Ok((peer, admitted))
 }
 
 /// Client side of the handshake. Fails if the peer is not the expected service, refuses

@@ -474,8 +474,15 @@ impl Message {
             },
             Op::Error => {
                 let code = ErrorCode::from_u16(d.u16("code")?);
-                let has_key = d.u8("has_key")? != 0;
+                let has_key = match d.u8("has_key")? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(d.bad("has_key", format!("{v} is not 0 or 1"))),
+                };
                 let key = d.u64("key")?;
+                if !has_key && key != 0 {
+                    return Err(d.bad("key", "must be 0 when has_key is 0"));
+                }
                 Message::Error(ErrorReply {
                     code,
                     key: has_key.then_some(key),

@@ -330,14 +330,15 @@ fn handshake_authenticates_both_sides() {
     let token = JobToken::new("a-job-token-of-some-length").unwrap();
     let (mut c, mut s) = pair();
     let t2 = token.clone();
-    let server = thread::spawn(move || accept(&mut s, &t2, Service::Summation, 1 << 20));
+    let server =
+        thread::spawn(move || accept(&mut s, &t2, Service::Summation, 1 << 20, |_| Ok(())));
     let me = Peer {
         role: Role::Worker,
         rank: Some(2),
         name: "w2".into(),
     };
     connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap();
-    assert_eq!(server.join().unwrap().unwrap(), me);
+    assert_eq!(server.join().unwrap().unwrap().0, me);
 }
 
 #[test]
@@ -345,7 +346,8 @@ fn wrong_token_is_refused_and_told() {
     let token = JobToken::new("a-job-token-of-some-length").unwrap();
     let wrong = JobToken::new("another-token-entirely!!").unwrap();
     let (mut c, mut s) = pair();
-    let server = thread::spawn(move || accept(&mut s, &token, Service::Coordinator, 1 << 20));
+    let server =
+        thread::spawn(move || accept(&mut s, &token, Service::Coordinator, 1 << 20, |_| Ok(())));
     let me = Peer {
         role: Role::Server,
         rank: None,
@@ -365,7 +367,8 @@ fn wrong_service_is_named() {
     let token = JobToken::new("a-job-token-of-some-length").unwrap();
     let (mut c, mut s) = pair();
     let t2 = token.clone();
-    let _server = thread::spawn(move || accept(&mut s, &t2, Service::Coordinator, 1 << 20));
+    let _server =
+        thread::spawn(move || accept(&mut s, &t2, Service::Coordinator, 1 << 20, |_| Ok(())));
     let me = Peer {
         role: Role::Worker,
         rank: Some(0),
@@ -376,4 +379,37 @@ fn wrong_service_is_named() {
         err.to_string().contains("this address is a coordinator"),
         "{err}"
     );
+}
+
+#[test]
+fn admission_refusal_reaches_the_client_during_the_handshake() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let t2 = token.clone();
+    let server = thread::spawn(move || {
+        accept(
+            &mut s,
+            &t2,
+            Service::Summation,
+            1 << 20,
+            |p| -> Result<(), ErrorReply> {
+                Err(ErrorReply {
+                    code: ErrorCode::BadRank,
+                    key: None,
+                    message: format!("no rank {:?}", p.rank),
+                })
+            },
+        )
+    });
+    let me = Peer {
+        role: Role::Worker,
+        rank: Some(9),
+        name: "w9".into(),
+    };
+    let err = connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap_err();
+    assert!(
+        matches!(&err, WireError::Rejected(r) if r.code == ErrorCode::BadRank && r.message == "no rank Some(9)"),
+        "{err}"
+    );
+    assert!(server.join().unwrap().is_err());
 }

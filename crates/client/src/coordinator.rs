@@ -1,0 +1,724 @@
+//! A node's connection to the coordinator: join, barriers, heartbeats, failure notices.
+//!
+//! Two threads run behind a [`CoordinatorClient`]: a reader that dispatches every frame
+//! the coordinator sends, and a heartbeat thread that also watches the coordinator's
+//! liveness. Calls block on shared state with a timeout; nothing waits forever.
+//!
+//! ```no_run
+//! use std::time::Duration;
+//! use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
+//! use sumflow_wire::{BarrierGroup, JobToken, Registration, Role};
+//!
+//! let token = JobToken::load(None)?;
+//! let reg = Registration {
+//!     role: Role::Worker,
+//!     requested_rank: None,
+//!     host: "10.0.0.5".into(),
+//!     port: 0,
+//!     host_id: "machine-5".into(),
+//!     pid: std::process::id(),
+//!     name: "worker-on-machine-5".into(),
+//! };
+//! let timeout = Duration::from_secs(300);
+//! let coord = CoordinatorClient::join("10.0.0.1:29400", &token, reg, timeout, CoordinatorOptions::default())?;
+//! println!("I am worker {} of {}", coord.rank(), coord.cluster_map().workers.len());
+//! coord.barrier(BarrierGroup::Workers, Duration::from_secs(60))?;
+//! coord.leave("training finished")?;
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::collections::{HashMap, HashSet};
+use std::io::ErrorKind;
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use sumflow_wire::io::{connect, write_message, FrameReader};
+use sumflow_wire::{
+    BarrierGroup, ClusterMap, ErrorCode, ErrorReply, JobToken, Message, NodeId, Peer, Registration,
+    Role, Service, WireError, DEFAULT_MAX_BODY,
+};
+use tracing::{debug, warn};
+
+use crate::error::{ClientError, Result};
+
+/// The id under which loss of the coordinator itself is reported through
+/// [`CoordinatorClient::failures`]: no real node has rank `u32::MAX`.
+pub const COORDINATOR_NODE: NodeId = NodeId {
+    role: Role::Server,
+    rank: u32::MAX,
+};
+
+/// Longest single TCP connect attempt while the coordinator may still be starting.
+const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
+/// Longest pause between connect attempts.
+const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
+/// How long `leave` waits for the coordinator to acknowledge by closing the connection.
+const LEAVE_WAIT: Duration = Duration::from_secs(2);
+
+/// Timing and limits of a coordinator connection.
+#[derive(Clone, Debug)]
+pub struct CoordinatorOptions {
+    /// How often to send a heartbeat.
+    pub heartbeat_interval: Duration,
+    /// A coordinator silent this long counts as lost. Keep it near the coordinator's own
+    /// heartbeat timeout and several intervals long.
+    pub heartbeat_timeout: Duration,
+    /// How long to keep trying to reach a coordinator that is not up yet.
+    pub connect_timeout: Duration,
+    /// Largest frame body accepted from the coordinator.
+    pub max_body: u32,
+}
+
+impl Default for CoordinatorOptions {
+    fn default() -> Self {
+        CoordinatorOptions {
+            heartbeat_interval: Duration::from_secs(1),
+            heartbeat_timeout: Duration::from_secs(10),
+            connect_timeout: Duration::from_secs(60),
+            max_body: DEFAULT_MAX_BODY,
+        }
+    }
+}
+
+/// A node the coordinator declared failed, or the coordinator itself when
+/// [`is_coordinator`](Self::is_coordinator) is true.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct NodeFailure {
+    pub node: NodeId,
+    pub name: String,
+    pub reason: String,
+}
+
+impl NodeFailure {
+    /// Whether this notice reports the loss of the coordinator (see [`COORDINATOR_NODE`]).
+    pub fn is_coordinator(&self) -> bool {
+        self.node == COORDINATOR_NODE
+    }
+}
+
+/// A joined node's connection to its job's coordinator.
+///
+/// Call [`leave`](Self::leave) when done; dropping the client without it closes the
+/// connection abruptly, which the coordinator reports to every other node as a failure.
+pub struct CoordinatorClient {
+    rank: u32,
+    map: ClusterMap,
+    role: Role,
+    conn: Connection,
+}
+
+impl CoordinatorClient {
+    /// Connects to the coordinator at `addr` (retrying for `opts.connect_timeout`, as it
+    /// may start after us), proves we hold `token`, registers as `reg` and waits up to
+    /// `join_timeout` for the cluster map, which comes once every node has joined.
+    pub fn join(
+        addr: &str,
+        token: &JobToken,
+        reg: Registration,
+        join_timeout: Duration,
+        opts: CoordinatorOptions,
+    ) -> Result<CoordinatorClient> {
+        if opts.heartbeat_interval.is_zero() || opts.heartbeat_interval >= opts.heartbeat_timeout {
+            return Err(ClientError::Invalid(format!(
+                "heartbeat interval {:?} must be positive and shorter than the heartbeat timeout {:?}",
+                opts.heartbeat_interval, opts.heartbeat_timeout
+            )));
+        }
+        let peer = format!("coordinator at {addr}");
+        let mut stream = connect_retrying(addr, opts.connect_timeout)?;
+        let wire = |source| ClientError::Wire {
+            peer: peer.clone(),
+            source,
+        };
+        let setup = stream
+            .set_nodelay(true)
+            .and_then(|_| stream.set_read_timeout(Some(opts.heartbeat_timeout)))
+            .and_then(|_| stream.set_write_timeout(Some(opts.heartbeat_timeout)));
+        setup.map_err(|e| wire(WireError::Io(e)))?;
+        let me = Peer {
+            role: reg.role,
+            rank: reg.requested_rank,
+            name: reg.name.clone(),
+        };
+        connect(&mut stream, token, Service::Coordinator, &me, opts.max_body)
+            .map_err(|e| refused_or(&peer, e))?;
+        write_message(&mut stream, &Message::Register(reg.clone())).map_err(wire)?;
+        // The heartbeat thread judges silence precisely; the socket timeout only ensures a
+        // reader cannot block forever, so it must not fire first.
+        let backstop = opts.heartbeat_timeout * 2;
+        stream
+            .set_read_timeout(Some(backstop))
+            .map_err(|e| wire(WireError::Io(e)))?;
+        let conn = Connection::start(stream, peer.clone(), &opts)?;
+        let (rank, map) = conn.wait_for_map(join_timeout)?;
+        debug!("joined as {} {rank} of job {}", reg.role, map.job_id);
+        Ok(CoordinatorClient {
+            rank,
+            map,
+            role: reg.role,
+            conn,
+        })
+    }
+
+    /// Our rank among the nodes of our role.
+    pub fn rank(&self) -> u32 {
+        self.rank
+    }
+
+    /// Every node of the job, identical on all nodes.
+    pub fn cluster_map(&self) -> &ClusterMap {
+        &self.map
+    }
+
+    /// Waits until every live member of `group` has entered the same barrier.
+    ///
+    /// Each node numbers its barriers per group, `2n` for its n-th workers barrier and
+    /// `2n + 1` for its n-th all-nodes barrier, so all nodes agree on the id as long as they
+    /// enter the barriers of a group in the same order. Fails with
+    /// [`ClientError::NodeFailed`] if a member has failed or fails while we wait.
+    pub fn barrier(&self, group: BarrierGroup, timeout: Duration) -> Result<()> {
+        if group == BarrierGroup::Workers && self.role == Role::Server {
+            return Err(ClientError::Invalid(
+                "a server is not a member of workers barriers; use BarrierGroup::All".into(),
+            ));
+        }
+        let inner = &self.conn.inner;
+        let id = {
+            let mut st = inner.lock();
+            inner.check_barrier(&st, group)?;
+            let seq = &mut st.barrier_seq[usize::from(group == BarrierGroup::All)];
+            *seq += 1;
+            *seq * 2 + u64::from(group == BarrierGroup::All)
+        };
+        inner.send(&Message::Barrier { id, group })?;
+        let what = format!("{} barrier {id}", group_name(group));
+        let mut st = inner.lock();
+        let deadline = Instant::now() + timeout;
+        loop {
+            if st.done.remove(&id) {
+                return Ok(());
+            }
+            if let Some(e) = st.barrier_errors.remove(&id) {
+                return Err(ClientError::Remote {
+                    peer: inner.peer.clone(),
+                    code: e.code,
+                    key: None,
+                    message: e.message,
+                });
+            }
+            inner.check_barrier(&st, group)?;
+            st = match inner.wait_until(st, deadline) {
+                Some(st) => st,
+                None => {
+                    return Err(ClientError::Timeout {
+                        what: format!("{what} (some member has not entered it)"),
+                        secs: timeout.as_secs_f64(),
+                    })
+                }
+            };
+        }
+    }
+
+    /// A channel carrying every failure notice: those already received first, then new
+    /// ones as they come, and a [`COORDINATOR_NODE`] notice if the coordinator is lost.
+    /// Each call returns a new subscription that sees all notices.
+    pub fn failures(&self) -> Receiver<NodeFailure> {
+        let (tx, rx) = unbounded();
+        let mut st = self.conn.inner.lock();
+        for f in &st.failed {
+            let _ = tx.send(f.clone());
+        }
+        st.subscribers.push(tx);
+        rx
+    }
+
+    /// Every failure notice received so far, in order.
+    pub fn failed_nodes(&self) -> Vec<NodeFailure> {
+        self.conn.inner.lock().failed.clone()
+    }
+
+    /// Whether the coordinator has told us to shut down (e.g. all workers finished).
+    pub fn shutdown_requested(&self) -> bool {
+        self.conn.inner.lock().shutdown.is_some()
+    }
+
+    /// Waits up to `timeout` for the coordinator to tell us to shut down; true if it did.
+    pub fn wait_shutdown(&self, timeout: Duration) -> bool {
+        let inner = &self.conn.inner;
+        let deadline = Instant::now() + timeout;
+        let st = inner.wait_while(inner.lock(), deadline, |st| st.shutdown.is_none());
+        st.shutdown.is_some()
+    }
+
+    /// Leaves the job gracefully: the coordinator stops expecting us in barriers and does
+    /// not report us as failed. Fails only if the coordinator was already lost.
+    pub fn leave(self, reason: &str) -> Result<()> {
+        let inner = self.conn.inner.clone();
+        {
+            let mut st = inner.lock();
+            if st.shutdown.is_some() {
+                return Ok(());
+            }
+            if let Some(reason) = &st.lost {
+                return Err(inner.lost_error(reason));
+            }
+            st.closing = true;
+        }
+        inner.changed.notify_all();
+        let sent = inner.send(&Message::Shutdown {
+            reason: reason.to_string(),
+        });
+        // The coordinator closes the connection once it has recorded the leave. If the
+        // send failed, it may have closed after telling us to shut down: the reader still
+        // has to get to that frame.
+        let deadline = Instant::now() + LEAVE_WAIT.min(inner.timeout);
+        let st = inner.wait_while(inner.lock(), deadline, |st| !st.reader_done);
+        match sent {
+            Err(_) if st.shutdown.is_some() => Ok(()),
+            other => other,
+        }
+    }
+}
+
+/// The socket and the two threads behind a client; dropping it stops both.
+struct Connection {
+    inner: Arc<Inner>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Connection {
+    fn start(stream: TcpStream, peer: String, opts: &CoordinatorOptions) -> Result<Connection> {
+        let clone = || {
+            stream.try_clone().map_err(|e| ClientError::Wire {
+                peer: peer.clone(),
+                source: WireError::Io(e),
+            })
+        };
+        let (read_half, control) = (clone()?, clone()?);
+        let inner = Arc::new(Inner {
+            peer,
+            timeout: opts.heartbeat_timeout,
+            writer: Mutex::new(stream),
+            control,
+            state: Mutex::new(State::new()),
+            changed: Condvar::new(),
+        });
+        let mut conn = Connection {
+            inner: inner.clone(),
+            threads: Vec::new(),
+        };
+        let max_body = opts.max_body;
+        let (reader, beat) = (inner.clone(), inner.clone());
+        let interval = opts.heartbeat_interval;
+        conn.spawn("coord-client-read", move || {
+            reader.read_loop(FrameReader::new(read_half, max_body))
+        })?;
+        conn.spawn("coord-client-beat", move || beat.heartbeat_loop(interval))?;
+        Ok(conn)
+    }
+
+    fn spawn(&mut self, name: &str, f: impl FnOnce() + Send + 'static) -> Result<()> {
+        let t = thread::Builder::new()
+            .name(name.into())
+            .spawn(f)
+            .map_err(|e| ClientError::Connect {
+                service: "coordinator",
+                addr: self.inner.peer.clone(),
+                source: e,
+            })?;
+        self.threads.push(t);
+        Ok(())
+    }
+
+    fn wait_for_map(&self, timeout: Duration) -> Result<(u32, ClusterMap)> {
+        let inner = &self.inner;
+        let deadline = Instant::now() + timeout;
+        let mut st = inner.lock();
+        loop {
+            if let Some(map) = st.map.take() {
+                return Ok(map);
+            }
+            if let Some(e) = st.refusal.take() {
+                return Err(ClientError::Remote {
+                    peer: inner.peer.clone(),
+                    code: e.code,
+                    key: e.key,
+                    message: e.message,
+                });
+            }
+            if let Some(reason) = &st.lost {
+                return Err(inner.lost_error(reason));
+            }
+            if let Some(reason) = &st.shutdown {
+                return Err(inner.shutting_down(reason));
+            }
+            st = inner.wait_until(st, deadline).ok_or_else(|| ClientError::Timeout {
+                what: format!(
+                    "the cluster map from the {} (it comes once every worker and server has joined)",
+                    inner.peer
+                ),
+                secs: timeout.as_secs_f64(),
+            })?;
+        }
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        self.inner.lock().closing = true;
+        self.inner.changed.notify_all();
+        self.inner.shutdown_socket();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Inner {
+    /// "coordinator at ADDR", for messages.
+    peer: String,
+    timeout: Duration,
+    writer: Mutex<TcpStream>,
+    /// Shuts the socket down without waiting for a writer stuck in a send.
+    control: TcpStream,
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+struct State {
+    map: Option<(u32, ClusterMap)>,
+    map_seen: bool,
+    /// Barriers released but not yet collected by their caller.
+    done: HashSet<u64>,
+    barrier_errors: HashMap<u64, ErrorReply>,
+    /// An error not tied to a barrier; before the map it refuses our registration.
+    refusal: Option<ErrorReply>,
+    failed: Vec<NodeFailure>,
+    subscribers: Vec<Sender<NodeFailure>>,
+    shutdown: Option<String>,
+    lost: Option<String>,
+    /// `leave` or drop is under way: the connection ending is expected.
+    closing: bool,
+    reader_done: bool,
+    last_heard: Instant,
+    barrier_seq: [u64; 2],
+}
+
+impl State {
+    fn new() -> State {
+        State {
+            map: None,
+            map_seen: false,
+            done: HashSet::new(),
+            barrier_errors: HashMap::new(),
+            refusal: None,
+            failed: Vec::new(),
+            subscribers: Vec::new(),
+            shutdown: None,
+            lost: None,
+            closing: false,
+            reader_done: false,
+            last_heard: Instant::now(),
+            barrier_seq: [0; 2],
+        }
+    }
+
+    fn record_failure(&mut self, f: NodeFailure) {
+        self.subscribers.retain(|s| s.send(f.clone()).is_ok());
+        self.failed.push(f);
+    }
+
+    /// The connection stopped working while we still needed it.
+    fn lose(&mut self, peer: &str, reason: String) {
+        if self.lost.is_some() || self.closing || self.shutdown.is_some() {
+            return;
+        }
+        warn!("lost the {peer}: {reason}");
+        self.lost = Some(reason.clone());
+        self.record_failure(NodeFailure {
+            node: COORDINATOR_NODE,
+            name: peer.to_string(),
+            reason,
+        });
+    }
+}
+
+impl Inner {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits for a change until `deadline`; `None` once it has passed.
+    fn wait_until<'a>(
+        &self,
+        st: MutexGuard<'a, State>,
+        deadline: Instant,
+    ) -> Option<MutexGuard<'a, State>> {
+        let left = deadline.checked_duration_since(Instant::now())?;
+        let (st, _) = self
+            .changed
+            .wait_timeout(st, left)
+            .unwrap_or_else(|e| e.into_inner());
+        Some(st)
+    }
+
+    /// Waits while `pending` holds, until `deadline` at the latest.
+    fn wait_while<'a>(
+        &self,
+        mut st: MutexGuard<'a, State>,
+        deadline: Instant,
+        pending: impl Fn(&State) -> bool,
+    ) -> MutexGuard<'a, State> {
+        while pending(&st) {
+            match deadline.checked_duration_since(Instant::now()) {
+                Some(left) => {
+                    st = self
+                        .changed
+                        .wait_timeout(st, left)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
+                }
+                None => break,
+            }
+        }
+        st
+    }
+
+    fn send(&self, msg: &Message) -> Result<()> {
+        let mut w = self.writer.lock().unwrap_or_else(|e| e.into_inner());
+        write_message(&mut *w, msg).map_err(|e| {
+            let mut st = self.lock();
+            st.lose(&self.peer, format!("cannot send a {} frame: {e}", msg.op()));
+            self.changed.notify_all();
+            match &st.lost {
+                Some(reason) => self.lost_error(reason),
+                None => ClientError::Wire {
+                    peer: self.peer.clone(),
+                    source: e,
+                },
+            }
+        })
+    }
+
+    fn shutdown_socket(&self) {
+        let _ = self.control.shutdown(Shutdown::Both);
+    }
+
+    fn lost_error(&self, reason: &str) -> ClientError {
+        ClientError::PeerLost {
+            peer: self.peer.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    fn shutting_down(&self, reason: &str) -> ClientError {
+        ClientError::Remote {
+            peer: self.peer.clone(),
+            code: ErrorCode::ShuttingDown,
+            key: None,
+            message: format!("the job is shutting down: {reason}"),
+        }
+    }
+
+    /// Why a barrier of `group` cannot complete now, if it cannot.
+    fn check_barrier(&self, st: &State, group: BarrierGroup) -> Result<()> {
+        if let Some(reason) = &st.lost {
+            return Err(self.lost_error(reason));
+        }
+        if let Some(reason) = &st.shutdown {
+            return Err(self.shutting_down(reason));
+        }
+        let member = |f: &&NodeFailure| {
+            !f.is_coordinator() && (group == BarrierGroup::All || f.node.role == Role::Worker)
+        };
+        match st.failed.iter().find(member) {
+            Some(f) => Err(ClientError::NodeFailed {
+                node: f.node,
+                name: f.name.clone(),
+                reason: f.reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn read_loop(&self, mut reader: FrameReader<TcpStream>) {
+        loop {
+            let result = reader.read();
+            let mut st = self.lock();
+            match result {
+                Ok(frame) if frame.payload_len == 0 => {
+                    st.last_heard = Instant::now();
+                    if !self.dispatch(&mut st, frame.message) {
+                        self.stop_reading(st);
+                        return;
+                    }
+                }
+                Ok(frame) => {
+                    let why = format!("sent a {} frame with a payload", frame.message.op());
+                    st.lose(&self.peer, why);
+                    self.stop_reading(st);
+                    return;
+                }
+                Err(e) => {
+                    let why = match (&e, &st.refusal) {
+                        (_, Some(r)) => {
+                            format!("it closed the connection after: {}: {}", r.code, r.message)
+                        }
+                        (WireError::Closed, None) => "it closed the connection".to_string(),
+                        (WireError::Timeout { .. }, None) => {
+                            format!(
+                                "nothing received for {:.2}s",
+                                2.0 * self.timeout.as_secs_f64()
+                            )
+                        }
+                        _ => e.to_string(),
+                    };
+                    st.lose(&self.peer, why);
+                    self.stop_reading(st);
+                    return;
+                }
+            }
+            drop(st);
+            self.changed.notify_all();
+        }
+    }
+
+    fn stop_reading(&self, mut st: MutexGuard<'_, State>) {
+        st.reader_done = true;
+        drop(st);
+        self.changed.notify_all();
+        self.shutdown_socket();
+    }
+
+    /// Applies one frame to the state; false when the coordinator broke the protocol.
+    fn dispatch(&self, st: &mut State, msg: Message) -> bool {
+        match msg {
+            Message::HeartbeatAck { .. } => {}
+            Message::ClusterMap { your_rank, map } if !st.map_seen => {
+                st.map_seen = true;
+                st.map = Some((your_rank, map));
+            }
+            Message::BarrierDone { id } => {
+                st.done.insert(id);
+            }
+            Message::NodeFailed { node, name, reason } => {
+                warn!("{node} '{name}' failed: {reason}");
+                st.record_failure(NodeFailure { node, name, reason });
+            }
+            Message::Shutdown { reason } => {
+                debug!("the {} asks us to shut down: {reason}", self.peer);
+                st.shutdown = Some(reason);
+            }
+            Message::Error(e) => match e.key {
+                Some(id) => {
+                    st.barrier_errors.insert(id, e);
+                }
+                None => {
+                    warn!("the {} reports: {}: {}", self.peer, e.code, e.message);
+                    st.refusal = Some(e);
+                }
+            },
+            other => {
+                let why = format!("it sent an unexpected {} frame", other.op());
+                st.lose(&self.peer, why);
+                return false;
+            }
+        }
+        true
+    }
+
+    /// Sends heartbeats and declares the coordinator lost once it has been silent too long.
+    fn heartbeat_loop(&self, interval: Duration) {
+        let mut seq = 0u64;
+        loop {
+            {
+                let mut st = self.lock();
+                if st.closing || st.lost.is_some() || st.shutdown.is_some() {
+                    return;
+                }
+                let silent = st.last_heard.elapsed();
+                if silent > self.timeout {
+                    let why = format!(
+                        "no reply for {:.2}s (timeout {:.2}s)",
+                        silent.as_secs_f64(),
+                        self.timeout.as_secs_f64()
+                    );
+                    st.lose(&self.peer, why);
+                    drop(st);
+                    self.changed.notify_all();
+                    self.shutdown_socket();
+                    return;
+                }
+            }
+            seq += 1;
+            if self.send(&Message::Heartbeat { seq }).is_err() {
+                return;
+            }
+            let deadline = Instant::now() + interval;
+            drop(self.wait_while(self.lock(), deadline, |st| !st.closing));
+        }
+    }
+}
+
+fn group_name(group: BarrierGroup) -> &'static str {
+    match group {
+        BarrierGroup::Workers => "workers",
+        BarrierGroup::All => "all-nodes",
+    }
+}
+
+/// A refusal the coordinator sent us becomes `Remote` (so its code, e.g. `AuthFailed`,
+/// reaches the caller); anything else stays a wire error.
+fn refused_or(peer: &str, e: WireError) -> ClientError {
+    match e {
+        WireError::Rejected(r) => ClientError::Remote {
+            peer: peer.to_string(),
+            code: r.code,
+            key: r.key,
+            message: r.message,
+        },
+        source => ClientError::Wire {
+            peer: peer.to_string(),
+            source,
+        },
+    }
+}
+
+/// Connects to `addr`, retrying with backoff until `timeout` has passed.
+fn connect_retrying(addr: &str, timeout: Duration) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut delay = Duration::from_millis(50);
+    loop {
+        let err = match try_connect(addr, deadline) {
+            Ok(s) => return Ok(s),
+            Err(e) => e,
+        };
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() || err.kind() == ErrorKind::InvalidInput {
+            return Err(ClientError::Connect {
+                service: "coordinator",
+                addr: addr.to_string(),
+                source: err,
+            });
+        }
+        debug!("coordinator at {addr} not reachable yet ({err}); retrying");
+        thread::sleep(delay.min(left));
+        delay = (delay * 2).min(MAX_RETRY_DELAY);
+    }
+}
+
+fn try_connect(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
+    let mut last = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
+    for sa in addr.to_socket_addrs()? {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let attempt = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
+        match TcpStream::connect_timeout(&sa, attempt) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = e,
+        }
+    }
+    Err(last)
+}

@@ -1,0 +1,336 @@
+//! A blocking client of one summation server.
+//!
+//! It splits into a sending half and a receiving half so that a pipeline can push later
+//! partitions while it receives the sums of earlier ones on another thread.
+
+use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::time::{Duration, Instant};
+
+use sumflow_wire::io::{self, FrameReader};
+use sumflow_wire::{Codec, Dtype, JobToken, Message, Peer, PushMode, Role, Service, WireError};
+
+use crate::error::{ClientError, Result};
+
+#[derive(Clone, Debug)]
+pub struct ServerOptions {
+    /// How long to keep trying to connect (the server may still be starting).
+    pub connect_timeout: Duration,
+    /// Longest silence tolerated while waiting for a reply.
+    pub reply_timeout: Duration,
+    pub max_body: u32,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            connect_timeout: Duration::from_secs(30),
+            reply_timeout: Duration::from_secs(300),
+            max_body: sumflow_wire::DEFAULT_MAX_BODY,
+        }
+    }
+}
+
+/// A round's sum as received.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Pulled {
+    pub key: u64,
+    pub round: u64,
+    pub dtype: Dtype,
+    pub data: Vec<u8>,
+}
+
+/// What the receiving half read.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Reply {
+    Sum(Pulled),
+    InitAck { key: u64 },
+    HeartbeatAck { seq: u64 },
+}
+
+pub struct ServerClient {
+    pub tx: ServerSender,
+    pub rx: ServerReceiver,
+}
+
+pub struct ServerSender {
+    stream: TcpStream,
+    peer: String,
+}
+
+pub struct ServerReceiver {
+    reader: FrameReader<TcpStream>,
+    peer: String,
+    reply_timeout: Duration,
+    /// Buffers handed back with `recycle`, reused for later sums.
+    spare: Vec<Vec<u8>>,
+}
+
+/// Recycled buffers kept at most; more are freed.
+const MAX_SPARE: usize = 16;
+
+impl ServerClient {
+    /// Connects as worker `rank` and authenticates with the job token.
+    pub fn connect(
+        addr: &str,
+        token: &JobToken,
+        rank: u32,
+        name: &str,
+        opts: &ServerOptions,
+    ) -> Result<ServerClient> {
+        let peer = format!("summation server at {addr}");
+        let mut stream = connect_retrying(addr, "summation server", opts.connect_timeout)?;
+        let _ = stream.set_nodelay(true);
+        stream
+            .set_read_timeout(Some(opts.reply_timeout))
+            .map_err(|e| wire(&peer, e.into()))?;
+        let me = Peer {
+            role: Role::Worker,
+            rank: Some(rank),
+            name: name.to_string(),
+        };
+        io::connect(&mut stream, token, Service::Summation, &me, opts.max_body)
+            .map_err(|e| wire_or_remote(&peer, e))?;
+        let read_half = stream.try_clone().map_err(|e| wire(&peer, e.into()))?;
+        Ok(ServerClient {
+            tx: ServerSender {
+                stream,
+                peer: peer.clone(),
+            },
+            rx: ServerReceiver {
+                reader: FrameReader::new(read_half, opts.max_body),
+                peer,
+                reply_timeout: opts.reply_timeout,
+                spare: Vec::new(),
+            },
+        })
+    }
+
+    /// Declares a key and waits for the server to accept it.
+    pub fn init_key(
+        &mut self,
+        key: u64,
+        dtype: Dtype,
+        byte_len: u64,
+        initial: Option<&[u8]>,
+    ) -> Result<()> {
+        self.tx.init_key(key, dtype, byte_len, initial)?;
+        match self.rx.recv()? {
+            Reply::InitAck { key: k } if k == key => Ok(()),
+            other => Err(self.rx.unexpected(&other)),
+        }
+    }
+
+    /// Pushes `data` for `round` and waits for the round's sum.
+    pub fn push_pull(&mut self, key: u64, round: u64, dtype: Dtype, data: &[u8]) -> Result<Pulled> {
+        self.tx.push(key, round, dtype, data)?;
+        self.pull(key, round)
+    }
+
+    /// Asks for a round's sum and waits for it.
+    pub fn pull(&mut self, key: u64, round: u64) -> Result<Pulled> {
+        self.tx.pull(key, round)?;
+        match self.rx.recv()? {
+            Reply::Sum(p) if p.key == key && p.round == round => Ok(p),
+            other => Err(self.rx.unexpected(&other)),
+        }
+    }
+
+    /// Round trip to check the server is alive.
+    pub fn heartbeat(&mut self, seq: u64) -> Result<()> {
+        io::write_message(&mut self.tx.stream, &Message::Heartbeat { seq })
+            .map_err(|e| wire(&self.tx.peer, e))?;
+        match self.rx.recv()? {
+            Reply::HeartbeatAck { seq: s } if s == seq => Ok(()),
+            other => Err(self.rx.unexpected(&other)),
+        }
+    }
+
+    /// Leaves gracefully: the server will not count this worker as failed.
+    pub fn shutdown(mut self, reason: &str) -> Result<()> {
+        self.tx.shutdown(reason)
+    }
+}
+
+impl ServerSender {
+    pub fn init_key(
+        &mut self,
+        key: u64,
+        dtype: Dtype,
+        byte_len: u64,
+        initial: Option<&[u8]>,
+    ) -> Result<()> {
+        let msg = Message::InitKey {
+            key,
+            dtype,
+            byte_len,
+            has_init: initial.is_some(),
+        };
+        io::write_data(&mut self.stream, &msg, initial.unwrap_or_default())
+            .map_err(|e| wire(&self.peer, e))
+    }
+
+    pub fn push(&mut self, key: u64, round: u64, dtype: Dtype, data: &[u8]) -> Result<()> {
+        let msg = Message::Push {
+            key,
+            round,
+            dtype,
+            codec: Codec::Raw,
+            mode: PushMode::Sum,
+        };
+        io::write_data(&mut self.stream, &msg, data).map_err(|e| wire(&self.peer, e))
+    }
+
+    pub fn pull(&mut self, key: u64, round: u64) -> Result<()> {
+        io::write_message(&mut self.stream, &Message::Pull { key, round })
+            .map_err(|e| wire(&self.peer, e))
+    }
+
+    /// Sends any frame as is (tests use it to send what a correct client would not).
+    pub fn send_raw(&mut self, msg: &Message, payload: &[u8]) -> Result<()> {
+        io::write_data(&mut self.stream, msg, payload).map_err(|e| wire(&self.peer, e))
+    }
+
+    /// Writes raw bytes (tests use it to send malformed frames).
+    pub fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
+        use std::io::Write;
+        self.stream
+            .write_all(bytes)
+            .map_err(|e| wire(&self.peer, e.into()))
+    }
+
+    pub fn shutdown(&mut self, reason: &str) -> Result<()> {
+        let msg = Message::Shutdown {
+            reason: reason.to_string(),
+        };
+        let result = io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e));
+        let _ = self.stream.shutdown(Shutdown::Write);
+        result
+    }
+}
+
+impl ServerReceiver {
+    /// Waits for the next reply. An `Error` frame from the server becomes
+    /// `ClientError::Remote` with the server's code and message.
+    pub fn recv(&mut self) -> Result<Reply> {
+        let started = Instant::now();
+        let frame = self
+            .reader
+            .read()
+            .map_err(|e| self.read_error(e, started))?;
+        match frame.message {
+            Message::PullReply {
+                key, round, dtype, ..
+            } => {
+                let mut data = self.spare.pop().unwrap_or_default();
+                data.resize(frame.payload_len, 0);
+                self.reader
+                    .read_payload(&mut data)
+                    .map_err(|e| self.read_error(e, started))?;
+                Ok(Reply::Sum(Pulled {
+                    key,
+                    round,
+                    dtype,
+                    data,
+                }))
+            }
+            Message::InitAck { key } => Ok(Reply::InitAck { key }),
+            Message::HeartbeatAck { seq } => Ok(Reply::HeartbeatAck { seq }),
+            Message::Error(e) => Err(ClientError::Remote {
+                peer: self.peer.clone(),
+                code: e.code,
+                key: e.key,
+                message: e.message,
+            }),
+            other => {
+                let _ = self.reader.skip_payload();
+                Err(ClientError::Protocol {
+                    peer: self.peer.clone(),
+                    what: format!("a {} frame", other.op()),
+                })
+            }
+        }
+    }
+
+    /// Hands a received sum's buffer back for reuse, sparing an allocation (and its page
+    /// faults) per reply.
+    /// Its contents are overwritten by the next payload; only a length change costs a fill.
+    pub fn recycle(&mut self, data: Vec<u8>) {
+        if self.spare.len() < MAX_SPARE {
+            self.spare.push(data);
+        }
+    }
+
+    fn read_error(&self, e: WireError, started: Instant) -> ClientError {
+        match e {
+            WireError::Timeout { .. } => ClientError::Timeout {
+                what: format!("a reply from the {}", self.peer),
+                secs: started.elapsed().as_secs_f64(),
+            },
+            WireError::Closed => ClientError::PeerLost {
+                peer: self.peer.clone(),
+                reason: "connection closed".into(),
+            },
+            e => wire(&self.peer, e),
+        }
+    }
+
+    fn unexpected(&self, reply: &Reply) -> ClientError {
+        ClientError::Protocol {
+            peer: self.peer.clone(),
+            what: format!("{reply:?}").chars().take(120).collect(),
+        }
+    }
+
+    /// The longest silence `recv` tolerates.
+    pub fn reply_timeout(&self) -> Duration {
+        self.reply_timeout
+    }
+}
+
+fn wire(peer: &str, source: WireError) -> ClientError {
+    ClientError::Wire {
+        peer: peer.to_string(),
+        source,
+    }
+}
+
+fn wire_or_remote(peer: &str, e: WireError) -> ClientError {
+    match e {
+        WireError::Rejected(r) => ClientError::Remote {
+            peer: peer.to_string(),
+            code: r.code,
+            key: r.key,
+            message: r.message,
+        },
+        e => wire(peer, e),
+    }
+}
+
+/// Connects, retrying refused connections until `timeout`: in a job, peers start in any order.
+pub fn connect_retrying(addr: &str, service: &'static str, timeout: Duration) -> Result<TcpStream> {
+    let deadline = Instant::now() + timeout;
+    let mut delay = Duration::from_millis(10);
+    loop {
+        let attempt = addr.to_socket_addrs().and_then(|mut addrs| {
+            let a = addrs.next().ok_or_else(|| {
+                std::io::Error::new(std::io::ErrorKind::NotFound, "address resolved to nothing")
+            })?;
+            TcpStream::connect_timeout(&a, Duration::from_secs(5))
+        });
+        match attempt {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() + delay < deadline => {
+                tracing::debug!(%addr, error = %e, "connect failed; retrying");
+                std::thread::sleep(delay);
+                delay = (delay * 2).min(Duration::from_millis(500));
+            }
+            Err(source) => {
+                return Err(ClientError::Connect {
+                    service,
+                    addr: addr.to_string(),
+                    source,
+                })
+            }
+        }
+    }
+}

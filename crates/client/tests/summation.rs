@@ -1,0 +1,461 @@
+//! The summation server over real TCP on 127.0.0.1: sums, rounds, and every refusal.
+
+use std::thread;
+use std::time::Duration;
+
+use half::{bf16, f16};
+use sumflow_client::{ClientError, Pulled, Reply, ServerClient, ServerOptions};
+use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
+use sumflow_wire::frame::Header;
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Message, Op, PushMode};
+
+fn token() -> JobToken {
+    JobToken::new("summation-test-token-0123456789").unwrap()
+}
+
+fn start(workers: u32, engines: usize) -> (ServerHandle, String) {
+    let mut cfg = ServerConfig::standalone(workers, token());
+    cfg.engine_threads = engines;
+    cfg.settings.max_body = 1 << 20;
+    let h = SummationService::start(cfg).unwrap();
+    let addr = h.local_addr().to_string();
+    (h, addr)
+}
+
+fn opts() -> ServerOptions {
+    ServerOptions {
+        connect_timeout: Duration::from_secs(5),
+        reply_timeout: Duration::from_secs(10),
+        max_body: 1 << 20,
+    }
+}
+
+fn worker(addr: &str, rank: u32) -> ServerClient {
+    ServerClient::connect(
+        addr,
+        &token(),
+        rank,
+        &format!("test worker {rank}"),
+        &opts(),
+    )
+    .unwrap()
+}
+
+fn stop(h: ServerHandle) {
+    h.shutdown();
+    h.wait();
+}
+
+/// Small integers are exact in every dtype, so every sum can be checked exactly.
+fn value(key: u64, round: u64, worker: u32, i: usize) -> i64 {
+    ((key * 7 + round * 13 + worker as u64 * 31 + i as u64) % 17) as i64 - 8
+}
+
+fn encode(dtype: Dtype, vals: impl Iterator<Item = i64>) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in vals {
+        match dtype {
+            Dtype::F32 => out.extend_from_slice(&(v as f32).to_le_bytes()),
+            Dtype::F64 => out.extend_from_slice(&(v as f64).to_le_bytes()),
+            Dtype::F16 => out.extend_from_slice(&f16::from_f64(v as f64).to_le_bytes()),
+            Dtype::Bf16 => out.extend_from_slice(&bf16::from_f64(v as f64).to_le_bytes()),
+            Dtype::I32 => out.extend_from_slice(&(v as i32).to_le_bytes()),
+            Dtype::I64 => out.extend_from_slice(&v.to_le_bytes()),
+        }
+    }
+    out
+}
+
+fn expect_refused(err: ClientError, code: ErrorCode, needle: &str) {
+    match &err {
+        ClientError::Remote {
+            code: c, message, ..
+        } => {
+            assert_eq!(*c, code, "{err}");
+            assert!(message.contains(needle), "'{message}' lacks '{needle}'");
+        }
+        other => panic!("expected a {code} refusal, got {other}"),
+    }
+}
+
+/// After a refusal the server closes the connection.
+fn expect_closed(c: &mut ServerClient) {
+    match c.rx.recv() {
+        Err(ClientError::PeerLost { .. }) | Err(ClientError::Wire { .. }) => {}
+        other => panic!("connection should be closed, got {other:?}"),
+    }
+}
+
+#[test]
+fn workers_keys_rounds_sum_exactly_in_every_dtype() {
+    let keys: Vec<(u64, Dtype, usize)> = vec![
+        (0, Dtype::I32, 1),
+        (1, Dtype::I64, 1000),
+        (2, Dtype::F32, 4099),
+        (3, Dtype::F16, 333),
+        (4, Dtype::Bf16, 4096),
+        (5, Dtype::F64, 77),
+        (1 << 40, Dtype::I32, 70_001),
+    ];
+    for (workers, engines) in [(1u32, 1usize), (3, 2), (4, 3)] {
+        let (h, addr) = start(workers, engines);
+        let rounds = 6;
+        let threads: Vec<_> = (0..workers)
+            .map(|w| {
+                let addr = addr.clone();
+                let keys = keys.clone();
+                thread::spawn(move || {
+                    let mut c = worker(&addr, w);
+                    for &(k, d, n) in &keys {
+                        c.init_key(k, d, (n * d.size()) as u64, None).unwrap();
+                    }
+                    for r in 1..=rounds {
+                        // Pipelined: every push first, then every pull.
+                        for &(k, d, n) in &keys {
+                            let data = encode(d, (0..n).map(|i| value(k, r, w, i)));
+                            c.tx.push(k, r, d, &data).unwrap();
+                        }
+                        for &(k, _, _) in &keys {
+                            c.tx.pull(k, r).unwrap();
+                        }
+                        let mut got = Vec::new();
+                        for _ in &keys {
+                            match c.rx.recv().unwrap() {
+                                Reply::Sum(p) => got.push(p),
+                                other => panic!("unexpected {other:?}"),
+                            }
+                        }
+                        got.sort_by_key(|p| p.key);
+                        let mut want: Vec<_> = keys
+                            .iter()
+                            .map(|&(k, d, n)| Pulled {
+                                key: k,
+                                round: r,
+                                dtype: d,
+                                data: encode(
+                                    d,
+                                    (0..n).map(|i| (0..workers).map(|w| value(k, r, w, i)).sum()),
+                                ),
+                            })
+                            .collect();
+                        want.sort_by_key(|p| p.key);
+                        assert_eq!(got, want, "worker {w} round {r}");
+                    }
+                    c.shutdown("done").unwrap();
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        stop(h);
+    }
+}
+
+#[test]
+fn sixteen_bit_sums_are_rounded_once_from_f32() {
+    // In f16, 2048 + 1 rounds back to 2048, so summing in f16 gives 2048 at every step;
+    // the f32 sum 2051 rounds (ties to even) to 2052.
+    let (h, addr) = start(4, 1);
+    let threads: Vec<_> = (0..4u32)
+        .map(|w| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let mut c = worker(&addr, w);
+                c.init_key(9, Dtype::F16, 2, None).unwrap();
+                let v = if w == 0 { 2048.0 } else { 1.0 };
+                let p = c
+                    .push_pull(9, 1, Dtype::F16, &f16::from_f32(v).to_le_bytes())
+                    .unwrap();
+                f16::from_le_bytes([p.data[0], p.data[1]]).to_f32()
+            })
+        })
+        .collect();
+    for t in threads {
+        assert_eq!(t.join().unwrap(), 2052.0);
+    }
+    stop(h);
+}
+
+#[test]
+fn initial_value_is_served_as_round_zero() {
+    let (h, addr) = start(2, 1);
+    let init = encode(Dtype::I64, [5, -6, 7].into_iter());
+    let mut a = worker(&addr, 0);
+    let mut b = worker(&addr, 1);
+    a.init_key(3, Dtype::I64, 24, Some(&init)).unwrap();
+    b.init_key(3, Dtype::I64, 24, None).unwrap();
+    assert_eq!(a.pull(3, 0).unwrap().data, init);
+    assert_eq!(b.pull(3, 0).unwrap().data, init);
+    stop(h);
+}
+
+#[test]
+fn an_early_pull_waits_for_the_last_push() {
+    let (h, addr) = start(2, 1);
+    let mut a = worker(&addr, 0);
+    let mut b = worker(&addr, 1);
+    a.init_key(1, Dtype::I32, 4, None).unwrap();
+    b.init_key(1, Dtype::I32, 4, None).unwrap();
+    a.tx.push(1, 1, Dtype::I32, &3i32.to_le_bytes()).unwrap();
+    a.tx.pull(1, 1).unwrap();
+    let waiting = thread::spawn(move || (a.rx.recv(), a));
+    thread::sleep(Duration::from_millis(200));
+    assert!(!waiting.is_finished(), "the pull must wait for worker 1");
+    let p = b.push_pull(1, 1, Dtype::I32, &4i32.to_le_bytes()).unwrap();
+    assert_eq!(p.data, 7i32.to_le_bytes());
+    let (got, _a) = waiting.join().unwrap();
+    assert!(matches!(got.unwrap(), Reply::Sum(p) if p.data == 7i32.to_le_bytes()));
+    stop(h);
+}
+
+/// Each refusal: the culprit gets a typed error naming the problem and is disconnected.
+#[test]
+fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
+    type Case = (&'static str, ErrorCode, &'static str, fn(&mut ServerClient));
+    let cases: Vec<Case> = vec![
+        ("unknown op", ErrorCode::UnknownOp, "unknown op", |c| {
+            let mut h = Header {
+                op: Op::Pull,
+                body_len: 0,
+            }
+            .encode();
+            h[5] = 0x7e;
+            c.tx.send_bytes(&h).unwrap();
+        }),
+        (
+            "bad version",
+            ErrorCode::UnsupportedVersion,
+            "version 9",
+            |c| {
+                let mut h = Header {
+                    op: Op::Pull,
+                    body_len: 16,
+                }
+                .encode();
+                h[4] = 9;
+                c.tx.send_bytes(&h).unwrap();
+            },
+        ),
+        (
+            "frame too large",
+            ErrorCode::FrameTooLarge,
+            "exceeds",
+            |c| {
+                let h = Header {
+                    op: Op::Push,
+                    body_len: (1 << 20) + 1,
+                }
+                .encode();
+                c.tx.send_bytes(&h).unwrap();
+            },
+        ),
+        ("malformed body", ErrorCode::BadFrame, "dtype", |c| {
+            let mut f = Message::Push {
+                key: 1,
+                round: 1,
+                dtype: Dtype::I32,
+                codec: Codec::Raw,
+                mode: PushMode::Sum,
+            }
+            .encode_with_payload(&[0; 4]);
+            f[12 + 16] = 77;
+            c.tx.send_bytes(&f).unwrap();
+        }),
+        ("uninitialised key", ErrorCode::UnknownKey, "key 42", |c| {
+            c.tx.push(42, 1, Dtype::I32, &[0; 4]).unwrap();
+        }),
+        (
+            "dtype mismatch",
+            ErrorCode::KeyMismatch,
+            "declared as i32",
+            |c| {
+                c.tx.push(1, 1, Dtype::F32, &[0; 16]).unwrap();
+            },
+        ),
+        (
+            "length mismatch",
+            ErrorCode::KeyMismatch,
+            "i32 x 3 elements",
+            |c| {
+                c.tx.push(1, 1, Dtype::I32, &[0; 12]).unwrap();
+            },
+        ),
+        (
+            "round out of sequence",
+            ErrorCode::RoundOutOfSequence,
+            "expected round 1",
+            |c| {
+                c.tx.push(1, 2, Dtype::I32, &[0; 16]).unwrap();
+            },
+        ),
+        (
+            "second push in a round",
+            ErrorCode::DuplicatePush,
+            "pushed round 1 twice",
+            |c| {
+                c.tx.push(1, 1, Dtype::I32, &[0; 16]).unwrap();
+                c.tx.push(1, 1, Dtype::I32, &[0; 16]).unwrap();
+            },
+        ),
+        (
+            "pull before push",
+            ErrorCode::RoundOutOfSequence,
+            "has not pushed round 1",
+            |c| {
+                c.tx.pull(1, 1).unwrap();
+            },
+        ),
+        (
+            "declaration mismatch",
+            ErrorCode::KeyMismatch,
+            "same dtype and size",
+            |c| {
+                c.tx.init_key(1, Dtype::I64, 16, None).unwrap();
+            },
+        ),
+        ("async delta push", ErrorCode::Unsupported, "delta", |c| {
+            c.tx.send_raw(
+                &Message::Push {
+                    key: 1,
+                    round: 1,
+                    dtype: Dtype::I32,
+                    codec: Codec::Raw,
+                    mode: PushMode::Delta,
+                },
+                &[0; 16],
+            )
+            .unwrap();
+        }),
+        (
+            "op meant for the coordinator",
+            ErrorCode::UnexpectedOp,
+            "Barrier",
+            |c| {
+                c.tx.send_raw(
+                    &Message::Barrier {
+                        id: 1,
+                        group: sumflow_wire::BarrierGroup::All,
+                    },
+                    &[],
+                )
+                .unwrap();
+            },
+        ),
+    ];
+    for (name, code, needle, misbehave) in cases {
+        let (h, addr) = start(2, 1);
+        let mut bad = worker(&addr, 0);
+        bad.init_key(1, Dtype::I32, 16, None).unwrap();
+        let mut good = worker(&addr, 1);
+        good.init_key(1, Dtype::I32, 16, None).unwrap();
+        // The other worker is waiting for a round the culprit will never finish.
+        good.tx.push(1, 1, Dtype::I32, &[1; 16]).unwrap();
+        good.tx.pull(1, 1).unwrap();
+        misbehave(&mut bad);
+        let err = bad.rx.recv().expect_err(name);
+        expect_refused(err, code, needle);
+        expect_closed(&mut bad);
+        // The server goes on serving: the waiting worker is told who broke its round. (A
+        // culprit's first, valid push may have completed round 1; round 2 then breaks.)
+        let err = match good.rx.recv() {
+            Ok(Reply::Sum(p)) => {
+                assert_eq!(p.round, 1, "{name}");
+                good.push_pull(1, 2, Dtype::I32, &[1; 16]).expect_err(name)
+            }
+            other => other.expect_err(name),
+        };
+        match &err {
+            ClientError::Remote {
+                code: ErrorCode::NodeFailed,
+                message,
+                ..
+            } => {
+                assert!(
+                    message.contains("worker 0 (test worker 0)"),
+                    "{name}: {message}"
+                );
+            }
+            other => panic!("{name}: expected NodeFailed, got {other}"),
+        }
+        // Each request gets one reply: a push that arrived after the culprit left is
+        // refused too. Then the server still answers.
+        good.tx
+            .send_raw(&Message::Heartbeat { seq: 7 }, &[])
+            .unwrap();
+        loop {
+            match good.rx.recv() {
+                Ok(Reply::HeartbeatAck { seq: 7 }) => break,
+                Err(e) if e.code() == ErrorCode::NodeFailed => {}
+                other => panic!("{name}: unexpected {other:?}"),
+            }
+        }
+        stop(h);
+    }
+}
+
+#[test]
+fn a_worker_that_disappears_is_named_to_the_others() {
+    let (h, addr) = start(3, 2);
+    let mut ws: Vec<_> = (0..3).map(|w| worker(&addr, w)).collect();
+    for c in &mut ws {
+        c.init_key(5, Dtype::F32, 8, None).unwrap();
+    }
+    for c in &mut ws[..2] {
+        c.tx.push(5, 1, Dtype::F32, &[0; 8]).unwrap();
+        c.tx.pull(5, 1).unwrap();
+    }
+    drop(ws.pop()); // worker 2 vanishes mid-round, without a shutdown
+    for c in &mut ws {
+        let err = c.rx.recv().unwrap_err();
+        let text = err.to_string();
+        assert_eq!(err.code(), ErrorCode::NodeFailed, "{text}");
+        assert!(
+            text.contains("worker 2 (test worker 2) lost its connection"),
+            "{text}"
+        );
+    }
+    // A later round is refused at once rather than left to hang.
+    let err = ws[0].push_pull(5, 2, Dtype::F32, &[0; 8]).unwrap_err();
+    assert!(err.to_string().contains("worker 2"), "{err}");
+    stop(h);
+}
+
+#[test]
+fn impostors_and_duplicates_are_refused() {
+    let (h, addr) = start(2, 1);
+    let wrong = JobToken::new("not-the-job-token-at-all").unwrap();
+    let err = ServerClient::connect(&addr, &wrong, 0, "intruder", &opts())
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), ErrorCode::AuthFailed, "{err}");
+    let err = ServerClient::connect(&addr, &token(), 5, "rank five", &opts())
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), ErrorCode::BadRank, "{err}");
+    let mut first = worker(&addr, 0);
+    let err = ServerClient::connect(&addr, &token(), 0, "twin", &opts())
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), ErrorCode::DuplicateNode, "{err}");
+    // Garbage before the handshake completes disturbs nobody.
+    let mut raw = std::net::TcpStream::connect(&addr).unwrap();
+    std::io::Write::write_all(&mut raw, b"GET / HTTP/1.1\r\n\r\n").unwrap();
+    drop(raw);
+    first.heartbeat(1).unwrap();
+    first.init_key(1, Dtype::I64, 8, None).unwrap();
+    stop(h);
+}
+
+#[test]
+fn shutdown_interrupts_waiting_workers() {
+    let (h, addr) = start(2, 1);
+    let mut a = worker(&addr, 0);
+    a.init_key(1, Dtype::I32, 4, None).unwrap();
+    a.tx.push(1, 1, Dtype::I32, &[0; 4]).unwrap();
+    a.tx.pull(1, 1).unwrap();
+    let t = thread::spawn(move || a.rx.recv());
+    thread::sleep(Duration::from_millis(100));
+    stop(h);
+    assert!(t.join().unwrap().is_err());
+}

@@ -1,0 +1,721 @@
+//! The coordinator's state machine: who has joined, the cluster map, barriers, liveness.
+//!
+//! It does no I/O and reads no clock: the service feeds it events with the current time
+//! and carries out the [`Action`]s it returns, in order. Every decision is logged with its
+//! reason through [`Action::Log`], so tests can read the same sentences operators do.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+use sumflow_wire::{
+    BarrierGroup, ClusterMap, ErrorCode, Message, NodeId, NodeInfo, Peer, Registration, Role,
+    WireError,
+};
+use tracing::Level;
+
+use crate::config::CoordinatorConfig;
+use crate::liveness::silence_verdict;
+use crate::ranks::{admit, assign_ranks, Refusal};
+use crate::{CoordinatorError, JobOutcome};
+
+/// Identifies one connection for the lifetime of a coordinator.
+pub type ConnId = u64;
+
+/// What the service must do in response to an event, in the order given.
+#[derive(Debug)]
+pub enum Action {
+    /// Queue a frame to a connection.
+    Send(ConnId, Message),
+    /// Send what is queued to the connection, then close it. The core has forgotten it.
+    Close(ConnId),
+    /// A decision and its reason, for the log.
+    Log(Level, String),
+    /// The coordinator's work is over: carry out the actions before this one, then stop.
+    Finished(Result<JobOutcome, CoordinatorError>),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Phase {
+    Joining,
+    Running,
+    Done,
+}
+
+struct Conn {
+    peer: Peer,
+    last_seen: Instant,
+    /// Set once the node has registered.
+    reg: Option<Registration>,
+    /// Set once the cluster map has given the node its rank.
+    node: Option<NodeId>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Status {
+    Live,
+    Left,
+    Failed,
+}
+
+struct Member {
+    name: String,
+    conn: Option<ConnId>,
+    status: Status,
+    /// Highest barrier id entered so far, per group (`group_index`).
+    last_barrier: [Option<u64>; 2],
+}
+
+struct Barrier {
+    group: BarrierGroup,
+    waiters: BTreeSet<NodeId>,
+}
+
+/// The coordinator's whole state. Feed it events; it answers with actions.
+pub struct Membership {
+    job_id: String,
+    expected_workers: u32,
+    expected_servers: u32,
+    heartbeat_timeout: Duration,
+    join_timeout: Duration,
+    started: Instant,
+    phase: Phase,
+    conns: HashMap<ConnId, Conn>,
+    /// Registered connections in join order, until the map is sent.
+    joined: Vec<ConnId>,
+    members: BTreeMap<NodeId, Member>,
+    barriers: BTreeMap<u64, Barrier>,
+    failed: Vec<(NodeId, String, String)>,
+    out: Vec<Action>,
+}
+
+impl Membership {
+    /// A coordinator that started at `now` and waits for the nodes `cfg` expects.
+    pub fn new(cfg: &CoordinatorConfig, now: Instant) -> Membership {
+        Membership {
+            job_id: cfg.job_id.clone(),
+            expected_workers: cfg.num_workers,
+            expected_servers: cfg.num_servers,
+            heartbeat_timeout: cfg.heartbeat_timeout,
+            join_timeout: cfg.join_timeout,
+            started: now,
+            phase: Phase::Joining,
+            conns: HashMap::new(),
+            joined: Vec::new(),
+            members: BTreeMap::new(),
+            barriers: BTreeMap::new(),
+            failed: Vec::new(),
+            out: Vec::new(),
+        }
+    }
+
+    /// A connection finished the token handshake as `peer`.
+    pub fn connected(&mut self, conn: ConnId, peer: Peer, now: Instant) -> Vec<Action> {
+        if self.phase == Phase::Done {
+            self.out.push(Action::Close(conn));
+        } else {
+            self.log(
+                Level::DEBUG,
+                format!("{} '{}' authenticated", peer.role, peer.name),
+            );
+            let c = Conn {
+                peer,
+                last_seen: now,
+                reg: None,
+                node: None,
+            };
+            self.conns.insert(conn, c);
+        }
+        self.take()
+    }
+
+    /// A well-formed frame arrived on `conn`. Any frame counts as a sign of life.
+    pub fn message(&mut self, conn: ConnId, msg: Message, now: Instant) -> Vec<Action> {
+        let Some(c) = self.conns.get_mut(&conn) else {
+            return Vec::new();
+        };
+        c.last_seen = now;
+        match msg {
+            Message::Register(reg) => self.register(conn, reg),
+            Message::Heartbeat { seq } => self.send(conn, Message::HeartbeatAck { seq }),
+            Message::Barrier { id, group } => self.barrier(conn, id, group),
+            Message::Shutdown { reason } => self.leave(conn, &reason),
+            Message::Error(e) => {
+                let who = self.describe(conn);
+                self.log(
+                    Level::WARN,
+                    format!("{who} reported an error: {}: {}", e.code, e.message),
+                );
+            }
+            other => self.refuse_and_close(
+                conn,
+                ErrorCode::UnexpectedOp,
+                format!(
+                    "sent a {} frame, which the coordinator does not handle",
+                    other.op()
+                ),
+            ),
+        }
+        self.take()
+    }
+
+    /// A frame on `conn` could not be decoded: tell the node why and close the connection.
+    pub fn invalid_frame(&mut self, conn: ConnId, err: &WireError) -> Vec<Action> {
+        if self.conns.contains_key(&conn) {
+            self.refuse_and_close(conn, err.code(), format!("sent an invalid frame: {err}"));
+        }
+        self.take()
+    }
+
+    /// `conn` closed or broke for `reason`; a ranked node that had not left has failed.
+    pub fn disconnected(&mut self, conn: ConnId, reason: &str) -> Vec<Action> {
+        self.drop_conn(conn, reason);
+        self.take()
+    }
+
+    /// Time passed: enforce the join deadline and the heartbeat timeout.
+    pub fn tick(&mut self, now: Instant) -> Vec<Action> {
+        match self.phase {
+            Phase::Done => {}
+            Phase::Joining if now.saturating_duration_since(self.started) > self.join_timeout => {
+                self.join_timed_out()
+            }
+            Phase::Joining | Phase::Running => {
+                let mut silent: Vec<(ConnId, String)> = self
+                    .conns
+                    .iter()
+                    .filter_map(|(id, c)| {
+                        let why = silence_verdict(
+                            c.last_seen,
+                            now,
+                            self.heartbeat_timeout,
+                            self.started,
+                        )?;
+                        Some((*id, why))
+                    })
+                    .collect();
+                silent.sort();
+                for (conn, why) in silent {
+                    self.send(
+                        conn,
+                        Message::error(
+                            ErrorCode::Timeout,
+                            None,
+                            format!("{why}; the coordinator is closing this connection"),
+                        ),
+                    );
+                    self.drop_conn(conn, &why);
+                }
+            }
+        }
+        self.take()
+    }
+
+    /// Stop on request: tell every node and finish.
+    pub fn stop(&mut self) -> Vec<Action> {
+        if self.phase != Phase::Done {
+            self.finish("coordinator stopping".into());
+        }
+        self.take()
+    }
+
+    fn register(&mut self, conn: ConnId, reg: Registration) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        if c.reg.is_some() {
+            let who = self.describe(conn);
+            let msg = format!("{who} is already registered; send Register once per connection");
+            return self.send(conn, Message::error(ErrorCode::UnexpectedOp, None, msg));
+        }
+        if self.phase == Phase::Running {
+            let msg = format!(
+                "job {} already started with its {} workers and {} servers; {} '{}' cannot join a running job",
+                self.job_id, self.expected_workers, self.expected_servers, reg.role, reg.name
+            );
+            return self.refuse_and_close(conn, ErrorCode::ClusterFull, msg);
+        }
+        if reg.role != c.peer.role || reg.requested_rank != c.peer.rank {
+            let msg = format!(
+                "'{}' registered as {} with {} but authenticated as {} with {}",
+                reg.name,
+                reg.role,
+                rank_text(reg.requested_rank),
+                c.peer.role,
+                rank_text(c.peer.rank)
+            );
+            return self.refuse_and_close(conn, ErrorCode::BadRank, msg);
+        }
+        let same_role: Vec<&Registration> =
+            self.joined_regs().filter(|r| r.role == reg.role).collect();
+        if let Err(Refusal { code, message }) = admit(&reg, &same_role, self.expected(reg.role)) {
+            return self.refuse_and_close(conn, code, message);
+        }
+        let line = format!(
+            "{} '{}' (pid {} on {}, {}) joined",
+            reg.role,
+            reg.name,
+            reg.pid,
+            reg.host_id,
+            rank_text(reg.requested_rank)
+        );
+        if let Some(c) = self.conns.get_mut(&conn) {
+            c.reg = Some(reg);
+        }
+        self.joined.push(conn);
+        let (workers, servers) = self.joined_counts();
+        self.log(
+            Level::INFO,
+            format!(
+                "{line}: {workers} of {} workers, {servers} of {} servers",
+                self.expected_workers, self.expected_servers
+            ),
+        );
+        if workers == self.expected_workers && servers == self.expected_servers {
+            self.start();
+        }
+    }
+
+    /// Everyone is here: assign ranks, remember the members, send each node the map.
+    fn start(&mut self) {
+        let joined: Vec<(ConnId, Registration)> = self
+            .joined
+            .drain(..)
+            .filter_map(|id| Some((id, self.conns.get(&id)?.reg.clone()?)))
+            .collect();
+        let mut map = ClusterMap {
+            job_id: self.job_id.clone(),
+            workers: Vec::new(),
+            servers: Vec::new(),
+        };
+        let mut assigned = Vec::new();
+        for role in [Role::Worker, Role::Server] {
+            let of_role: Vec<&(ConnId, Registration)> =
+                joined.iter().filter(|(_, r)| r.role == role).collect();
+            let requested: Vec<Option<u32>> =
+                of_role.iter().map(|(_, r)| r.requested_rank).collect();
+            let mut nodes = Vec::new();
+            for ((conn, reg), rank) in of_role.into_iter().zip(assign_ranks(&requested)) {
+                let id = NodeId { role, rank };
+                if let Some(c) = self.conns.get_mut(conn) {
+                    c.node = Some(id);
+                }
+                let member = Member {
+                    name: reg.name.clone(),
+                    conn: Some(*conn),
+                    status: Status::Live,
+                    last_barrier: [None; 2],
+                };
+                self.members.insert(id, member);
+                assigned.push((*conn, rank));
+                nodes.push(NodeInfo {
+                    rank,
+                    host: reg.host.clone(),
+                    port: reg.port,
+                    host_id: reg.host_id.clone(),
+                    pid: reg.pid,
+                    name: reg.name.clone(),
+                });
+            }
+            nodes.sort_by_key(|n| n.rank);
+            match role {
+                Role::Worker => map.workers = nodes,
+                Role::Server => map.servers = nodes,
+            }
+        }
+        self.log(
+            Level::INFO,
+            format!(
+                "all {} nodes joined; sending the cluster map: workers [{}], servers [{}]",
+                assigned.len(),
+                roster(&map.workers),
+                roster(&map.servers)
+            ),
+        );
+        for (conn, rank) in assigned {
+            let msg = Message::ClusterMap {
+                your_rank: rank,
+                map: map.clone(),
+            };
+            self.send(conn, msg);
+        }
+        self.phase = Phase::Running;
+    }
+
+    fn barrier(&mut self, conn: ConnId, id: u64, group: BarrierGroup) {
+        let Some(c) = self.conns.get(&conn) else {
+            return;
+        };
+        let Some(node) = c.node else {
+            if c.reg.is_none() {
+                let why = "sent a Barrier frame before registering".to_string();
+                return self.refuse_and_close(conn, ErrorCode::UnexpectedOp, why);
+            }
+            let msg = format!(
+                "barrier {id} entered before the cluster map was sent; barriers start once every node has joined"
+            );
+            return self.send(conn, Message::error(ErrorCode::UnexpectedOp, Some(id), msg));
+        };
+        let who = self.node_name(node);
+        let gname = group_name(group);
+        if !in_group(group, node.role) {
+            let msg = format!("{who} cannot enter {gname} barrier {id}: only workers are members");
+            return self.send(conn, Message::error(ErrorCode::UnexpectedOp, Some(id), msg));
+        }
+        let Some(member) = self.members.get_mut(&node) else {
+            return;
+        };
+        let slot = &mut member.last_barrier[group_index(group)];
+        if let Some(prev) = *slot {
+            if id <= prev {
+                let msg = format!(
+                    "{who} entered {gname} barrier {id} after {gname} barrier {prev}: barrier ids must increase"
+                );
+                return self.send(conn, Message::error(ErrorCode::UnexpectedOp, Some(id), msg));
+            }
+        }
+        *slot = Some(id);
+        if let Some(b) = self.barriers.get(&id) {
+            if b.group != group {
+                let msg = format!(
+                    "barrier {id} is a {} barrier but {who} entered it as a {gname} barrier",
+                    group_name(b.group)
+                );
+                return self.send(conn, Message::error(ErrorCode::UnexpectedOp, Some(id), msg));
+            }
+        }
+        if let Some((fid, fname, reason)) = self.failed.iter().find(|f| in_group(group, f.0.role)) {
+            let msg = format!(
+                "{gname} barrier {id} can never complete: {fid} '{fname}' failed: {reason}"
+            );
+            return self.send(conn, Message::error(ErrorCode::NodeFailed, Some(id), msg));
+        }
+        self.barriers
+            .entry(id)
+            .or_insert_with(|| Barrier {
+                group,
+                waiters: BTreeSet::new(),
+            })
+            .waiters
+            .insert(node);
+        self.try_complete(id);
+    }
+
+    /// Releases barrier `id` once every live member of its group waits in it.
+    fn try_complete(&mut self, id: u64) {
+        let Some(b) = self.barriers.get(&id) else {
+            return;
+        };
+        let complete = self
+            .members
+            .iter()
+            .filter(|(n, m)| m.status == Status::Live && in_group(b.group, n.role))
+            .all(|(n, _)| b.waiters.contains(n));
+        if !complete {
+            return;
+        }
+        let Some(b) = self.barriers.remove(&id) else {
+            return;
+        };
+        self.log(
+            Level::DEBUG,
+            format!(
+                "{} barrier {id} complete with {} nodes",
+                group_name(b.group),
+                b.waiters.len()
+            ),
+        );
+        for n in b.waiters {
+            if let Some(conn) = self.members.get(&n).and_then(|m| m.conn) {
+                self.send(conn, Message::BarrierDone { id });
+            }
+        }
+    }
+
+    /// A graceful leave: never reported as a failure, and no longer awaited in barriers.
+    fn leave(&mut self, conn: ConnId, reason: &str) {
+        let who = self.describe(conn);
+        let Some(c) = self.forget(conn) else {
+            return;
+        };
+        let Some(node) = c.node else {
+            let line = if c.reg.is_some() {
+                format!(
+                    "{who} left before the cluster map was sent ({reason}); a replacement may join"
+                )
+            } else {
+                format!("{who} left before registering ({reason})")
+            };
+            return self.log(Level::INFO, line);
+        };
+        if let Some(m) = self.members.get_mut(&node) {
+            m.status = Status::Left;
+            m.conn = None;
+        }
+        self.log(Level::INFO, format!("{who} left: {reason}"));
+        for b in self.barriers.values_mut() {
+            b.waiters.remove(&node);
+        }
+        self.barriers.retain(|_, b| !b.waiters.is_empty());
+        let ids: Vec<u64> = self.barriers.keys().copied().collect();
+        for id in ids {
+            self.try_complete(id);
+        }
+        self.check_finished();
+    }
+
+    /// Sends an `Error` naming `why`, then drops the connection for that reason.
+    fn refuse_and_close(&mut self, conn: ConnId, code: ErrorCode, why: String) {
+        let who = self.describe(conn);
+        self.log(Level::WARN, format!("refusing {who}: {code}: {why}"));
+        self.send(conn, Message::error(code, None, why.clone()));
+        self.drop_conn(conn, &why);
+    }
+
+    /// Forgets `conn`; a ranked node still live is declared failed for `reason`.
+    fn drop_conn(&mut self, conn: ConnId, reason: &str) {
+        let who = self.describe(conn);
+        let Some(c) = self.forget(conn) else {
+            return;
+        };
+        match (c.node, c.reg) {
+            (Some(id), _) => self.fail(id, reason.to_string()),
+            (None, Some(_)) => self.log(
+                Level::INFO,
+                format!("dropping {who} before the cluster map was sent: {reason}; a replacement may join"),
+            ),
+            (None, None) => self.log(
+                Level::DEBUG,
+                format!("dropping {who} before it registered: {reason}"),
+            ),
+        }
+    }
+
+    /// Declares a live member failed: every other live node hears of it, and barriers it
+    /// belonged to can never complete (their waiters learn why from the same notice).
+    fn fail(&mut self, id: NodeId, reason: String) {
+        let Some(m) = self.members.get_mut(&id) else {
+            return;
+        };
+        if m.status != Status::Live {
+            return;
+        }
+        m.status = Status::Failed;
+        let name = m.name.clone();
+        if let Some(conn) = m.conn.take() {
+            self.forget(conn);
+        }
+        self.log(Level::WARN, format!("{id} '{name}' failed: {reason}"));
+        self.failed.push((id, name.clone(), reason.clone()));
+        let notify: Vec<ConnId> = self
+            .members
+            .values()
+            .filter(|m| m.status == Status::Live)
+            .filter_map(|m| m.conn)
+            .collect();
+        for conn in notify {
+            let msg = Message::NodeFailed {
+                node: id,
+                name: name.clone(),
+                reason: reason.clone(),
+            };
+            self.send(conn, msg);
+        }
+        let doomed: Vec<u64> = self
+            .barriers
+            .iter()
+            .filter(|(_, b)| in_group(b.group, id.role))
+            .map(|(bid, _)| *bid)
+            .collect();
+        for bid in doomed {
+            if let Some(b) = self.barriers.remove(&bid) {
+                self.log(
+                    Level::WARN,
+                    format!(
+                        "{} barrier {bid} can never complete because {id} '{name}' failed; its {} waiting node(s) were told",
+                        group_name(b.group),
+                        b.waiters.len()
+                    ),
+                );
+            }
+        }
+        self.check_finished();
+    }
+
+    /// With no live worker left there is nothing to serve: stop the servers and finish.
+    fn check_finished(&mut self) {
+        if self.phase != Phase::Running {
+            return;
+        }
+        let workers = || self.members.iter().filter(|(n, _)| n.role == Role::Worker);
+        if workers().any(|(_, m)| m.status == Status::Live) {
+            return;
+        }
+        let failed = workers()
+            .filter(|(_, m)| m.status == Status::Failed)
+            .count();
+        let reason = if failed == 0 {
+            "all workers finished".to_string()
+        } else {
+            let left = workers().count() - failed;
+            format!("no live workers remain: {left} finished, {failed} failed")
+        };
+        self.finish(reason);
+    }
+
+    fn finish(&mut self, reason: String) {
+        self.log(Level::INFO, format!("stopping: {reason}"));
+        let mut conns: Vec<ConnId> = self.conns.keys().copied().collect();
+        conns.sort();
+        for conn in conns {
+            let msg = Message::Shutdown {
+                reason: reason.clone(),
+            };
+            self.send(conn, msg);
+            self.out.push(Action::Close(conn));
+        }
+        self.conns.clear();
+        self.joined.clear();
+        self.phase = Phase::Done;
+        let outcome = JobOutcome {
+            failed: self.failed.clone(),
+            stop_reason: reason,
+        };
+        self.out.push(Action::Finished(Ok(outcome)));
+    }
+
+    fn join_timed_out(&mut self) {
+        let (workers, servers) = self.joined_counts();
+        let joined: Vec<String> = self
+            .joined_regs()
+            .map(|r| format!("{} '{}' (pid {} on {})", r.role, r.name, r.pid, r.host_id))
+            .collect();
+        let err = CoordinatorError::JoinTimeout {
+            job_id: self.job_id.clone(),
+            secs: self.join_timeout.as_secs_f64(),
+            workers_joined: workers,
+            workers_expected: self.expected_workers,
+            servers_joined: servers,
+            servers_expected: self.expected_servers,
+            missing: missing_text(
+                self.expected_workers - workers,
+                self.expected_servers - servers,
+            ),
+            joined: if joined.is_empty() {
+                "nobody".into()
+            } else {
+                joined.join(", ")
+            },
+        };
+        let msg = err.to_string();
+        self.log(Level::ERROR, msg.clone());
+        let mut conns: Vec<ConnId> = self.conns.keys().copied().collect();
+        conns.sort();
+        for conn in conns {
+            self.send(conn, Message::error(ErrorCode::Timeout, None, msg.clone()));
+            self.out.push(Action::Close(conn));
+        }
+        self.conns.clear();
+        self.joined.clear();
+        self.phase = Phase::Done;
+        self.out.push(Action::Finished(Err(err)));
+    }
+
+    /// Removes a connection from every table and has the service close it.
+    fn forget(&mut self, conn: ConnId) -> Option<Conn> {
+        let c = self.conns.remove(&conn)?;
+        self.joined.retain(|id| *id != conn);
+        self.out.push(Action::Close(conn));
+        Some(c)
+    }
+
+    fn joined_regs(&self) -> impl Iterator<Item = &Registration> {
+        self.joined
+            .iter()
+            .filter_map(|id| self.conns.get(id)?.reg.as_ref())
+    }
+
+    fn joined_counts(&self) -> (u32, u32) {
+        self.joined_regs().fold((0, 0), |(w, s), r| match r.role {
+            Role::Worker => (w + 1, s),
+            Role::Server => (w, s + 1),
+        })
+    }
+
+    fn expected(&self, role: Role) -> u32 {
+        match role {
+            Role::Worker => self.expected_workers,
+            Role::Server => self.expected_servers,
+        }
+    }
+
+    fn node_name(&self, id: NodeId) -> String {
+        match self.members.get(&id) {
+            Some(m) => format!("{id} '{}'", m.name),
+            None => id.to_string(),
+        }
+    }
+
+    fn describe(&self, conn: ConnId) -> String {
+        match self.conns.get(&conn) {
+            Some(Conn { node: Some(id), .. }) => self.node_name(*id),
+            Some(Conn { reg: Some(r), .. }) => format!("{} '{}'", r.role, r.name),
+            Some(c) => format!("unregistered {} '{}'", c.peer.role, c.peer.name),
+            None => format!("connection {conn}"),
+        }
+    }
+
+    fn send(&mut self, conn: ConnId, msg: Message) {
+        self.out.push(Action::Send(conn, msg));
+    }
+
+    fn log(&mut self, level: Level, line: String) {
+        self.out.push(Action::Log(level, line));
+    }
+
+    fn take(&mut self) -> Vec<Action> {
+        std::mem::take(&mut self.out)
+    }
+}
+
+fn in_group(group: BarrierGroup, role: Role) -> bool {
+    group == BarrierGroup::All || role == Role::Worker
+}
+
+fn group_index(group: BarrierGroup) -> usize {
+    match group {
+        BarrierGroup::Workers => 0,
+        BarrierGroup::All => 1,
+    }
+}
+
+fn group_name(group: BarrierGroup) -> &'static str {
+    match group {
+        BarrierGroup::Workers => "workers",
+        BarrierGroup::All => "all-nodes",
+    }
+}
+
+fn rank_text(rank: Option<u32>) -> String {
+    rank.map_or_else(|| "any rank".into(), |r| format!("rank {r}"))
+}
+
+fn roster(nodes: &[NodeInfo]) -> String {
+    let names: Vec<String> = nodes
+        .iter()
+        .map(|n| format!("{} '{}' on {}", n.rank, n.name, n.host_id))
+        .collect();
+    names.join(", ")
+}
+
+/// "1 worker and 2 servers", naming only the roles that are short.
+fn missing_text(workers: u32, servers: u32) -> String {
+    let count = |n: u32, what: &str| format!("{n} {what}{}", if n == 1 { "" } else { "s" });
+    let mut parts = Vec::new();
+    if workers > 0 {
+        parts.push(count(workers, "worker"));
+    }
+    if servers > 0 {
+        parts.push(count(servers, "server"));
+    }
+    parts.join(" and ")
+}

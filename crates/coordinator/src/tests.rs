@@ -1,0 +1,588 @@
+//! The pure core driven with fabricated instants: no sockets, no threads, no sleeping.
+
+use std::time::{Duration, Instant};
+
+use sumflow_wire::{
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, ErrorReply, JobToken, Message, NodeId, Peer,
+    Registration, Role, WireError,
+};
+
+use crate::config::CoordinatorConfig;
+use crate::liveness::silence_verdict;
+use crate::membership::{Action, ConnId, Membership};
+use crate::ranks::{admit, assign_ranks};
+use crate::{CoordinatorError, JobOutcome};
+
+const W: Role = Role::Worker;
+const S: Role = Role::Server;
+
+fn cfg(workers: u32, servers: u32) -> CoordinatorConfig {
+    let token = JobToken::new("0123456789abcdef-unit-test").unwrap();
+    let mut c = CoordinatorConfig::new("127.0.0.1:0".parse().unwrap(), workers, servers, token);
+    c.heartbeat_timeout = Duration::from_secs(3);
+    c.join_timeout = Duration::from_secs(60);
+    c.job_id = "job-test".into();
+    c
+}
+
+fn reg(role: Role, rank: Option<u32>, name: &str, host_id: &str) -> Registration {
+    Registration {
+        role,
+        requested_rank: rank,
+        host: "10.0.0.1".into(),
+        port: 9000,
+        host_id: host_id.into(),
+        pid: 42,
+        name: name.into(),
+    }
+}
+
+struct Harness {
+    m: Membership,
+    t0: Instant,
+}
+
+impl Harness {
+    fn new(c: &CoordinatorConfig) -> Harness {
+        let t0 = Instant::now();
+        Harness {
+            m: Membership::new(c, t0),
+            t0,
+        }
+    }
+
+    fn at(&self, ms: u64) -> Instant {
+        self.t0 + Duration::from_millis(ms)
+    }
+
+    /// Handshake and registration of `r` on `conn` at `ms`.
+    fn join(&mut self, conn: ConnId, r: Registration, ms: u64) -> Vec<Action> {
+        let peer = Peer {
+            role: r.role,
+            rank: r.requested_rank,
+            name: r.name.clone(),
+        };
+        let mut out = self.m.connected(conn, peer, self.at(ms));
+        out.extend(self.m.message(conn, Message::Register(r), self.at(ms)));
+        out
+    }
+
+    fn send(&mut self, conn: ConnId, msg: Message, ms: u64) -> Vec<Action> {
+        self.m.message(conn, msg, self.at(ms))
+    }
+
+    /// Joins workers on conns 1.. (names w0, w1, ...) and servers on conns 101.. (s0, ...),
+    /// each on its own host, all at time 0; returns the actions of the last join.
+    fn running(c: &CoordinatorConfig) -> (Harness, Vec<Action>) {
+        let mut h = Harness::new(c);
+        let mut last = Vec::new();
+        for i in 0..c.num_workers {
+            last = h.join(
+                1 + i as u64,
+                reg(W, None, &format!("w{i}"), &format!("h{i}")),
+                0,
+            );
+        }
+        for i in 0..c.num_servers {
+            last = h.join(
+                101 + i as u64,
+                reg(S, None, &format!("s{i}"), &format!("h{i}")),
+                0,
+            );
+        }
+        (h, last)
+    }
+}
+
+fn sent(actions: &[Action], conn: ConnId) -> Vec<&Message> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Send(c, m) if *c == conn => Some(m),
+            _ => None,
+        })
+        .collect()
+}
+
+fn closed(actions: &[Action], conn: ConnId) -> bool {
+    actions
+        .iter()
+        .any(|a| matches!(a, Action::Close(c) if *c == conn))
+}
+
+fn errors(actions: &[Action], conn: ConnId) -> Vec<&ErrorReply> {
+    sent(actions, conn)
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::Error(e) => Some(e),
+            _ => None,
+        })
+        .collect()
+}
+
+fn map_for(actions: &[Action], conn: ConnId) -> Option<(u32, ClusterMap)> {
+    sent(actions, conn).into_iter().find_map(|m| match m {
+        Message::ClusterMap { your_rank, map } => Some((*your_rank, map.clone())),
+        _ => None,
+    })
+}
+
+fn failures(actions: &[Action], conn: ConnId) -> Vec<(NodeId, String, String)> {
+    sent(actions, conn)
+        .into_iter()
+        .filter_map(|m| match m {
+            Message::NodeFailed { node, name, reason } => {
+                Some((*node, name.clone(), reason.clone()))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+fn outcome(actions: &[Action]) -> Option<&Result<JobOutcome, CoordinatorError>> {
+    actions.iter().find_map(|a| match a {
+        Action::Finished(r) => Some(r),
+        _ => None,
+    })
+}
+
+fn logs(actions: &[Action]) -> String {
+    let lines: Vec<&str> = actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Log(_, l) => Some(l.as_str()),
+            _ => None,
+        })
+        .collect();
+    lines.join("\n")
+}
+
+fn barrier(id: u64, group: BarrierGroup) -> Message {
+    Message::Barrier { id, group }
+}
+
+fn worker(rank: u32) -> NodeId {
+    NodeId { role: W, rank }
+}
+
+#[test]
+fn requested_ranks_are_honoured_and_the_rest_fill_the_lowest_free_in_join_order() {
+    assert_eq!(
+        assign_ranks(&[None, Some(0), None, Some(2), None]),
+        vec![1, 0, 3, 2, 4]
+    );
+    assert_eq!(assign_ranks(&[Some(1), Some(0)]), vec![1, 0]);
+    assert_eq!(assign_ranks(&[]), Vec::<u32>::new());
+}
+
+#[test]
+fn admission_refuses_bad_duplicate_and_surplus_ranks_naming_them() {
+    let a = reg(W, Some(1), "alpha", "ha");
+    let e = admit(&reg(W, Some(2), "beta", "hb"), &[], 2).unwrap_err();
+    assert_eq!(e.code, ErrorCode::BadRank);
+    assert!(
+        e.message.contains("'beta' asked for rank 2"),
+        "{}",
+        e.message
+    );
+    assert!(e.message.contains("ranks 0 to 1"), "{}", e.message);
+
+    let e = admit(&reg(W, Some(1), "beta", "hb"), &[&a], 2).unwrap_err();
+    assert_eq!(e.code, ErrorCode::DuplicateNode);
+    assert!(
+        e.message.contains("already held by 'alpha' (pid 42 on ha)"),
+        "{}",
+        e.message
+    );
+
+    let b = reg(W, None, "beta", "hb");
+    let e = admit(&reg(W, None, "gamma", "hc"), &[&a, &b], 2).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ClusterFull);
+    assert!(e.message.contains("'alpha', 'beta'"), "{}", e.message);
+    assert!(
+        e.message.contains("'gamma' is one too many"),
+        "{}",
+        e.message
+    );
+
+    assert!(admit(&reg(W, None, "gamma", "hc"), &[&a], 2).is_ok());
+    let e = admit(&reg(S, None, "s", "h"), &[], 0).unwrap_err();
+    assert_eq!(e.code, ErrorCode::ClusterFull);
+}
+
+#[test]
+fn the_map_goes_out_once_everyone_joined_identical_for_all() {
+    let c = cfg(3, 2);
+    let mut h = Harness::new(&c);
+    let mut a = h.join(1, reg(W, None, "w-a", "host-a"), 0);
+    a.extend(h.join(2, reg(W, Some(0), "w-b", "host-b"), 1));
+    a.extend(h.join(3, reg(W, None, "w-c", "host-c"), 2));
+    a.extend(h.join(11, reg(S, None, "s-a", "host-a"), 3));
+    assert!(
+        (1..=3).all(|c| map_for(&a, c).is_none()),
+        "no map before all joined"
+    );
+    let last = h.join(12, reg(S, Some(0), "s-cpu", "cpu"), 4);
+    let (r1, map) = map_for(&last, 1).unwrap();
+    let names: Vec<&str> = map.workers.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["w-b", "w-a", "w-c"]);
+    let names: Vec<&str> = map.servers.iter().map(|n| n.name.as_str()).collect();
+    assert_eq!(names, ["s-cpu", "s-a"]);
+    assert_eq!(r1, 1);
+    assert_eq!(map.job_id, "job-test");
+    for (conn, rank) in [(2, 0), (3, 2), (11, 1), (12, 0)] {
+        let (r, m) = map_for(&last, conn).unwrap();
+        assert_eq!((r, &m), (rank, &map), "conn {conn}");
+    }
+    assert_eq!(map.colocated_servers(1), vec![1]);
+    assert_eq!(map.cpu_only_servers(), vec![0]);
+    assert!(
+        logs(&last).contains("all 5 nodes joined"),
+        "{}",
+        logs(&last)
+    );
+}
+
+#[test]
+fn conflicting_or_surplus_registrations_are_refused_and_closed() {
+    let c = cfg(2, 1);
+    let mut h = Harness::new(&c);
+    h.join(1, reg(W, Some(1), "alpha", "ha"), 0);
+    let a = h.join(2, reg(W, Some(1), "beta", "hb"), 1);
+    let e = errors(&a, 2);
+    assert_eq!(e[0].code, ErrorCode::DuplicateNode);
+    assert!(e[0].message.contains("'alpha'"), "{}", e[0].message);
+    assert!(closed(&a, 2));
+
+    let a = h.join(3, reg(W, Some(5), "gamma", "hc"), 2);
+    assert_eq!(errors(&a, 3)[0].code, ErrorCode::BadRank);
+    assert!(closed(&a, 3));
+
+    // Authenticated as rank 0, registering for any rank: the identities disagree.
+    h.m.connected(
+        4,
+        Peer {
+            role: W,
+            rank: Some(0),
+            name: "delta".into(),
+        },
+        h.at(3),
+    );
+    let a = h.send(4, Message::Register(reg(W, None, "delta", "hd")), 3);
+    assert_eq!(errors(&a, 4)[0].code, ErrorCode::BadRank);
+
+    h.join(5, reg(W, None, "eps", "he"), 4);
+    let a = h.join(6, reg(W, None, "zeta", "hf"), 5);
+    assert_eq!(errors(&a, 6)[0].code, ErrorCode::ClusterFull);
+
+    let a = h.send(5, Message::Register(reg(W, None, "eps", "he")), 6);
+    assert_eq!(errors(&a, 5)[0].code, ErrorCode::UnexpectedOp);
+    assert!(errors(&a, 5)[0].message.contains("already registered"));
+    assert!(!closed(&a, 5), "a repeated Register is refused, not fatal");
+
+    let a = h.join(7, reg(S, None, "srv", "hs"), 7);
+    assert!(map_for(&a, 7).is_some());
+    let a = h.join(8, reg(S, None, "late", "hl"), 8);
+    let e = errors(&a, 8);
+    assert_eq!(e[0].code, ErrorCode::ClusterFull);
+    assert!(e[0].message.contains("running job"), "{}", e[0].message);
+}
+
+#[test]
+fn a_node_leaving_before_the_map_frees_its_rank_for_a_replacement() {
+    let c = cfg(2, 0);
+    let mut h = Harness::new(&c);
+    h.join(1, reg(W, Some(0), "first", "ha"), 0);
+    let a = h.m.disconnected(1, "connection closed without shutdown");
+    assert!(logs(&a).contains("a replacement may join"), "{}", logs(&a));
+    assert!(outcome(&a).is_none());
+    let a = h.join(2, reg(W, Some(0), "second", "hb"), 1);
+    assert!(errors(&a, 2).is_empty());
+    let a = h.join(3, reg(W, None, "third", "hc"), 2);
+    let (rank, map) = map_for(&a, 2).unwrap();
+    assert_eq!(rank, 0);
+    assert_eq!(map.workers[0].name, "second");
+    assert_eq!(map.workers.len(), 2);
+}
+
+#[test]
+fn barriers_complete_when_every_live_member_arrives() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    let a = h.send(1, barrier(2, BarrierGroup::Workers), 10);
+    assert!(sent(&a, 1).is_empty());
+    let a = h.send(2, barrier(2, BarrierGroup::Workers), 11);
+    for conn in [1, 2] {
+        assert_eq!(sent(&a, conn), [&Message::BarrierDone { id: 2 }]);
+    }
+    assert!(
+        sent(&a, 101).is_empty(),
+        "servers are not in workers barriers"
+    );
+
+    h.send(1, barrier(3, BarrierGroup::All), 12);
+    h.send(101, barrier(3, BarrierGroup::All), 13);
+    let a = h.send(2, barrier(3, BarrierGroup::All), 14);
+    for conn in [1, 2, 101] {
+        assert_eq!(sent(&a, conn), [&Message::BarrierDone { id: 3 }]);
+    }
+
+    let a = h.send(101, barrier(4, BarrierGroup::Workers), 15);
+    let e = errors(&a, 101);
+    assert_eq!((e[0].code, e[0].key), (ErrorCode::UnexpectedOp, Some(4)));
+    assert!(
+        e[0].message.contains("only workers are members"),
+        "{}",
+        e[0].message
+    );
+
+    let a = h.send(1, barrier(2, BarrierGroup::Workers), 16);
+    let e = errors(&a, 1);
+    assert_eq!(e[0].code, ErrorCode::UnexpectedOp);
+    assert!(
+        e[0].message
+            .contains("workers barrier 2 after workers barrier 2: barrier ids must increase"),
+        "{}",
+        e[0].message
+    );
+    assert!(!closed(&a, 1));
+}
+
+#[test]
+fn a_failed_member_fails_its_barriers_and_every_other_node_hears_why() {
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    h.send(1, barrier(2, BarrierGroup::Workers), 10);
+    h.send(2, barrier(2, BarrierGroup::Workers), 11);
+    let a = h.m.disconnected(3, "connection closed without shutdown");
+    let expected = (
+        worker(2),
+        "w2".to_string(),
+        "connection closed without shutdown".to_string(),
+    );
+    for conn in [1, 2, 101] {
+        assert_eq!(
+            failures(&a, conn),
+            std::slice::from_ref(&expected),
+            "conn {conn}"
+        );
+    }
+    assert!(sent(&a, 3).is_empty(), "the failed node is not told");
+    assert!(
+        !a.iter()
+            .any(|x| matches!(x, Action::Send(_, Message::BarrierDone { .. }))),
+        "the barrier must not complete"
+    );
+    assert!(logs(&a).contains("workers barrier 2 can never complete because worker 2 'w2' failed"));
+
+    // Later barriers of a group with a failed member fail at once, naming it.
+    let a = h.send(1, barrier(4, BarrierGroup::Workers), 12);
+    let e = errors(&a, 1);
+    assert_eq!((e[0].code, e[0].key), (ErrorCode::NodeFailed, Some(4)));
+    assert!(
+        e[0].message.contains("worker 2 'w2' failed"),
+        "{}",
+        e[0].message
+    );
+    let a = h.send(101, barrier(3, BarrierGroup::All), 13);
+    assert_eq!(errors(&a, 101)[0].code, ErrorCode::NodeFailed);
+    assert!(outcome(&a).is_none(), "the job goes on while workers live");
+}
+
+#[test]
+fn heartbeat_silence_fails_a_node_only_past_the_timeout() {
+    let (mut h, _) = Harness::running(&cfg(2, 0));
+    let a = h.send(1, Message::Heartbeat { seq: 7 }, 1000);
+    assert_eq!(sent(&a, 1), [&Message::HeartbeatAck { seq: 7 }]);
+    let a = h.m.tick(h.at(3000));
+    assert!(a.is_empty(), "silence equal to the timeout is alive: {a:?}");
+    let a = h.m.tick(h.at(3010));
+    let f = failures(&a, 1);
+    assert_eq!(f.len(), 1);
+    assert_eq!((f[0].0, f[0].1.as_str()), (worker(1), "w1"));
+    assert!(
+        f[0].2
+            .starts_with("no heartbeat for 3.01s (timeout 3.00s), last seen 0.00s after"),
+        "{}",
+        f[0].2
+    );
+    assert!(closed(&a, 2));
+    assert_eq!(errors(&a, 2)[0].code, ErrorCode::Timeout);
+    assert!(h.m.tick(h.at(3500)).is_empty(), "worker 0 heard 2.5s ago");
+
+    let t = Instant::now();
+    let d = Duration::from_millis(500);
+    assert_eq!(silence_verdict(t, t + d, d, t), None);
+    assert!(silence_verdict(t, t + d + Duration::from_nanos(1), d, t).is_some());
+}
+
+#[test]
+fn a_node_silent_before_the_map_is_dropped_not_failed() {
+    let mut h = Harness::new(&cfg(2, 0));
+    h.join(1, reg(W, None, "quiet", "ha"), 0);
+    let a = h.m.tick(h.at(3001));
+    assert!(closed(&a, 1));
+    assert!(logs(&a).contains("dropping worker 'quiet' before the cluster map"));
+    assert!(outcome(&a).is_none());
+}
+
+#[test]
+fn graceful_leave_is_never_reported_but_a_closed_connection_is() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    let a = h.send(
+        1,
+        Message::Shutdown {
+            reason: "training done".into(),
+        },
+        10,
+    );
+    assert!(closed(&a, 1));
+    assert!(failures(&a, 2).is_empty() && failures(&a, 101).is_empty());
+    assert!(logs(&a).contains("worker 0 'w0' left: training done"));
+    assert!(
+        h.m.disconnected(1, "connection closed without shutdown")
+            .is_empty(),
+        "the close after a leave is expected"
+    );
+
+    let a = h.m.disconnected(2, "connection closed without shutdown");
+    let f = failures(&a, 101);
+    assert_eq!(f.len(), 1);
+    assert_eq!(f[0].1, "w1");
+    let reason = "no live workers remain: 1 finished, 1 failed";
+    assert!(sent(&a, 101).contains(&&Message::Shutdown {
+        reason: reason.into()
+    }));
+    assert!(closed(&a, 101));
+    let out = outcome(&a).unwrap().as_ref().unwrap();
+    assert_eq!(out.failed.len(), 1);
+    assert_eq!(out.failed[0].0, worker(1));
+    assert_eq!(out.stop_reason, reason);
+}
+
+#[test]
+fn a_leave_can_complete_the_barrier_that_waited_for_the_leaver() {
+    let (mut h, _) = Harness::running(&cfg(3, 0));
+    h.send(1, barrier(2, BarrierGroup::Workers), 10);
+    h.send(2, barrier(2, BarrierGroup::Workers), 11);
+    let a = h.send(3, Message::Shutdown { reason: "".into() }, 12);
+    assert_eq!(sent(&a, 1), [&Message::BarrierDone { id: 2 }]);
+    assert_eq!(sent(&a, 2), [&Message::BarrierDone { id: 2 }]);
+}
+
+#[test]
+fn when_all_workers_have_left_the_servers_are_shut_down() {
+    let (mut h, _) = Harness::running(&cfg(2, 2));
+    let bye = || Message::Shutdown {
+        reason: "done".into(),
+    };
+    let a = h.send(2, bye(), 10);
+    assert!(outcome(&a).is_none());
+    let a = h.send(1, bye(), 11);
+    for conn in [101, 102] {
+        assert_eq!(
+            sent(&a, conn),
+            [&Message::Shutdown {
+                reason: "all workers finished".into()
+            }]
+        );
+        assert!(closed(&a, conn));
+    }
+    let out = outcome(&a).unwrap().as_ref().unwrap();
+    assert!(out.failed.is_empty());
+    assert_eq!(out.stop_reason, "all workers finished");
+}
+
+#[test]
+fn join_timeout_says_who_is_missing_and_who_joined() {
+    let mut c = cfg(3, 2);
+    c.join_timeout = Duration::from_secs(2);
+    let mut h = Harness::new(&c);
+    h.join(1, reg(W, None, "alpha", "ha"), 0);
+    h.join(2, reg(S, None, "beta", "hb"), 0);
+    assert!(h.m.tick(h.at(2000)).is_empty());
+    let a = h.m.tick(h.at(2001));
+    let Some(Err(err)) = outcome(&a) else {
+        panic!("expected a join timeout: {a:?}")
+    };
+    assert!(matches!(
+        err,
+        CoordinatorError::JoinTimeout {
+            workers_joined: 1,
+            servers_joined: 1,
+            ..
+        }
+    ));
+    let msg = err.to_string();
+    for part in [
+        "only 1 of 3 workers and 1 of 2 servers joined within 2.0s",
+        "missing 2 workers and 1 server",
+        "worker 'alpha' (pid 42 on ha), server 'beta' (pid 42 on hb)",
+    ] {
+        assert!(msg.contains(part), "{part:?} not in {msg}");
+    }
+    for conn in [1, 2] {
+        let e = errors(&a, conn);
+        assert_eq!(e[0].code, ErrorCode::Timeout);
+        assert_eq!(e[0].message, msg);
+        assert!(closed(&a, conn));
+    }
+}
+
+#[test]
+fn undecodable_or_foreign_frames_are_answered_then_closed_and_reported() {
+    let (mut h, _) = Harness::running(&cfg(3, 0));
+    let a = h.m.invalid_frame(1, &WireError::UnknownOp(0x7e));
+    let e = errors(&a, 1);
+    assert_eq!(e[0].code, ErrorCode::UnknownOp);
+    assert!(closed(&a, 1));
+    let f = failures(&a, 2);
+    assert_eq!(f[0].1, "w0");
+    assert!(
+        f[0].2
+            .contains("sent an invalid frame: unknown op code 0x7e"),
+        "{}",
+        f[0].2
+    );
+
+    let push = Message::Push {
+        key: 1,
+        round: 0,
+        dtype: Dtype::F32,
+        codec: sumflow_wire::Codec::Raw,
+        mode: sumflow_wire::PushMode::Sum,
+    };
+    let a = h.send(2, push, 10);
+    let e = errors(&a, 2);
+    assert_eq!(e[0].code, ErrorCode::UnexpectedOp);
+    assert!(e[0].message.contains("Push"), "{}", e[0].message);
+    assert!(closed(&a, 2));
+    assert_eq!(failures(&a, 3)[0].1, "w1");
+}
+
+#[test]
+fn stop_tells_every_node_and_finishes() {
+    let (mut h, _) = Harness::running(&cfg(1, 1));
+    let a = h.m.stop();
+    for conn in [1, 101] {
+        assert_eq!(
+            sent(&a, conn),
+            [&Message::Shutdown {
+                reason: "coordinator stopping".into()
+            }]
+        );
+    }
+    assert!(matches!(outcome(&a), Some(Ok(o)) if o.stop_reason == "coordinator stopping"));
+    assert!(h.m.stop().is_empty());
+}
+
+#[test]
+fn configuration_errors_name_the_setting() {
+    let e = cfg(0, 1).validate().unwrap_err().to_string();
+    assert!(e.contains("at least 1 worker"), "{e}");
+    let mut c = cfg(1, 0);
+    c.heartbeat_timeout = Duration::ZERO;
+    assert!(c.validate().unwrap_err().to_string().contains("heartbeat"));
+    let mut c = cfg(1, 0);
+    c.max_body = 100;
+    assert!(c.validate().unwrap_err().to_string().contains("frame size"));
+    assert!(cfg(1, 0).validate().is_ok());
+}

@@ -1,0 +1,409 @@
+//! One worker connection: a reader thread that validates and dispatches frames, and a
+//! writer thread that sends replies in the order engines produce them.
+//!
+//! Stateless and key-level checks happen here, before a payload is read or an engine is
+//! involved; round-level checks happen in the engine. Any refusal is an `Error` frame
+//! naming the problem, after which the connection is closed and the worker counted gone.
+
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use sumflow_wire::io::{self, FrameReader};
+use sumflow_wire::{
+    Codec, ErrorCode, ErrorReply, Message, Peer, PushMode, Role, Service, WireError,
+};
+use tracing::{debug, info, warn};
+
+use crate::buffer::AlignedBuf;
+use crate::directory::{DeclareError, Declared};
+use crate::engine::Command;
+use crate::shared::Shared;
+use sumflow_wire::message::DATA_META_LEN;
+
+/// What the writer thread sends.
+pub enum Outgoing {
+    Message(Message),
+    /// A completed round's sum, shared with every other puller without copying.
+    Sum {
+        key: u64,
+        round: u64,
+        dtype: sumflow_wire::Dtype,
+        data: Arc<AlignedBuf>,
+    },
+    /// Send this error, then close the connection.
+    Fatal(Message),
+    /// The reader is done: stop without waiting for engines to drop their senders.
+    Close,
+}
+
+pub type Replier = Sender<Outgoing>;
+
+/// How long a pool wait sleeps between checks that the server is still running.
+const POOL_POLL: Duration = Duration::from_millis(100);
+
+/// Serves one accepted connection until it closes.
+pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
+    let addr = stream
+        .peer_addr()
+        .map(|a| a.to_string())
+        .unwrap_or_else(|_| "unknown".into());
+    let _ = stream.set_nodelay(true);
+    let _ = stream.set_read_timeout(Some(shared.settings.handshake_timeout));
+    let (peer, rank) = match io::accept(
+        &mut &stream,
+        &shared.token,
+        Service::Summation,
+        shared.settings.max_body,
+        |peer| admit(&shared, peer),
+    ) {
+        Ok(admitted) => admitted,
+        Err(e) => {
+            warn!(%addr, error = %e, "connection refused");
+            return;
+        }
+    };
+    let _ = stream.set_read_timeout(None);
+    info!(%addr, rank, name = %peer.name, "worker connected");
+
+    let (tx, rx) = unbounded();
+    let fatal = Arc::new(Mutex::new(None));
+    let writer = {
+        let stream = stream.try_clone();
+        let fatal = Arc::clone(&fatal);
+        let write_timeout = shared.settings.write_timeout;
+        std::thread::Builder::new()
+            .name(format!("sumflow-w{rank}-tx"))
+            .spawn(move || {
+                if let Ok(stream) = stream {
+                    let _ = stream.set_write_timeout(Some(write_timeout));
+                    write_loop(stream, rx, fatal);
+                }
+            })
+    };
+    shared.track(rank, &stream);
+    let mut conn = Connection {
+        shared: Arc::clone(&shared),
+        reader: FrameReader::new(&stream, shared.settings.max_body),
+        worker: rank,
+        pool: crate::pool::BufferPool::new(shared.settings.push_buffers),
+        tx,
+    };
+    let ending = conn.run();
+    let _ = conn.tx.send(Outgoing::Close);
+    drop(conn);
+    if let Ok(writer) = writer {
+        let _ = writer.join();
+    }
+    let _ = stream.shutdown(Shutdown::Both);
+    shared.untrack(rank);
+    let reason = match ending {
+        Ending::Left(why) => format!("left the job ({why})"),
+        Ending::Refused(msg) => format!("was disconnected: {}", refusal_text(&msg)),
+        Ending::Lost(why) => match fatal.lock().expect("fatal slot").take() {
+            Some(refusal) => format!("was disconnected: {refusal}"),
+            None => format!("lost its connection: {why}"),
+        },
+        Ending::Stopping => "server stopping".into(),
+    };
+    shared.worker_gone(rank, &reason);
+}
+
+fn refusal_text(m: &Message) -> String {
+    match m {
+        Message::Error(e) => format!("{}: {}", e.code, e.message),
+        other => format!("{other:?}"),
+    }
+}
+
+/// Checks that the authenticated peer is a worker of this job, connected once.
+fn admit(shared: &Shared, peer: &Peer) -> Result<u32, ErrorReply> {
+    let refuse = |code, message: String| ErrorReply {
+        code,
+        key: None,
+        message,
+    };
+    if peer.role != Role::Worker {
+        return Err(refuse(
+            ErrorCode::UnexpectedOp,
+            format!(
+                "summation servers serve workers; '{}' connected as a {}",
+                peer.name, peer.role
+            ),
+        ));
+    }
+    let Some(rank) = peer.rank.filter(|r| *r < shared.workers) else {
+        return Err(refuse(
+            ErrorCode::BadRank,
+            format!(
+                "worker '{}' claims rank {:?}, but this job has ranks 0..{}",
+                peer.name, peer.rank, shared.workers
+            ),
+        ));
+    };
+    shared.attach(rank, &peer.name).map(|()| rank)
+}
+
+enum Ending {
+    Left(String),
+    Refused(Message),
+    Lost(String),
+    Stopping,
+}
+
+struct Connection<'a> {
+    shared: Arc<Shared>,
+    reader: FrameReader<&'a TcpStream>,
+    worker: u32,
+    pool: crate::pool::BufferPool,
+    tx: Replier,
+}
+
+impl Connection<'_> {
+    fn run(&mut self) -> Ending {
+        loop {
+            let frame = match self.reader.read() {
+                Ok(frame) => frame,
+                Err(_) if self.shared.is_stopping() => return Ending::Stopping,
+                Err(WireError::Closed) => return Ending::Lost("closed without shutdown".into()),
+                Err(e @ WireError::Io(_)) => return Ending::Lost(e.to_string()),
+                Err(e) => return self.refuse(Message::error(e.code(), None, e.to_string())),
+            };
+            let outcome = match frame.message {
+                Message::InitKey {
+                    key,
+                    dtype,
+                    byte_len,
+                    has_init,
+                } => self.init_key(key, dtype, byte_len, has_init),
+                Message::Push {
+                    key,
+                    round,
+                    dtype,
+                    codec: Codec::Raw,
+                    mode,
+                } => self.push(key, round, dtype, mode, frame.payload_len),
+                Message::Pull { key, round } => self.pull(key, round),
+                Message::Heartbeat { seq } => {
+                    let _ = self
+                        .tx
+                        .send(Outgoing::Message(Message::HeartbeatAck { seq }));
+                    Ok(())
+                }
+                Message::Shutdown { reason } => return Ending::Left(reason),
+                other => Err(Interrupted::Refused(Message::error(
+                    ErrorCode::UnexpectedOp,
+                    None,
+                    format!("a summation server does not serve {} frames", other.op()),
+                ))),
+            };
+            match outcome {
+                Ok(()) => {}
+                Err(Interrupted::Refused(msg)) => return self.refuse(msg),
+                Err(Interrupted::Wire(e)) if self.shared.is_stopping() => {
+                    debug!(error = %e, "read interrupted by shutdown");
+                    return Ending::Stopping;
+                }
+                Err(Interrupted::Wire(e)) => return Ending::Lost(e.to_string()),
+                Err(Interrupted::Stopping) => return Ending::Stopping,
+            }
+        }
+    }
+
+    fn refuse(&self, msg: Message) -> Ending {
+        warn!(worker = self.worker, error = %refusal_text(&msg), "refusing worker");
+        let _ = self.tx.send(Outgoing::Fatal(msg.clone()));
+        Ending::Refused(msg)
+    }
+
+    fn init_key(
+        &mut self,
+        key: u64,
+        dtype: sumflow_wire::Dtype,
+        byte_len: u64,
+        has_init: bool,
+    ) -> Result<(), Interrupted> {
+        let max_payload = u64::from(self.shared.settings.max_body) - DATA_META_LEN as u64;
+        if byte_len > max_payload {
+            return Err(Interrupted::Refused(Message::error(
+                ErrorCode::FrameTooLarge,
+                Some(key),
+                format!(
+                    "key {key} of {byte_len} bytes could never be pushed: the server's frame \
+                     limit allows {max_payload} payload bytes; partition it or raise \
+                     --max-frame-bytes"
+                ),
+            )));
+        }
+        let initial = if has_init {
+            let mut buf = AlignedBuf::zeroed(byte_len as usize);
+            self.reader.read_payload(&mut buf)?;
+            Some(buf)
+        } else {
+            None
+        };
+        let declared = {
+            let mut dir = self.shared.directory.write().expect("directory lock");
+            let declared = dir.declare(key, dtype, byte_len, self.worker);
+            if let Ok(Declared::New(meta)) = &declared {
+                // Queued under the lock: no other connection can reach the engine with
+                // this key before the engine has created it.
+                self.shared.engine(
+                    meta.engine,
+                    Command::Init {
+                        key,
+                        meta: *meta,
+                        initial,
+                    },
+                );
+            }
+            declared
+        };
+        match declared {
+            Ok(_) => {
+                let _ = self.tx.send(Outgoing::Message(Message::InitAck { key }));
+                Ok(())
+            }
+            Err(e) => {
+                let code = match e {
+                    DeclareError::Mismatch { .. } => ErrorCode::KeyMismatch,
+                    DeclareError::MemoryLimit { .. } => ErrorCode::ResourceExhausted,
+                };
+                Err(Interrupted::Refused(Message::error(
+                    code,
+                    Some(key),
+                    e.to_string(),
+                )))
+            }
+        }
+    }
+
+    fn push(
+        &mut self,
+        key: u64,
+        round: u64,
+        dtype: sumflow_wire::Dtype,
+        mode: PushMode,
+        payload_len: usize,
+    ) -> Result<(), Interrupted> {
+        if mode != PushMode::Sum {
+            return Err(Interrupted::Refused(Message::error(
+                ErrorCode::Unsupported,
+                Some(key),
+                "asynchronous delta pushes are not supported by this server version",
+            )));
+        }
+        let meta = self.meta(key, "push")?;
+        if dtype != meta.dtype || payload_len as u64 != meta.byte_len {
+            return Err(Interrupted::Refused(Message::error(
+                ErrorCode::KeyMismatch,
+                Some(key),
+                format!(
+                    "push for key {key} carries {dtype} x {} elements, but the key was \
+                     declared as {} x {}",
+                    payload_len / dtype.size(),
+                    meta.dtype,
+                    meta.elements()
+                ),
+            )));
+        }
+        let shared = &self.shared;
+        let mut data = self
+            .pool
+            .take(payload_len, POOL_POLL, || !shared.is_stopping())
+            .ok_or(Interrupted::Stopping)?;
+        self.reader.read_payload(&mut data)?;
+        self.shared.engine(
+            meta.engine,
+            Command::Push {
+                key,
+                round,
+                worker: self.worker,
+                data,
+                reply: self.tx.clone(),
+            },
+        );
+        Ok(())
+    }
+
+    fn pull(&mut self, key: u64, round: u64) -> Result<(), Interrupted> {
+        let meta = self.meta(key, "pull")?;
+        self.shared.engine(
+            meta.engine,
+            Command::Pull {
+                key,
+                round,
+                worker: self.worker,
+                reply: self.tx.clone(),
+            },
+        );
+        Ok(())
+    }
+
+    fn meta(&self, key: u64, op: &str) -> Result<crate::directory::KeyMeta, Interrupted> {
+        self.shared
+            .directory
+            .read()
+            .expect("directory lock")
+            .get(key)
+            .ok_or_else(|| {
+                Interrupted::Refused(Message::error(
+                    ErrorCode::UnknownKey,
+                    Some(key),
+                    format!(
+                        "{op} for key {key}, which no worker has initialised (send InitKey first)"
+                    ),
+                ))
+            })
+    }
+}
+
+/// Why handling a frame stopped the connection.
+enum Interrupted {
+    Refused(Message),
+    Wire(WireError),
+    Stopping,
+}
+
+impl From<WireError> for Interrupted {
+    fn from(e: WireError) -> Self {
+        Interrupted::Wire(e)
+    }
+}
+
+fn write_loop(stream: TcpStream, rx: Receiver<Outgoing>, fatal: Arc<Mutex<Option<String>>>) {
+    let mut w = &stream;
+    for out in rx {
+        let result = match out {
+            Outgoing::Message(m) => io::write_message(&mut w, &m),
+            Outgoing::Sum {
+                key,
+                round,
+                dtype,
+                data,
+            } => io::write_data(
+                &mut w,
+                &Message::PullReply {
+                    key,
+                    round,
+                    dtype,
+                    codec: Codec::Raw,
+                },
+                &data,
+            ),
+            Outgoing::Fatal(m) => {
+                *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
+                let _ = io::write_message(&mut w, &m);
+                break;
+            }
+            Outgoing::Close => break,
+        };
+        if let Err(e) = result {
+            debug!(error = %e, "writer stopping");
+            break;
+        }
+    }
+    // Wakes the reader if it is blocked on a peer that will never send again.
+    let _ = stream.shutdown(Shutdown::Both);
+}

@@ -1,0 +1,419 @@
+//! An engine thread: owns a share of the keys and does all summation for them.
+//!
+//! No engine touches another's keys, so the hot path takes no lock (PHub). Commands arrive
+//! over one channel; the engine drains what is queued and handles it as a batch. Pushes of
+//! a key are staged, not summed one by one: when a round completes, its staged pushes and
+//! the partial sum are reduced in one pass straight into the round's result (16-bit sums
+//! are rounded once, there); pushes still staged at the end of a batch are folded into the
+//! accumulator. Either way each pushed byte is read once, and the first push of a round is
+//! copied rather than added to zeros.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use crossbeam_channel::Receiver;
+use sumflow_wire::{ErrorCode, Message};
+
+use crate::buffer::AlignedBuf;
+use crate::connection::{Outgoing, Replier};
+use crate::directory::KeyMeta;
+use crate::pool::PooledBuf;
+use crate::reduce::Reducer;
+use crate::rounds::{PullOutcome, RoundError, RoundTracker};
+
+/// Commands queued beyond this are left for the next batch, bounding how long a staged
+/// push waits and how many pool buffers a batch holds.
+const MAX_BATCH: usize = 64;
+
+pub enum Command {
+    Init {
+        key: u64,
+        meta: KeyMeta,
+        initial: Option<AlignedBuf>,
+    },
+    Push {
+        key: u64,
+        round: u64,
+        worker: u32,
+        data: PooledBuf,
+        reply: Replier,
+    },
+    Pull {
+        key: u64,
+        round: u64,
+        worker: u32,
+        reply: Replier,
+    },
+    /// A worker left or failed: rounds it has not pushed can never complete.
+    WorkerGone { worker: u32, reason: Arc<str> },
+    /// The server is stopping.
+    Stop,
+}
+
+struct KeyState {
+    meta: KeyMeta,
+    rounds: RoundTracker,
+    acc: AlignedBuf,
+    /// Whether `acc` holds a partial sum of the current round.
+    acc_live: bool,
+    staged: Vec<PooledBuf>,
+    /// The last completed round's sum (round 0: the initial value).
+    sum: Arc<AlignedBuf>,
+    waiting: Vec<(u32, Replier)>,
+}
+
+pub struct Engine {
+    reducer: Reducer,
+    workers: u32,
+    keys: HashMap<u64, KeyState>,
+    gone: BTreeMap<u32, Arc<str>>,
+    dirty: Vec<u64>,
+}
+
+impl Engine {
+    pub fn new(reducer: Reducer, workers: u32) -> Self {
+        Engine {
+            reducer,
+            workers,
+            keys: HashMap::new(),
+            gone: BTreeMap::new(),
+            dirty: Vec::new(),
+        }
+    }
+
+    /// Runs until `Stop` arrives or every sender of `commands` is gone.
+    pub fn run(mut self, commands: Receiver<Command>) {
+        let mut batch = Vec::with_capacity(MAX_BATCH);
+        while let Ok(first) = commands.recv() {
+            batch.push(first);
+            batch.extend(commands.try_iter().take(MAX_BATCH - 1));
+            for cmd in batch.drain(..) {
+                if let Command::Stop = cmd {
+                    return;
+                }
+                self.handle(cmd);
+            }
+            self.fold_staged();
+        }
+    }
+
+    fn handle(&mut self, cmd: Command) {
+        match cmd {
+            Command::Stop => {}
+            Command::Init { key, meta, initial } => self.init(key, meta, initial),
+            Command::Push {
+                key,
+                round,
+                worker,
+                data,
+                reply,
+            } => self.push(key, round, worker, data, &reply),
+            Command::Pull {
+                key,
+                round,
+                worker,
+                reply,
+            } => self.pull(key, round, worker, reply),
+            Command::WorkerGone { worker, reason } => self.worker_gone(worker, reason),
+        }
+    }
+
+    fn init(&mut self, key: u64, meta: KeyMeta, initial: Option<AlignedBuf>) {
+        let acc_len = meta.elements() as usize * meta.dtype.accumulator().size();
+        let sum = initial.unwrap_or_else(|| AlignedBuf::zeroed(meta.byte_len as usize));
+        self.keys.insert(
+            key,
+            KeyState {
+                meta,
+                rounds: RoundTracker::new(self.workers),
+                acc: AlignedBuf::zeroed(acc_len),
+                acc_live: false,
+                staged: Vec::new(),
+                sum: Arc::new(sum),
+                waiting: Vec::new(),
+            },
+        );
+    }
+
+    fn push(&mut self, key: u64, round: u64, worker: u32, data: PooledBuf, reply: &Replier) {
+        let Some(k) = self.keys.get_mut(&key) else {
+            return unknown_key(key, reply);
+        };
+        if let Some(why) = blocker(&self.gone, &k.rounds, round) {
+            return fail_pull(key, round, &why, reply);
+        }
+        match k.rounds.push(worker, round) {
+            // The payload is dropped unsummed: a refused push leaves no partial sum.
+            Err(e) => refuse(key, e, reply),
+            Ok(true) => {
+                k.staged.push(data);
+                complete_round(&self.reducer, key, k);
+            }
+            Ok(false) => {
+                if k.staged.is_empty() {
+                    self.dirty.push(key);
+                }
+                k.staged.push(data);
+            }
+        }
+    }
+
+    fn pull(&mut self, key: u64, round: u64, worker: u32, reply: Replier) {
+        let Some(k) = self.keys.get_mut(&key) else {
+            return unknown_key(key, &reply);
+        };
+        // A round that can no longer complete is reported as such, whatever else is
+        // wrong with the pull: the departed worker is the news.
+        if let Some(why) = blocker(&self.gone, &k.rounds, round) {
+            return fail_pull(key, round, &why, &reply);
+        }
+        match k.rounds.pull(worker, round) {
+            Err(e) => refuse(key, e, &reply),
+            Ok(PullOutcome::Ready) => send_sum(key, k, &reply),
+            Ok(PullOutcome::Wait) => k.waiting.push((worker, reply)),
+        }
+    }
+
+    fn worker_gone(&mut self, worker: u32, reason: Arc<str>) {
+        self.gone.insert(worker, reason);
+        for (key, k) in &mut self.keys {
+            k.waiting.retain(|(w, _)| *w != worker);
+            if k.waiting.is_empty() {
+                continue;
+            }
+            if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.current()) {
+                for (_, reply) in k.waiting.drain(..) {
+                    fail_pull(*key, k.rounds.current(), &why, &reply);
+                }
+            }
+        }
+    }
+
+    fn fold_staged(&mut self) {
+        for key in self.dirty.drain(..) {
+            let Some(k) = self.keys.get_mut(&key) else {
+                continue;
+            };
+            if k.staged.is_empty() {
+                continue; // the round completed within the batch
+            }
+            let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
+            self.reducer
+                .accumulate(k.meta.dtype, &mut k.acc, !k.acc_live, &srcs);
+            k.acc_live = true;
+            k.staged.clear();
+        }
+    }
+}
+
+/// Forms the completed round's sum in one pass and answers the pulls waiting for it.
+fn complete_round(reducer: &Reducer, key: u64, k: &mut KeyState) {
+    let previous = std::mem::replace(&mut k.sum, Arc::new(AlignedBuf::zeroed(0)));
+    // Every worker pulled the previous sum before pushing this round, so it is ours to
+    // reuse unless a connection writer is still sending it.
+    let mut out =
+        Arc::try_unwrap(previous).unwrap_or_else(|_| AlignedBuf::zeroed(k.meta.byte_len as usize));
+    {
+        let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
+        let acc = k.acc_live.then_some(&k.acc[..]);
+        reducer.reduce_into(k.meta.dtype, acc, &srcs, &mut out);
+    }
+    k.staged.clear();
+    k.acc_live = false;
+    k.sum = Arc::new(out);
+    for (_, reply) in std::mem::take(&mut k.waiting) {
+        send_sum(key, k, &reply);
+    }
+}
+
+fn send_sum(key: u64, k: &KeyState, reply: &Replier) {
+    let _ = reply.send(Outgoing::Sum {
+        key,
+        round: k.rounds.completed(),
+        dtype: k.meta.dtype,
+        data: Arc::clone(&k.sum),
+    });
+}
+
+/// Names the departed workers that keep `round` from ever completing, if any.
+fn blocker(gone: &BTreeMap<u32, Arc<str>>, rounds: &RoundTracker, round: u64) -> Option<String> {
+    if round <= rounds.completed() {
+        return None;
+    }
+    let missing: Vec<String> = gone
+        .iter()
+        .filter(|(w, _)| !rounds.has_pushed(**w, round))
+        .map(|(_, reason)| reason.to_string())
+        .collect();
+    (!missing.is_empty()).then(|| missing.join("; "))
+}
+
+/// Tells a worker its round can never complete; its connection stays open.
+fn fail_pull(key: u64, round: u64, why: &str, reply: &Replier) {
+    let _ = reply.send(Outgoing::Message(Message::error(
+        ErrorCode::NodeFailed,
+        Some(key),
+        format!("round {round} of key {key} cannot complete: {why}"),
+    )));
+}
+
+fn refuse(key: u64, e: RoundError, reply: &Replier) {
+    let code = match e {
+        RoundError::DuplicatePush { .. } => ErrorCode::DuplicatePush,
+        RoundError::DuplicatePull { .. } => ErrorCode::DuplicatePull,
+        RoundError::OutOfSequence { .. } => ErrorCode::RoundOutOfSequence,
+    };
+    let _ = reply.send(Outgoing::Fatal(Message::error(
+        code,
+        Some(key),
+        format!("key {key}: {e}"),
+    )));
+}
+
+fn unknown_key(key: u64, reply: &Replier) {
+    let _ = reply.send(Outgoing::Fatal(Message::error(
+        ErrorCode::UnknownKey,
+        Some(key),
+        format!("key {key} is not initialised on this server"),
+    )));
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crossbeam_channel::{unbounded, Receiver};
+    use sumflow_wire::Dtype;
+
+    use super::*;
+    use crate::pool::BufferPool;
+
+    fn meta(dtype: Dtype, elements: u64) -> KeyMeta {
+        KeyMeta {
+            dtype,
+            byte_len: elements * dtype.size() as u64,
+            engine: 0,
+            declared_by: 0,
+        }
+    }
+
+    fn data(pool: &BufferPool, vals: &[i32]) -> PooledBuf {
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let mut b = pool
+            .take(bytes.len(), Duration::from_millis(1), || false)
+            .unwrap();
+        b.copy_from_slice(&bytes);
+        b
+    }
+
+    fn sum_of(rx: &Receiver<Outgoing>) -> Vec<i32> {
+        match rx.try_recv().expect("a reply") {
+            Outgoing::Sum { data, .. } => data
+                .chunks(4)
+                .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+                .collect(),
+            Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a sum, got {m:?}"),
+            Outgoing::Close => panic!("expected a sum, got Close"),
+        }
+    }
+
+    fn engine(workers: u32) -> Engine {
+        let mut e = Engine::new(Reducer::detect(), workers);
+        e.init(1, meta(Dtype::I32, 3), None);
+        e
+    }
+
+    #[test]
+    fn a_refused_push_leaves_no_partial_sum() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.push(1, 1, 0, data(&pool, &[100, 100, 100]), &tx); // duplicate: refused
+        assert!(matches!(rx.try_recv(), Ok(Outgoing::Fatal(_))));
+        e.fold_staged();
+        e.push(1, 1, 1, data(&pool, &[10, 20, 30]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![11, 22, 33]);
+    }
+
+    #[test]
+    fn staged_and_folded_pushes_sum_alike() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(4);
+        // Two pushes folded at a batch end, two staged and reduced at completion.
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 1, 1, data(&pool, &[2, 2, 2]), &tx);
+        e.fold_staged();
+        e.push(1, 1, 2, data(&pool, &[3, 3, 3]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        assert!(rx.try_recv().is_err(), "round 1 is not complete yet");
+        e.push(1, 1, 3, data(&pool, &[4, 4, -4]), &tx);
+        assert_eq!(sum_of(&rx), vec![10, 10, 2]);
+        // Next round starts fresh: no trace of round 1 in the accumulator.
+        for w in 1..4 {
+            e.pull(1, 1, w, tx.clone());
+            assert_eq!(sum_of(&rx), vec![10, 10, 2]);
+        }
+        for w in 0..4 {
+            e.push(1, 2, w, data(&pool, &[w as i32, 0, 0]), &tx);
+        }
+        e.pull(1, 2, 2, tx.clone());
+        assert_eq!(sum_of(&rx), vec![6, 0, 0]);
+    }
+
+    #[test]
+    fn a_departed_worker_fails_the_rounds_it_did_not_push() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        e.push(1, 1, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.worker_gone(1, "worker 1 (w1) lost its connection".into());
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, ErrorCode::NodeFailed);
+                assert!(
+                    err.message.contains("worker 1 (w1) lost"),
+                    "{}",
+                    err.message
+                );
+            }
+            _ => panic!("the waiting pull must fail"),
+        }
+        e.pull(1, 1, 2, tx.clone());
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Outgoing::Message(Message::Error(_)))
+        ));
+    }
+
+    #[test]
+    fn sixteen_bit_keys_sum_in_f32_across_batches() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = Engine::new(Reducer::detect(), 3);
+        e.init(2, meta(Dtype::F16, 1), None);
+        let h = |v: f32| {
+            let mut b = pool.take(2, Duration::from_millis(1), || false).unwrap();
+            b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
+            b
+        };
+        e.push(2, 1, 0, h(2048.0), &tx);
+        e.fold_staged();
+        e.push(2, 1, 1, h(1.0), &tx);
+        e.fold_staged();
+        e.push(2, 1, 2, h(1.0), &tx);
+        e.pull(2, 1, 0, tx.clone());
+        let Ok(Outgoing::Sum { data, .. }) = rx.try_recv() else {
+            panic!("expected the sum")
+        };
+        // 2050 is exact in f16; summing in f16 would have given 2048.
+        assert_eq!(
+            half::f16::from_le_bytes([data[0], data[1]]).to_f32(),
+            2050.0
+        );
+    }
+}

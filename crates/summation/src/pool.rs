@@ -1,0 +1,97 @@
+//! Receive buffers of one connection: a fixed number, so a fast worker meets back-pressure.
+//!
+//! A connection's reader takes a buffer before reading a push payload; the engine drops it
+//! once summed, which sends it home. With every buffer in flight the reader stops reading,
+//! and TCP flow control stalls the worker: server memory stays bounded whatever a worker
+//! sends.
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+
+use crate::buffer::AlignedBuf;
+
+pub struct BufferPool {
+    home: Sender<AlignedBuf>,
+    free: Receiver<AlignedBuf>,
+}
+
+impl BufferPool {
+    pub fn new(depth: usize) -> Self {
+        assert!(depth > 0, "a pool needs at least one buffer");
+        let (home, free) = bounded(depth);
+        for _ in 0..depth {
+            home.send(AlignedBuf::zeroed(0)).expect("pool has room");
+        }
+        BufferPool { home, free }
+    }
+
+    /// Takes a buffer of `len` bytes, waiting while all are in flight. Gives up (returns
+    /// `None`) when `keep_waiting` says so, checked every `poll`.
+    pub fn take(
+        &self,
+        len: usize,
+        poll: Duration,
+        keep_waiting: impl Fn() -> bool,
+    ) -> Option<PooledBuf> {
+        loop {
+            match self.free.recv_timeout(poll) {
+                Ok(mut buf) => {
+                    buf.set_len(len);
+                    return Some(PooledBuf {
+                        buf: Some(buf),
+                        home: self.home.clone(),
+                    });
+                }
+                Err(RecvTimeoutError::Timeout) if keep_waiting() => continue,
+                Err(_) => return None,
+            }
+        }
+    }
+}
+
+/// A pool buffer on loan; dropping it returns it, on every path, so none can leak.
+pub struct PooledBuf {
+    buf: Option<AlignedBuf>,
+    home: Sender<AlignedBuf>,
+}
+
+impl Deref for PooledBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.buf.as_ref().expect("present until drop")
+    }
+}
+
+impl DerefMut for PooledBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        self.buf.as_mut().expect("present until drop")
+    }
+}
+
+impl Drop for PooledBuf {
+    fn drop(&mut self) {
+        if let Some(buf) = self.buf.take() {
+            // The pool is gone when its connection closed; the buffer is then just freed.
+            let _ = self.home.try_send(buf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buffers_come_home_when_dropped() {
+        let pool = BufferPool::new(2);
+        let a = pool.take(10, Duration::from_millis(1), || false).unwrap();
+        let b = pool.take(20, Duration::from_millis(1), || false).unwrap();
+        assert_eq!((a.len(), b.len()), (10, 20));
+        assert!(pool.take(1, Duration::from_millis(5), || false).is_none());
+        drop(a);
+        let c = pool.take(30, Duration::from_millis(1), || false).unwrap();
+        assert_eq!(c.len(), 30);
+    }
+}

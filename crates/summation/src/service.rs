@@ -1,0 +1,373 @@
+//! Starting, running and stopping a summation server.
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, RecvTimeoutError};
+use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
+use sumflow_client::ClientError;
+use sumflow_wire::{JobToken, Registration, Role};
+use thiserror::Error;
+use tracing::{info, warn};
+
+use crate::engine::Engine;
+use crate::reduce::{Reducer, SimdLevel};
+use crate::shared::{Settings, Shared};
+
+/// Commands an engine's queue holds before connections wait (back-pressure).
+const ENGINE_QUEUE: usize = 256;
+
+#[derive(Debug, Error)]
+pub enum ServerError {
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot join the job: {0}")]
+    Join(#[source] ClientError),
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("cannot start a thread: {0}")]
+    Thread(#[source] std::io::Error),
+}
+
+/// How the server learns who the workers are.
+#[derive(Clone, Debug)]
+pub enum Membership {
+    /// A fixed number of workers and no coordinator (tests and benchmarks).
+    Standalone { workers: u32 },
+    /// Register with the job's coordinator and take the worker set from its cluster map.
+    Coordinator(CoordinatorLink),
+}
+
+#[derive(Clone, Debug)]
+pub struct CoordinatorLink {
+    pub addr: String,
+    /// Address workers should use to reach this server.
+    pub advertise_host: String,
+    /// Machine identity, for colocation.
+    pub host_id: String,
+    pub requested_rank: Option<u32>,
+    pub join_timeout: Duration,
+    pub options: CoordinatorOptions,
+}
+
+#[derive(Clone, Debug)]
+pub struct ServerConfig {
+    pub bind: SocketAddr,
+    pub token: JobToken,
+    pub membership: Membership,
+    pub engine_threads: usize,
+    pub settings: Settings,
+    /// Cap on bytes held for keys (accumulators and sums); `None` for no cap.
+    pub max_key_memory: Option<u64>,
+    /// Forces a SIMD level instead of the best one detected.
+    pub simd: Option<SimdLevel>,
+    /// Connections served at once; more are closed on arrival.
+    pub max_connections: usize,
+}
+
+impl ServerConfig {
+    /// A standalone server on loopback with defaults suited to tests.
+    pub fn standalone(workers: u32, token: JobToken) -> Self {
+        ServerConfig {
+            bind: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            token,
+            membership: Membership::Standalone { workers },
+            engine_threads: 1,
+            settings: Settings {
+                max_body: sumflow_wire::DEFAULT_MAX_BODY,
+                push_buffers: 4,
+                handshake_timeout: Duration::from_secs(10),
+                write_timeout: Duration::from_secs(120),
+            },
+            max_key_memory: None,
+            simd: None,
+            max_connections: 1024,
+        }
+    }
+}
+
+pub struct SummationService;
+
+impl SummationService {
+    /// Binds, joins the job (when a coordinator is configured) and starts serving.
+    pub fn start(cfg: ServerConfig) -> Result<ServerHandle, ServerError> {
+        if cfg.engine_threads == 0 || cfg.settings.push_buffers == 0 {
+            return Err(ServerError::Config(
+                "engine threads and push buffers must be at least 1".into(),
+            ));
+        }
+        let reducer = match cfg.simd {
+            Some(level) => {
+                Reducer::with_level(level).map_err(|e| ServerError::Config(e.to_string()))?
+            }
+            None => Reducer::detect(),
+        };
+        let listener = TcpListener::bind(cfg.bind).map_err(|source| ServerError::Bind {
+            addr: cfg.bind,
+            source,
+        })?;
+        let addr = listener.local_addr().map_err(|source| ServerError::Bind {
+            addr: cfg.bind,
+            source,
+        })?;
+        let (worker_names, rank, coordinator) = match &cfg.membership {
+            Membership::Standalone { workers } => {
+                if *workers == 0 {
+                    return Err(ServerError::Config(
+                        "a job needs at least one worker".into(),
+                    ));
+                }
+                (vec![String::new(); *workers as usize], None, None)
+            }
+            Membership::Coordinator(link) => {
+                let client = join(link, &cfg.token, addr.port())?;
+                let names = client
+                    .cluster_map()
+                    .workers
+                    .iter()
+                    .map(|w| w.name.clone())
+                    .collect();
+                (names, Some(client.rank()), Some(client))
+            }
+        };
+        let mut engine_txs = Vec::new();
+        let mut engines = Vec::new();
+        for i in 0..cfg.engine_threads {
+            let (tx, rx) = bounded(ENGINE_QUEUE);
+            let engine = Engine::new(reducer, worker_names.len() as u32);
+            engines.push(spawn(format!("sumflow-engine-{i}"), move || {
+                engine.run(rx)
+            })?);
+            engine_txs.push(tx);
+        }
+        let shared = Arc::new(Shared::new(
+            cfg.settings.clone(),
+            cfg.token.clone(),
+            worker_names,
+            engine_txs,
+            cfg.max_key_memory,
+        ));
+        info!(
+            %addr,
+            rank = ?rank,
+            workers = shared.workers,
+            engines = cfg.engine_threads,
+            simd = reducer.level().name(),
+            "summation server listening"
+        );
+        let connections = Arc::new(Mutex::new(Vec::new()));
+        let accept = {
+            let shared = Arc::clone(&shared);
+            let connections = Arc::clone(&connections);
+            let max = cfg.max_connections;
+            spawn("sumflow-accept".into(), move || {
+                accept_loop(listener, shared, connections, max)
+            })?
+        };
+        let coordinator = coordinator.map(|c| Arc::new(Mutex::new(Some(c))));
+        let monitor = match &coordinator {
+            Some(client) => {
+                let shared = Arc::clone(&shared);
+                let client = Arc::clone(client);
+                Some(spawn("sumflow-monitor".into(), move || {
+                    monitor(shared, client, addr)
+                })?)
+            }
+            None => None,
+        };
+        Ok(ServerHandle {
+            addr,
+            rank,
+            shared,
+            accept: Some(accept),
+            engines,
+            monitor,
+            connections,
+            coordinator,
+        })
+    }
+}
+
+fn spawn<F: FnOnce() + Send + 'static>(name: String, f: F) -> Result<JoinHandle<()>, ServerError> {
+    std::thread::Builder::new()
+        .name(name)
+        .spawn(f)
+        .map_err(ServerError::Thread)
+}
+
+fn join(
+    link: &CoordinatorLink,
+    token: &JobToken,
+    port: u16,
+) -> Result<CoordinatorClient, ServerError> {
+    let pid = std::process::id();
+    let reg = Registration {
+        role: Role::Server,
+        requested_rank: link.requested_rank,
+        host: link.advertise_host.clone(),
+        port,
+        host_id: link.host_id.clone(),
+        pid,
+        name: format!("server {}:{port} pid {pid}", link.advertise_host),
+    };
+    CoordinatorClient::join(
+        &link.addr,
+        token,
+        reg,
+        link.join_timeout,
+        link.options.clone(),
+    )
+    .map_err(ServerError::Join)
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    shared: Arc<Shared>,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    max_connections: usize,
+) {
+    for stream in listener.incoming() {
+        if shared.is_stopping() {
+            break;
+        }
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "accept failed");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let mut conns = connections.lock().expect("connections lock");
+        conns.retain(|h| !h.is_finished());
+        if conns.len() >= max_connections {
+            warn!(
+                limit = max_connections,
+                "connection limit reached; closing new connection"
+            );
+            continue;
+        }
+        let shared = Arc::clone(&shared);
+        match std::thread::Builder::new()
+            .name("sumflow-conn".into())
+            .spawn(move || crate::connection::serve(shared, stream))
+        {
+            Ok(h) => conns.push(h),
+            Err(e) => warn!(error = %e, "cannot start a connection thread"),
+        }
+    }
+}
+
+/// Relays the coordinator's failure notices to the engines and stops the server when the
+/// coordinator ends the job.
+fn monitor(shared: Arc<Shared>, client: Arc<Mutex<Option<CoordinatorClient>>>, addr: SocketAddr) {
+    let failures = match client.lock().expect("coordinator lock").as_ref() {
+        Some(c) => c.failures(),
+        None => return,
+    };
+    while !shared.is_stopping() {
+        match failures.recv_timeout(Duration::from_millis(100)) {
+            Ok(f) if f.node.role == Role::Worker && f.node.rank < shared.workers => {
+                shared.worker_gone(f.node.rank, &format!("failed: {}", f.reason));
+            }
+            Ok(f) => warn!(node = %f.name, reason = %f.reason, "node failed"),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => break,
+        }
+        let done = client
+            .lock()
+            .expect("coordinator lock")
+            .as_ref()
+            .is_some_and(|c| c.shutdown_requested());
+        if done {
+            info!("the coordinator ended the job; stopping");
+            stop(&shared, addr);
+        }
+    }
+}
+
+fn stop(shared: &Shared, addr: SocketAddr) {
+    if shared.is_stopping() {
+        return;
+    }
+    shared.stop();
+    // Wakes the accept loop, which checks the stop flag on each connection.
+    let wake = match addr.ip() {
+        ip if ip.is_unspecified() => SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), addr.port()),
+        _ => addr,
+    };
+    let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+}
+
+/// A running server.
+pub struct ServerHandle {
+    addr: SocketAddr,
+    rank: Option<u32>,
+    shared: Arc<Shared>,
+    accept: Option<JoinHandle<()>>,
+    engines: Vec<JoinHandle<()>>,
+    monitor: Option<JoinHandle<()>>,
+    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    coordinator: Option<Arc<Mutex<Option<CoordinatorClient>>>>,
+}
+
+impl ServerHandle {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The server's rank in the job (coordinator mode).
+    pub fn rank(&self) -> Option<u32> {
+        self.rank
+    }
+
+    /// Whether the server has stopped accepting (after `shutdown` or the job's end).
+    pub fn is_finished(&self) -> bool {
+        self.shared.is_stopping()
+    }
+
+    /// Asks the server to stop; `wait` returns once it has.
+    pub fn shutdown(&self) {
+        stop(&self.shared, self.addr);
+    }
+
+    /// Waits for the server to stop, then leaves the job gracefully.
+    pub fn wait(mut self) {
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+        let conns = std::mem::take(&mut *self.connections.lock().expect("connections lock"));
+        for h in conns {
+            let _ = h.join();
+        }
+        self.shared.stop_engines();
+        for h in self.engines.drain(..) {
+            let _ = h.join();
+        }
+        if let Some(h) = self.monitor.take() {
+            let _ = h.join();
+        }
+        if let Some(c) = self.coordinator.take() {
+            if let Some(client) = c.lock().expect("coordinator lock").take() {
+                if let Err(e) = client.leave("summation server stopping") {
+                    warn!(error = %e, "could not leave the job gracefully");
+                }
+            }
+        }
+        info!(addr = %self.addr, "summation server stopped");
+    }
+}
+
+impl Drop for ServerHandle {
+    fn drop(&mut self) {
+        if self.accept.is_some() {
+            self.shutdown();
+        }
+    }
+}
