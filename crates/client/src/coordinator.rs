@@ -87,8 +87,11 @@ impl Default for CoordinatorOptions {
 /// [`is_coordinator`](Self::is_coordinator) is true.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeFailure {
+    /// The failed node's role and rank ([`COORDINATOR_NODE`] for the coordinator).
     pub node: NodeId,
+    /// Its name from the cluster map ("coordinator at ADDR" for the coordinator).
     pub name: String,
+    /// Why it counts as failed, as a sentence.
     pub reason: String,
 }
 

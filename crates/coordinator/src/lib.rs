@@ -49,33 +49,46 @@ pub struct JobOutcome {
 /// Why the coordinator could not start or could not bring the job together.
 #[derive(Debug, Error)]
 pub enum CoordinatorError {
+    /// A setting is unusable; the message names it.
     #[error("invalid coordinator configuration: {0}")]
     InvalidConfig(String),
+    /// The listening socket could not be opened.
     #[error("cannot listen on {addr}: {source} (is another coordinator using that port? use port 0 to pick a free one)")]
     Bind {
+        /// The address asked for.
         addr: SocketAddr,
+        /// Why the operating system refused it.
         #[source]
         source: std::io::Error,
     },
+    /// Not every expected node joined in time; the job never started.
     #[error(
         "job {job_id}: only {workers_joined} of {workers_expected} workers and {servers_joined} of \
          {servers_expected} servers joined within {secs:.1}s; missing {missing}; joined: {joined}. \
          Check that every node was started with this coordinator's address and the job's token"
     )]
     JoinTimeout {
+        /// The job's id.
         job_id: String,
+        /// The join timeout that expired, in seconds.
         secs: f64,
+        /// Workers that joined.
         workers_joined: u32,
+        /// Workers the job waited for.
         workers_expected: u32,
+        /// Servers that joined.
         servers_joined: u32,
+        /// Servers the job waited for.
         servers_expected: u32,
         /// How many of each role are missing, e.g. "1 worker and 2 servers".
         missing: String,
         /// The nodes that did join, by role and name.
         joined: String,
     },
+    /// A thread could not be started (the process is out of resources).
     #[error("cannot start a coordinator thread: {0}")]
     Spawn(#[source] std::io::Error),
+    /// A bug: the coordinator's core stopped unexpectedly.
     #[error("internal coordinator error: {0}")]
     Internal(String),
 }

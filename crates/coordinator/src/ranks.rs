@@ -7,7 +7,9 @@ use sumflow_wire::{ErrorCode, Registration};
 /// Why a registration is refused; it goes back to the node in an `Error` frame.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Refusal {
+    /// The code the `Error` frame carries.
     pub code: ErrorCode,
+    /// What is wrong and what to do about it.
     pub message: String,
 }
 

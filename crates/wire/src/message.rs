@@ -388,7 +388,7 @@ impl Message {
                     v => return Err(d.bad("has_init", format!("{v} is not 0 or 1"))),
                 };
                 d.zeros(6, "reserved")?;
-                if byte_len == 0 || byte_len % dtype.size() as u64 != 0 {
+                if byte_len == 0 || !byte_len.is_multiple_of(dtype.size() as u64) {
                     return Err(d.bad(
                         "byte_len",
                         format!(
@@ -529,7 +529,7 @@ fn codec(d: &mut Dec) -> Result<Codec, WireError> {
 }
 
 fn elements(d: &Dec, dtype: Dtype, payload_len: usize) -> Result<(), WireError> {
-    if payload_len == 0 || payload_len % dtype.size() != 0 {
+    if payload_len == 0 || !payload_len.is_multiple_of(dtype.size()) {
         return Err(d.bad(
             "payload",
             format!(

@@ -220,7 +220,7 @@ impl Reducer {
 #[track_caller]
 fn elements(what: &str, bytes: usize, dtype: Dtype) -> usize {
     assert!(
-        bytes % dtype.size() == 0,
+        bytes.is_multiple_of(dtype.size()),
         "{what} is {bytes} bytes, not a whole number of {}-byte {dtype} elements",
         dtype.size()
     );
