@@ -6,7 +6,8 @@
 //! the partial sum are reduced in one pass straight into the round's result (16-bit sums
 //! are rounded once, there); pushes still staged at the end of a batch are folded into the
 //! accumulator. Either way each pushed byte is read once, and the first push of a round is
-//! copied rather than added to zeros.
+//! never added to zeros: it is copied, or, where its bytes already have the accumulator's
+//! layout, its receive buffer is adopted outright and the old buffer given to the pool.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -197,9 +198,15 @@ impl Engine {
             if k.staged.is_empty() {
                 continue; // the round completed within the batch
             }
-            let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
-            self.reducer
-                .accumulate(k.meta.dtype, &mut k.acc, !k.acc_live, &srcs);
+            let same_width = k.meta.dtype.accumulator() == k.meta.dtype;
+            if !k.acc_live && k.staged.len() == 1 && same_width {
+                // The round's first push becomes the accumulator: zero-copy (PHub).
+                k.staged[0].swap_with(&mut k.acc);
+            } else {
+                let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
+                self.reducer
+                    .accumulate(k.meta.dtype, &mut k.acc, !k.acc_live, &srcs);
+            }
             k.acc_live = true;
             k.staged.clear();
         }
@@ -213,7 +220,10 @@ fn complete_round(reducer: &Reducer, key: u64, k: &mut KeyState) {
     // reuse unless a connection writer is still sending it.
     let mut out =
         Arc::try_unwrap(previous).unwrap_or_else(|_| AlignedBuf::zeroed(k.meta.byte_len as usize));
-    {
+    if !k.acc_live && k.staged.len() == 1 {
+        // A round of one push (a single-worker job) is its own sum: adopt it, no copy.
+        k.staged[0].swap_with(&mut out);
+    } else {
         let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
         let acc = k.acc_live.then_some(&k.acc[..]);
         reducer.reduce_into(k.meta.dtype, acc, &srcs, &mut out);

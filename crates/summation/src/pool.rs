@@ -57,6 +57,20 @@ pub struct PooledBuf {
     home: Sender<AlignedBuf>,
 }
 
+impl PooledBuf {
+    /// Exchanges contents with `other` (of equal length) without copying: the received
+    /// push becomes the key's buffer, and the key's old buffer goes back to the pool.
+    pub fn swap_with(&mut self, other: &mut AlignedBuf) {
+        let mine = self.buf.as_mut().expect("present until drop");
+        assert_eq!(
+            mine.len(),
+            other.len(),
+            "swapped buffers must be equally long"
+        );
+        std::mem::swap(mine, other);
+    }
+}
+
 impl Deref for PooledBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
@@ -93,5 +107,19 @@ mod tests {
         drop(a);
         let c = pool.take(30, Duration::from_millis(1), || false).unwrap();
         assert_eq!(c.len(), 30);
+    }
+
+    #[test]
+    fn swapping_hands_the_pool_the_other_buffer() {
+        let pool = BufferPool::new(1);
+        let mut received = pool.take(8, Duration::from_millis(1), || false).unwrap();
+        received.copy_from_slice(&[7; 8]);
+        let mut kept = AlignedBuf::zeroed(8);
+        kept.copy_from_slice(&[1; 8]);
+        received.swap_with(&mut kept);
+        assert_eq!(&kept[..], &[7; 8]);
+        drop(received);
+        let back = pool.take(8, Duration::from_millis(1), || false).unwrap();
+        assert_eq!(&back[..], &[1; 8], "the pool got the key's old buffer");
     }
 }
