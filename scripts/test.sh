@@ -17,7 +17,9 @@ step "clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo test (release: kernels are tested as they run)"
-cargo test --workspace --release --locked
+test_log=$(mktemp)
+trap 'rm -f "$test_log"' EXIT
+cargo test --workspace --release --locked 2>&1 | tee "$test_log"
 
 step "benchmark smoke runs"
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench reduce
@@ -27,3 +29,5 @@ step "fuzz smoke run of the frame decoder"
 scripts/fuzz.sh 30
 
 step "all tests passed"
+# One closing line with the totals over every test binary.
+awk '/^test result:/ { p += $4; f += $6 } END { printf "summary: %d passed, %d failed\n", p, f }' "$test_log"

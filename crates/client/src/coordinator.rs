@@ -28,8 +28,7 @@
 //! ```
 
 use std::collections::{HashMap, HashSet};
-use std::io::ErrorKind;
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
@@ -42,6 +41,7 @@ use sumflow_wire::{
 };
 use tracing::{debug, warn};
 
+use crate::dial::connect_retrying;
 use crate::error::{ClientError, Result};
 
 /// The id under which loss of the coordinator itself is reported through
@@ -51,10 +51,6 @@ pub const COORDINATOR_NODE: NodeId = NodeId {
     rank: u32::MAX,
 };
 
-/// Longest single TCP connect attempt while the coordinator may still be starting.
-const CONNECT_ATTEMPT: Duration = Duration::from_secs(2);
-/// Longest pause between connect attempts.
-const MAX_RETRY_DELAY: Duration = Duration::from_secs(1);
 /// How long `leave` waits for the coordinator to acknowledge by closing the connection.
 const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
@@ -131,7 +127,7 @@ impl CoordinatorClient {
             )));
         }
         let peer = format!("coordinator at {addr}");
-        let mut stream = connect_retrying(addr, opts.connect_timeout)?;
+        let mut stream = connect_retrying(addr, "coordinator", opts.connect_timeout)?;
         let wire = |source| ClientError::Wire {
             peer: peer.clone(),
             source,
@@ -147,7 +143,7 @@ impl CoordinatorClient {
             name: reg.name.clone(),
         };
         connect(&mut stream, token, Service::Coordinator, &me, opts.max_body)
-            .map_err(|e| refused_or(&peer, e))?;
+            .map_err(|e| ClientError::from_wire(&peer, e))?;
         write_message(&mut stream, &Message::Register(reg.clone())).map_err(wire)?;
         // The heartbeat thread judges silence precisely; the socket timeout only ensures a
         // reader cannot block forever, so it must not fire first.
@@ -671,57 +667,4 @@ fn group_name(group: BarrierGroup) -> &'static str {
         BarrierGroup::Workers => "workers",
         BarrierGroup::All => "all-nodes",
     }
-}
-
-/// A refusal the coordinator sent us becomes `Remote` (so its code, e.g. `AuthFailed`,
-/// reaches the caller); anything else stays a wire error.
-fn refused_or(peer: &str, e: WireError) -> ClientError {
-    match e {
-        WireError::Rejected(r) => ClientError::Remote {
-            peer: peer.to_string(),
-            code: r.code,
-            key: r.key,
-            message: r.message,
-        },
-        source => ClientError::Wire {
-            peer: peer.to_string(),
-            source,
-        },
-    }
-}
-
-/// Connects to `addr`, retrying with backoff until `timeout` has passed.
-fn connect_retrying(addr: &str, timeout: Duration) -> Result<TcpStream> {
-    let deadline = Instant::now() + timeout;
-    let mut delay = Duration::from_millis(50);
-    loop {
-        let err = match try_connect(addr, deadline) {
-            Ok(s) => return Ok(s),
-            Err(e) => e,
-        };
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || err.kind() == ErrorKind::InvalidInput {
-            return Err(ClientError::Connect {
-                service: "coordinator",
-                addr: addr.to_string(),
-                source: err,
-            });
-        }
-        debug!("coordinator at {addr} not reachable yet ({err}); retrying");
-        thread::sleep(delay.min(left));
-        delay = (delay * 2).min(MAX_RETRY_DELAY);
-    }
-}
-
-fn try_connect(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
-    let mut last = std::io::Error::new(ErrorKind::NotFound, "the address resolved to nothing");
-    for sa in addr.to_socket_addrs()? {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let attempt = left.clamp(Duration::from_millis(1), CONNECT_ATTEMPT);
-        match TcpStream::connect_timeout(&sa, attempt) {
-            Ok(s) => return Ok(s),
-            Err(e) => last = e,
-        }
-    }
-    Err(last)
 }

@@ -42,6 +42,23 @@ pub enum ClientError {
 }
 
 impl ClientError {
+    /// A refusal the peer sent becomes `Remote`, so its code (e.g. `AuthFailed`) reaches
+    /// the caller; anything else stays a wire error.
+    pub fn from_wire(peer: &str, e: WireError) -> ClientError {
+        match e {
+            WireError::Rejected(r) => ClientError::Remote {
+                peer: peer.to_string(),
+                code: r.code,
+                key: r.key,
+                message: r.message,
+            },
+            source => ClientError::Wire {
+                peer: peer.to_string(),
+                source,
+            },
+        }
+    }
+
     /// The wire error code that best describes this failure.
     pub fn code(&self) -> ErrorCode {
         match self {

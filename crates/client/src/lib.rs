@@ -2,6 +2,7 @@
 //! and, underneath its pipeline, by the worker's communication service.
 
 pub mod coordinator;
+mod dial;
 pub mod error;
 pub mod server;
 

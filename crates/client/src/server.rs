@@ -3,12 +3,13 @@
 //! It splits into a sending half and a receiving half so that a pipeline can push later
 //! partitions while it receives the sums of earlier ones on another thread.
 
-use std::net::{Shutdown, TcpStream, ToSocketAddrs};
+use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{Codec, Dtype, JobToken, Message, Peer, PushMode, Role, Service, WireError};
 
+use crate::dial::connect_retrying;
 use crate::error::{ClientError, Result};
 
 #[derive(Clone, Debug)]
@@ -89,7 +90,7 @@ impl ServerClient {
             name: name.to_string(),
         };
         io::connect(&mut stream, token, Service::Summation, &me, opts.max_body)
-            .map_err(|e| wire_or_remote(&peer, e))?;
+            .map_err(|e| ClientError::from_wire(&peer, e))?;
         let read_half = stream.try_clone().map_err(|e| wire(&peer, e.into()))?;
         Ok(ServerClient {
             tx: ServerSender {
@@ -291,46 +292,5 @@ fn wire(peer: &str, source: WireError) -> ClientError {
     ClientError::Wire {
         peer: peer.to_string(),
         source,
-    }
-}
-
-fn wire_or_remote(peer: &str, e: WireError) -> ClientError {
-    match e {
-        WireError::Rejected(r) => ClientError::Remote {
-            peer: peer.to_string(),
-            code: r.code,
-            key: r.key,
-            message: r.message,
-        },
-        e => wire(peer, e),
-    }
-}
-
-/// Connects, retrying refused connections until `timeout`: in a job, peers start in any order.
-pub fn connect_retrying(addr: &str, service: &'static str, timeout: Duration) -> Result<TcpStream> {
-    let deadline = Instant::now() + timeout;
-    let mut delay = Duration::from_millis(10);
-    loop {
-        let attempt = addr.to_socket_addrs().and_then(|mut addrs| {
-            let a = addrs.next().ok_or_else(|| {
-                std::io::Error::new(std::io::ErrorKind::NotFound, "address resolved to nothing")
-            })?;
-            TcpStream::connect_timeout(&a, Duration::from_secs(5))
-        });
-        match attempt {
-            Ok(s) => return Ok(s),
-            Err(e) if Instant::now() + delay < deadline => {
-                tracing::debug!(%addr, error = %e, "connect failed; retrying");
-                std::thread::sleep(delay);
-                delay = (delay * 2).min(Duration::from_millis(500));
-            }
-            Err(source) => {
-                return Err(ClientError::Connect {
-                    service,
-                    addr: addr.to_string(),
-                    source,
-                })
-            }
-        }
     }
 }
