@@ -16,8 +16,10 @@ use crate::error::{ClientError, Result};
 pub struct ServerOptions {
     /// How long to keep trying to connect (the server may still be starting).
     pub connect_timeout: Duration,
-    /// Longest silence tolerated while waiting for a reply.
-    pub reply_timeout: Duration,
+    /// Longest silence tolerated while waiting for a reply; `None` waits indefinitely
+    /// (for a pipeline's receiver, idle between iterations, whose callers time out their
+    /// own waits).
+    pub reply_timeout: Option<Duration>,
     pub max_body: u32,
 }
 
@@ -25,7 +27,7 @@ impl Default for ServerOptions {
     fn default() -> Self {
         ServerOptions {
             connect_timeout: Duration::from_secs(30),
-            reply_timeout: Duration::from_secs(300),
+            reply_timeout: Some(Duration::from_secs(300)),
             max_body: sumflow_wire::DEFAULT_MAX_BODY,
         }
     }
@@ -61,7 +63,6 @@ pub struct ServerSender {
 pub struct ServerReceiver {
     reader: FrameReader<TcpStream>,
     peer: String,
-    reply_timeout: Duration,
     /// Buffers handed back with `recycle`, reused for later sums.
     spare: Vec<Vec<u8>>,
 }
@@ -82,7 +83,7 @@ impl ServerClient {
         let mut stream = connect_retrying(addr, "summation server", opts.connect_timeout)?;
         let _ = stream.set_nodelay(true);
         stream
-            .set_read_timeout(Some(opts.reply_timeout))
+            .set_read_timeout(opts.reply_timeout)
             .map_err(|e| wire(&peer, e.into()))?;
         let me = Peer {
             role: Role::Worker,
@@ -100,7 +101,6 @@ impl ServerClient {
             rx: ServerReceiver {
                 reader: FrameReader::new(read_half, opts.max_body),
                 peer,
-                reply_timeout: opts.reply_timeout,
                 spare: Vec::new(),
             },
         })
@@ -204,7 +204,9 @@ impl ServerSender {
             reason: reason.to_string(),
         };
         let result = io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e));
-        let _ = self.stream.shutdown(Shutdown::Write);
+        // Both halves: the frame still goes out, and a receiver blocked on this socket in
+        // another thread wakes up instead of waiting on a server that may never answer.
+        let _ = self.stream.shutdown(Shutdown::Both);
         result
     }
 }
@@ -280,11 +282,6 @@ impl ServerReceiver {
             peer: self.peer.clone(),
             what: format!("{reply:?}").chars().take(120).collect(),
         }
-    }
-
-    /// The longest silence `recv` tolerates.
-    pub fn reply_timeout(&self) -> Duration {
-        self.reply_timeout
     }
 }
 

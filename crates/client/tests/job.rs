@@ -82,7 +82,7 @@ fn join_worker(coord: &str, rank: u32) -> CoordinatorClient {
 fn connect_servers(job: &CoordinatorClient) -> Vec<ServerClient> {
     let opts = ServerOptions {
         connect_timeout: Duration::from_secs(5),
-        reply_timeout: Duration::from_secs(10),
+        reply_timeout: Some(Duration::from_secs(10)),
         ..ServerOptions::default()
     };
     job.cluster_map()

@@ -25,7 +25,7 @@ fn start(workers: u32, engines: usize) -> (ServerHandle, String) {
 fn opts() -> ServerOptions {
     ServerOptions {
         connect_timeout: Duration::from_secs(5),
-        reply_timeout: Duration::from_secs(10),
+        reply_timeout: Some(Duration::from_secs(10)),
         max_body: 1 << 20,
     }
 }

@@ -1,0 +1,220 @@
+//! Asynchronous handles: one per push_pull, completed partition by partition.
+//!
+//! Enqueueing returns a handle at once; the caller polls or waits. A failure of any
+//! partition fails the handle, and the error reaches whoever waits on it. A tensor has at
+//! most one push_pull in flight, because a worker must pull round r of a key before it may
+//! push round r + 1.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::CommError;
+
+struct Op {
+    tensor_id: u32,
+    tensor: String,
+    parts: usize,
+    /// Outstanding partitions, by server rank, for timeout messages.
+    outstanding: HashMap<u64, usize>,
+    error: Option<CommError>,
+}
+
+#[derive(Default)]
+struct State {
+    next: u64,
+    ops: HashMap<u64, Op>,
+    busy: HashSet<u32>,
+}
+
+#[derive(Default)]
+pub struct Handles {
+    state: Mutex<State>,
+    changed: Condvar,
+}
+
+impl Handles {
+    /// Starts an operation on a tensor whose partitions are keyed by `keys` with their
+    /// servers; refuses a tensor that is already in flight.
+    pub fn start(
+        &self,
+        tensor_id: u32,
+        tensor: &str,
+        parts: impl IntoIterator<Item = (u64, usize)>,
+    ) -> Result<u64, CommError> {
+        let mut s = self.state.lock().expect("handles lock");
+        if !s.busy.insert(tensor_id) {
+            return Err(CommError::Busy(tensor.to_string()));
+        }
+        let outstanding: HashMap<u64, usize> = parts.into_iter().collect();
+        s.next += 1;
+        let id = s.next;
+        let parts = outstanding.len();
+        s.ops.insert(
+            id,
+            Op {
+                tensor_id,
+                tensor: tensor.to_string(),
+                parts,
+                outstanding,
+                error: None,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Marks one partition (by key) done.
+    pub fn part_done(&self, handle: u64, key: u64) {
+        let mut s = self.state.lock().expect("handles lock");
+        let Some(op) = s.ops.get_mut(&handle) else {
+            return;
+        };
+        op.outstanding.remove(&key);
+        if op.outstanding.is_empty() {
+            let t = op.tensor_id;
+            s.busy.remove(&t);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Fails the operation; its tensor may be used again (the job is likely broken anyway,
+    /// but the caller decides).
+    pub fn fail(&self, handle: u64, make: impl FnOnce(&str) -> CommError) {
+        let mut s = self.state.lock().expect("handles lock");
+        let Some(op) = s.ops.get_mut(&handle) else {
+            return;
+        };
+        if op.error.is_none() {
+            op.error = Some(make(&op.tensor));
+        }
+        let t = op.tensor_id;
+        s.busy.remove(&t);
+        self.changed.notify_all();
+    }
+
+    /// Whether the operation finished; an error if it failed. Does not consume the handle.
+    pub fn poll(&self, handle: u64) -> Result<bool, CommError> {
+        let s = self.state.lock().expect("handles lock");
+        let op = s.ops.get(&handle).ok_or(CommError::UnknownHandle(handle))?;
+        match &op.error {
+            Some(e) => Err(e.clone()),
+            None => Ok(op.outstanding.is_empty()),
+        }
+    }
+
+    /// Waits for the operation and releases the handle. `describe_server` turns a server
+    /// rank into a name for the timeout message.
+    pub fn wait(
+        &self,
+        handle: u64,
+        timeout: Duration,
+        describe_server: impl Fn(usize) -> String,
+    ) -> Result<(), CommError> {
+        let started = Instant::now();
+        let s = self.state.lock().expect("handles lock");
+        if !s.ops.contains_key(&handle) {
+            return Err(CommError::UnknownHandle(handle));
+        }
+        let (mut s, _) = self
+            .changed
+            .wait_timeout_while(s, timeout, |s| {
+                let op = &s.ops[&handle];
+                op.error.is_none() && !op.outstanding.is_empty()
+            })
+            .expect("handles lock");
+        let op = &s.ops[&handle];
+        if op.error.is_none() && !op.outstanding.is_empty() {
+            let mut servers: Vec<usize> = op.outstanding.values().copied().collect();
+            servers.sort_unstable();
+            servers.dedup();
+            let names: Vec<String> = servers.into_iter().map(describe_server).collect();
+            return Err(CommError::Timeout {
+                tensor: op.tensor.clone(),
+                secs: started.elapsed().as_secs_f64(),
+                outstanding: op.outstanding.len(),
+                parts: op.parts,
+                servers: names.join(", "),
+            });
+        }
+        let op = s.ops.remove(&handle).expect("present");
+        match op.error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// Fails every operation still in flight, or with `server`, those waiting on it.
+    pub fn fail_all(&self, server: Option<usize>, make: impl Fn(&str) -> CommError) {
+        let mut s = self.state.lock().expect("handles lock");
+        let mut freed = Vec::new();
+        for op in s.ops.values_mut() {
+            let affected = match server {
+                Some(srv) => op.outstanding.values().any(|s| *s == srv),
+                None => !op.outstanding.is_empty(),
+            };
+            if op.error.is_none() && affected {
+                op.error = Some(make(&op.tensor));
+                freed.push(op.tensor_id);
+            }
+        }
+        for t in freed {
+            s.busy.remove(&t);
+        }
+        self.changed.notify_all();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completes_when_every_partition_is_done() {
+        let h = Handles::default();
+        let id = h.start(1, "w", [(10, 0), (11, 1)]).unwrap();
+        assert!(matches!(
+            h.start(1, "w", [(12, 0)]),
+            Err(CommError::Busy(_))
+        ));
+        assert!(!h.poll(id).unwrap());
+        h.part_done(id, 10);
+        h.part_done(id, 11);
+        assert!(h.poll(id).unwrap());
+        h.wait(id, Duration::from_secs(1), |s| s.to_string())
+            .unwrap();
+        assert!(matches!(h.poll(id), Err(CommError::UnknownHandle(_))));
+        // The tensor is free again.
+        h.start(1, "w", [(10, 0)]).unwrap();
+    }
+
+    #[test]
+    fn errors_reach_the_waiter_and_timeouts_name_the_servers() {
+        let h = Handles::default();
+        let id = h.start(2, "fc.weight", [(1, 0), (2, 3)]).unwrap();
+        h.part_done(id, 1);
+        let e = h
+            .wait(id, Duration::from_millis(20), |s| format!("server {s}"))
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("fc.weight") && msg.contains("1 of 2") && msg.contains("server 3"),
+            "{msg}"
+        );
+        h.fail(id, |t| CommError::Invalid(format!("{t} broke")));
+        let e = h
+            .wait(id, Duration::from_secs(1), |s| s.to_string())
+            .unwrap_err();
+        assert_eq!(e.to_string(), "invalid argument: fc.weight broke");
+    }
+
+    #[test]
+    fn a_waiter_wakes_when_another_thread_completes() {
+        let h = std::sync::Arc::new(Handles::default());
+        let id = h.start(3, "b", [(7, 0)]).unwrap();
+        let h2 = h.clone();
+        let t = std::thread::spawn(move || h2.wait(id, Duration::from_secs(10), |s| s.to_string()));
+        std::thread::sleep(Duration::from_millis(20));
+        h.part_done(id, 7);
+        t.join().unwrap().unwrap();
+    }
+}

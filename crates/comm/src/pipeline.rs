@@ -1,0 +1,347 @@
+//! The staged pipeline (BytePS §6.1): partitions flow through a push stage and a pull
+//! stage, each a thread with its own priority queue, with one receiver thread per server
+//! in between.
+//!
+//! ```text
+//!  enqueue --> [push queue] --push thread--> server s --receiver s--> [pull queue] --pull thread--> tensor
+//!              by priority                                             by priority  (copy, average)
+//! ```
+//!
+//! Pushes of later partitions go out while earlier ones are still being summed and pulled,
+//! and partitions of different tensors interleave by priority.
+//!
+//! Nothing here waits on other workers before sending: a round completes only once every
+//! worker pushed it, and workers may reach their partitions in different orders, so any
+//! window counting bytes until their sums return could fill up with partitions the others
+//! have not pushed yet and stall the job. Bytes in flight are bounded by the push thread's
+//! blocking writes and the server's receive buffers instead. (ByteScheduler's credit,
+//! which counts until the server has *received* a push, needs push acknowledgements the
+//! protocol does not have yet.)
+
+use std::collections::{HashMap, HashSet};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{unbounded, Receiver, Sender};
+use sumflow_client::server::{Reply, ServerReceiver, ServerSender};
+use sumflow_client::ClientError;
+use sumflow_wire::{Dtype, ErrorCode};
+use tracing::{debug, warn};
+
+use crate::average::write_result;
+use crate::error::CommError;
+use crate::handles::Handles;
+use crate::queue::StageQueue;
+
+/// How often idle stage threads check for shutdown.
+const POLL: Duration = Duration::from_millis(100);
+
+/// A span of the caller's tensor memory.
+///
+/// The push stage reads it and the pull stage later overwrites it with the result.
+#[derive(Clone, Copy, Debug)]
+pub struct HostSlice {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: a HostSlice is only created by `HostSlice::new`, whose caller promises the memory
+// stays valid and untouched by others until the operation's handle completes; the pipeline
+// touches each slice from one thread at a time (push, then pull, ordered by the reply).
+unsafe impl Send for HostSlice {}
+
+impl HostSlice {
+    /// # Safety
+    /// `ptr..ptr+len` must be valid for reads and writes, and neither freed nor accessed by
+    /// anyone else until the handle of the operation using it has completed or failed.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Option<HostSlice> {
+        NonNull::new(ptr).map(|ptr| HostSlice { ptr, len })
+    }
+
+    /// The sub-span `offset..offset+len`.
+    pub fn sub(&self, offset: usize, len: usize) -> HostSlice {
+        assert!(offset + len <= self.len, "sub-span out of range");
+        // SAFETY: in bounds of the span the caller vouched for.
+        HostSlice {
+            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) },
+            len,
+        }
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: see `new`; only the push stage reads, before the reply exists.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+
+    #[allow(clippy::mut_from_ref)]
+    fn bytes_mut(&self) -> &mut [u8] {
+        // SAFETY: see `new`; only the pull stage writes, after the push of this span has
+        // been fully sent (its reply cannot exist before).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+/// One partition of one push_pull.
+#[derive(Debug)]
+pub struct PartTask {
+    pub handle: u64,
+    pub key: u64,
+    pub round: u64,
+    pub server: usize,
+    pub dtype: Dtype,
+    pub priority: i64,
+    pub data: HostSlice,
+    /// Divide the sum by this (Average).
+    pub divisor: Option<u32>,
+}
+
+struct Shared {
+    senders: Vec<Mutex<ServerSender>>,
+    server_names: Vec<String>,
+    in_flight: Mutex<HashMap<u64, PartTask>>,
+    dead: Vec<Mutex<Option<String>>>,
+    handles: Arc<Handles>,
+    push_queue: StageQueue<PartTask>,
+    pull_queue: StageQueue<(PartTask, Vec<u8>)>,
+    stop: AtomicBool,
+}
+
+pub struct Pipeline {
+    shared: Arc<Shared>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Pipeline {
+    /// Starts the stage threads over one connection per server.
+    pub fn start(
+        links: Vec<(String, ServerSender, ServerReceiver)>,
+        handles: Arc<Handles>,
+    ) -> Result<Pipeline, CommError> {
+        let mut senders = Vec::new();
+        let mut receivers = Vec::new();
+        let mut names = Vec::new();
+        for (name, tx, rx) in links {
+            names.push(name);
+            senders.push(Mutex::new(tx));
+            receivers.push(rx);
+        }
+        let shared = Arc::new(Shared {
+            dead: names.iter().map(|_| Mutex::new(None)).collect(),
+            senders,
+            server_names: names,
+            in_flight: Mutex::new(HashMap::new()),
+            handles,
+            push_queue: StageQueue::default(),
+            pull_queue: StageQueue::default(),
+            stop: AtomicBool::new(false),
+        });
+        let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
+            std::thread::Builder::new()
+                .name(name)
+                .spawn(f)
+                .map_err(|e| CommError::Invalid(format!("cannot start a pipeline thread: {e}")))
+        };
+        let mut threads = Vec::new();
+        let mut recyclers = Vec::new();
+        for (s, rx) in receivers.into_iter().enumerate() {
+            let (give, take) = unbounded();
+            recyclers.push(give);
+            let sh = Arc::clone(&shared);
+            threads.push(spawn(
+                format!("sumflow-recv-{s}"),
+                Box::new(move || receive_loop(&sh, s, rx, take)),
+            )?);
+        }
+        let sh = Arc::clone(&shared);
+        threads.push(spawn(
+            "sumflow-push".into(),
+            Box::new(move || push_loop(&sh)),
+        )?);
+        let sh = Arc::clone(&shared);
+        threads.push(spawn(
+            "sumflow-pull".into(),
+            Box::new(move || pull_loop(&sh, recyclers)),
+        )?);
+        Ok(Pipeline { shared, threads })
+    }
+
+    /// Queues a partition for the push stage.
+    pub fn enqueue(&self, task: PartTask) {
+        if let Some(why) = self.shared.dead[task.server]
+            .lock()
+            .expect("dead lock")
+            .clone()
+        {
+            let name = self.shared.server_names[task.server].clone();
+            self.shared
+                .handles
+                .fail(task.handle, |t| lost(t, &name, &why));
+            return;
+        }
+        self.shared.push_queue.push(task.priority, task);
+    }
+
+    /// The name of a server, for messages.
+    pub fn server_name(&self, server: usize) -> String {
+        self.shared.server_names[server].clone()
+    }
+
+    /// Stops every stage, leaving each server gracefully; operations still in flight fail.
+    pub fn shutdown(mut self, reason: &str) {
+        self.stop(reason);
+    }
+
+    fn stop(&mut self, reason: &str) {
+        if self.shared.stop.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.shared.push_queue.close();
+        self.shared.pull_queue.close();
+        for tx in &self.shared.senders {
+            let _ = tx.lock().expect("sender lock").shutdown(reason);
+        }
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+        self.shared.handles.fail_all(None, |_| CommError::Shutdown);
+    }
+}
+
+impl Drop for Pipeline {
+    fn drop(&mut self) {
+        self.stop("communication service dropped");
+    }
+}
+
+fn lost(tensor: &str, server: &str, why: &str) -> CommError {
+    CommError::Failed {
+        tensor: tensor.to_string(),
+        code: ErrorCode::NodeFailed,
+        message: format!("{server} is unreachable: {why}"),
+    }
+}
+
+/// Marks a server dead and fails everything queued for it, in flight on it, or waiting.
+fn server_lost(sh: &Shared, server: usize, why: &str) {
+    {
+        let mut dead = sh.dead[server].lock().expect("dead lock");
+        if dead.is_some() {
+            return;
+        }
+        *dead = Some(why.to_string());
+    }
+    let name = &sh.server_names[server];
+    warn!(server = %name, reason = %why, "lost a summation server");
+    let stranded: Vec<PartTask> = {
+        let mut inf = sh.in_flight.lock().expect("in-flight lock");
+        let keys: Vec<u64> = inf
+            .iter()
+            .filter(|(_, t)| t.server == server)
+            .map(|(k, _)| *k)
+            .collect();
+        keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
+    };
+    drop(stranded);
+    sh.push_queue.drain_where(|t| t.server == server);
+    sh.handles.fail_all(Some(server), |t| lost(t, name, why));
+}
+
+fn push_loop(sh: &Shared) {
+    let mut initialised: HashSet<u64> = HashSet::new();
+    while !sh.stop.load(Ordering::Acquire) {
+        let Some(task) = sh.push_queue.pop(POLL) else {
+            continue;
+        };
+        let (server, key, round, dtype, len) =
+            (task.server, task.key, task.round, task.dtype, task.data.len);
+        let data = task.data;
+        // Registered before the frames go out: the reply may beat this thread back.
+        sh.in_flight
+            .lock()
+            .expect("in-flight lock")
+            .insert(key, task);
+        let sent = {
+            let mut tx = sh.senders[server].lock().expect("sender lock");
+            let init = if initialised.insert(key) {
+                tx.init_key(key, dtype, len as u64, None)
+            } else {
+                Ok(())
+            };
+            init.and_then(|()| tx.push(key, round, dtype, data.bytes()))
+                .and_then(|()| tx.pull(key, round))
+        };
+        if let Err(e) = sent {
+            if sh.stop.load(Ordering::Acquire) {
+                break;
+            }
+            server_lost(sh, server, &e.to_string());
+        }
+    }
+}
+
+fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver, recycled: Receiver<Vec<u8>>) {
+    loop {
+        for buf in recycled.try_iter() {
+            rx.recycle(buf);
+        }
+        match rx.recv() {
+            Ok(Reply::Sum(p)) => {
+                let task = sh.in_flight.lock().expect("in-flight lock").remove(&p.key);
+                match task {
+                    Some(task) if task.round == p.round => {
+                        sh.pull_queue.push(task.priority, (task, p.data));
+                    }
+                    other => {
+                        let why = format!(
+                            "sent the sum of key {} round {} that was not asked for ({other:?})",
+                            p.key, p.round
+                        );
+                        server_lost(sh, server, &why);
+                        return;
+                    }
+                }
+            }
+            Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => {}
+            Err(ClientError::Remote {
+                key: Some(key),
+                code,
+                message,
+                ..
+            }) => {
+                let task = sh.in_flight.lock().expect("in-flight lock").remove(&key);
+                if let Some(task) = task {
+                    let server_name = sh.server_names[server].clone();
+                    sh.handles.fail(task.handle, |t| CommError::Failed {
+                        tensor: t.to_string(),
+                        code,
+                        message: format!("{server_name}: {message}"),
+                    });
+                }
+            }
+            Err(e) => {
+                if !sh.stop.load(Ordering::Acquire) {
+                    server_lost(sh, server, &e.to_string());
+                }
+                debug!(server, "receiver stopping");
+                return;
+            }
+        }
+    }
+}
+
+fn pull_loop(sh: &Shared, recyclers: Vec<Sender<Vec<u8>>>) {
+    loop {
+        let Some((task, sum)) = sh.pull_queue.pop(POLL) else {
+            if sh.stop.load(Ordering::Acquire) {
+                return;
+            }
+            continue;
+        };
+        write_result(task.dtype, task.data.bytes_mut(), &sum, task.divisor);
+        let _ = recyclers[task.server].send(sum);
+        sh.handles.part_done(task.handle, task.key);
+    }
+}

@@ -1,0 +1,191 @@
+//! The pipeline against real summation servers on 127.0.0.1.
+
+use std::sync::Arc;
+use std::thread;
+use std::time::Duration;
+
+use sumflow_client::{ServerClient, ServerOptions};
+use sumflow_comm::handles::Handles;
+use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline};
+use sumflow_comm::CommError;
+use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
+use sumflow_wire::{Dtype, ErrorCode, JobToken};
+
+fn token() -> JobToken {
+    JobToken::new("pipeline-test-token-123456").unwrap()
+}
+
+fn servers(workers: u32, count: usize) -> Vec<ServerHandle> {
+    (0..count)
+        .map(|_| SummationService::start(ServerConfig::standalone(workers, token())).unwrap())
+        .collect()
+}
+
+fn pipeline(servers: &[String], rank: u32, handles: Arc<Handles>) -> Pipeline {
+    let opts = ServerOptions {
+        reply_timeout: None,
+        ..ServerOptions::default()
+    };
+    let links = servers
+        .iter()
+        .map(|addr| {
+            let c =
+                ServerClient::connect(addr, &token(), rank, &format!("w{rank}"), &opts).unwrap();
+            (format!("server at {addr}"), c.tx, c.rx)
+        })
+        .collect();
+    Pipeline::start(links, handles).unwrap()
+}
+
+/// A worker's view in these tests: its pipeline, and how tensors are cut and placed.
+struct Worker {
+    pipeline: Pipeline,
+    handles: Arc<Handles>,
+    part: usize,
+    servers: usize,
+}
+
+impl Worker {
+    fn new(addrs: &[String], rank: u32, part: usize) -> Worker {
+        let handles = Arc::new(Handles::default());
+        Worker {
+            pipeline: pipeline(addrs, rank, Arc::clone(&handles)),
+            handles,
+            part,
+            servers: addrs.len(),
+        }
+    }
+
+    /// Enqueues one push_pull of `data`, partition i on server i mod servers.
+    fn push_pull(&self, tensor: u32, data: &mut [f32], round: u64, divisor: Option<u32>) -> u64 {
+        let parts: Vec<(u64, usize)> = (0..data.len().div_ceil(self.part))
+            .map(|i| (((tensor as u64) << 32) | i as u64, i % self.servers))
+            .collect();
+        let h = self
+            .handles
+            .start(tensor, &format!("tensor{tensor}"), parts.clone())
+            .unwrap();
+        // SAFETY: `data` outlives the handle: the tests wait on it before touching `data`.
+        let whole = unsafe { HostSlice::new(data.as_mut_ptr().cast(), data.len() * 4) }.unwrap();
+        for (i, (key, server)) in parts.into_iter().enumerate() {
+            let start = i * self.part;
+            let len = self.part.min(data.len() - start);
+            self.pipeline.enqueue(PartTask {
+                handle: h,
+                key,
+                round,
+                server,
+                dtype: Dtype::F32,
+                // Later tensors are more urgent, as the first layers' gradients come last.
+                priority: -(tensor as i64),
+                data: whole.sub(start * 4, len * 4),
+                divisor,
+            });
+        }
+        h
+    }
+
+    fn wait(&self, h: u64, timeout: Duration) -> Result<(), CommError> {
+        self.handles
+            .wait(h, timeout, |s| self.pipeline.server_name(s))
+    }
+}
+
+#[test]
+fn workers_average_and_sum_many_tensors_over_two_servers() {
+    let workers = 3u32;
+    let srv = servers(workers, 2);
+    let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
+    let sizes = [1usize, 7, 1000, 4096, 10_001];
+    let threads: Vec<_> = (0..workers)
+        .map(|w| {
+            let addrs = addrs.clone();
+            thread::spawn(move || {
+                let wk = Worker::new(&addrs, w, 1000);
+                for round in 1..=4u64 {
+                    let mut tensors: Vec<Vec<f32>> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(t, &n)| {
+                            (0..n)
+                                .map(|i| (i + t + w as usize) as f32 + round as f32)
+                                .collect()
+                        })
+                        .collect();
+                    let average = round % 2 == 0;
+                    let hs: Vec<u64> = tensors
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(t, data)| {
+                            wk.push_pull(t as u32, data, round, average.then_some(workers))
+                        })
+                        .collect();
+                    for h in hs {
+                        wk.wait(h, Duration::from_secs(20)).unwrap();
+                    }
+                    for (t, data) in tensors.iter().enumerate() {
+                        for (i, v) in data.iter().enumerate() {
+                            let sum: f32 = (0..workers)
+                                .map(|w| (i + t + w as usize) as f32 + round as f32)
+                                .sum();
+                            let want = if average { sum / workers as f32 } else { sum };
+                            assert_eq!(*v, want, "worker {w} round {round} tensor {t} element {i}");
+                        }
+                    }
+                }
+                wk.pipeline.shutdown("test done");
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    for s in srv {
+        s.shutdown();
+        s.wait();
+    }
+}
+
+#[test]
+fn a_lost_server_fails_the_waiting_handles_by_name() {
+    let srv = servers(2, 2);
+    let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
+    let wk = Worker::new(&addrs, 0, 1000);
+    // Worker 1 never comes, so the round waits; then server 1 goes away.
+    let mut data = vec![1.0f32; 5000];
+    let h = wk.push_pull(0, &mut data, 1, None);
+    let mut srv = srv;
+    let gone = srv.pop().unwrap();
+    gone.shutdown();
+    gone.wait();
+    let err = wk.wait(h, Duration::from_secs(10)).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NodeFailed, "{err}");
+    assert!(err.to_string().contains(&addrs[1]), "{err}");
+    // Later work for that server fails at once rather than hanging.
+    let h = wk.push_pull(1, &mut data, 1, None);
+    let err = wk.wait(h, Duration::from_secs(10)).unwrap_err();
+    assert!(err.to_string().contains("unreachable"), "{err}");
+    wk.pipeline.shutdown("test done");
+    for s in srv {
+        s.shutdown();
+        s.wait();
+    }
+}
+
+#[test]
+fn a_stuck_round_times_out_naming_the_tensor_and_server() {
+    let srv = servers(2, 1);
+    let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
+    let wk = Worker::new(&addrs, 0, 1000);
+    let mut data = vec![0.5f32; 10];
+    let h = wk.push_pull(9, &mut data, 1, None);
+    let err = wk.wait(h, Duration::from_millis(300)).unwrap_err();
+    assert!(matches!(err, CommError::Timeout { .. }), "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("tensor9") && msg.contains(&addrs[0]), "{msg}");
+    wk.pipeline.shutdown("test done");
+    for s in srv {
+        s.shutdown();
+        s.wait();
+    }
+}
