@@ -1,4 +1,5 @@
-//! A node's connection to the coordinator: join, barriers, heartbeats, failure notices.
+//! A node's connection to the coordinator: join, barriers, tensor declarations,
+//! heartbeats, failure notices.
 //!
 //! Two threads run behind a [`CoordinatorClient`]: a reader that dispatches every frame
 //! the coordinator sends, and a heartbeat thread that also watches the coordinator's
@@ -7,7 +8,7 @@
 //! ```no_run
 //! use std::time::Duration;
 //! use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
-//! use sumflow_wire::{BarrierGroup, JobToken, Registration, Role};
+//! use sumflow_wire::{BarrierGroup, Dtype, JobToken, Registration, Role};
 //!
 //! let token = JobToken::load(None)?;
 //! let reg = Registration {
@@ -22,6 +23,8 @@
 //! let timeout = Duration::from_secs(300);
 //! let coord = CoordinatorClient::join("10.0.0.1:29400", &token, reg, timeout, CoordinatorOptions::default())?;
 //! println!("I am worker {} of {}", coord.rank(), coord.cluster_map().workers.len());
+//! let fc = coord.declare("fc.weight", Dtype::F32, 1024 * 1000, Duration::from_secs(60))?;
+//! println!("fc.weight is tensor {fc} on every worker");
 //! coord.barrier(BarrierGroup::Workers, Duration::from_secs(60))?;
 //! coord.leave("training finished")?;
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -36,8 +39,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use sumflow_wire::io::{connect, write_message, FrameReader};
 use sumflow_wire::{
-    BarrierGroup, ClusterMap, ErrorCode, ErrorReply, JobToken, Message, NodeId, Peer, Registration,
-    Role, Service, WireError, DEFAULT_MAX_BODY,
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, ErrorReply, JobToken, Message, NodeId, Peer,
+    Registration, Role, Service, WireError, DEFAULT_MAX_BODY, MAX_STRING,
 };
 use tracing::{debug, warn};
 
@@ -221,6 +224,96 @@ impl CoordinatorClient {
         }
     }
 
+    /// Declares tensor `name` with `elements` elements of `dtype` and returns its tensor
+    /// id, the same on every worker of the job.
+    ///
+    /// The coordinator numbers tensors in the order their names first reach it from any
+    /// worker, so workers may declare in any order and at any time. Call it before a
+    /// tensor's first push; several threads may declare at once. Declaring a name again
+    /// with the same dtype and size answers the same id without asking the coordinator.
+    ///
+    /// Fails with [`ClientError::Remote`] and code `KeyMismatch` once any worker has
+    /// declared some tensor with another dtype or size than an earlier declaration of it
+    /// (this call's tensor or another: the job cannot go on, see [`job_error`](Self::job_error)),
+    /// and with [`ClientError::Timeout`] naming the tensor if no answer comes in `timeout`.
+    pub fn declare(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        elements: u64,
+        timeout: Duration,
+    ) -> Result<u32> {
+        self.check_declaration(name, dtype, elements)?;
+        let inner = &self.conn.inner;
+        let spec = Declaration {
+            dtype,
+            elements,
+            id: None,
+            ambiguous: false,
+        };
+        let must_send = {
+            let mut st = inner.lock();
+            inner.check_declare(&st)?;
+            match st.tensors.get_mut(name) {
+                Some(d) if d.same_as(&spec) => match d.answer(&spec) {
+                    Some(id) => return Ok(id),
+                    // Another thread's identical declaration is in flight: share its answer.
+                    None => false,
+                },
+                // We disagree with ourselves. The coordinator must still hear it, so that
+                // every worker learns the job cannot go on; only its error can answer us.
+                Some(d) => {
+                    d.ambiguous |= d.id.is_none();
+                    true
+                }
+                None => {
+                    st.tensors.insert(name.to_string(), spec);
+                    true
+                }
+            }
+        };
+        if must_send {
+            inner.send(&Message::Declare {
+                name: name.to_string(),
+                dtype,
+                elements,
+            })?;
+        }
+        inner.wait_for_tensor_id(name, &spec, timeout)
+    }
+
+    /// Refuses, before anything is sent, a declaration the coordinator could never accept.
+    fn check_declaration(&self, name: &str, dtype: Dtype, elements: u64) -> Result<()> {
+        let why = if self.role == Role::Server {
+            format!("a server does not declare tensors (tensor '{name}'); only workers do")
+        } else if name.is_empty() {
+            "a tensor name must not be empty".to_string()
+        } else if name.len() > MAX_STRING {
+            // The wire would cut the name short, and a cut name is another tensor.
+            format!(
+                "tensor name '{}...' is {} bytes long, more than the {MAX_STRING} the protocol carries",
+                name.chars().take(40).collect::<String>(),
+                name.len()
+            )
+        } else if elements == 0 {
+            format!("tensor '{name}' must have at least one element")
+        } else if elements.checked_mul(dtype.size() as u64).is_none() {
+            format!("tensor '{name}' of {elements} {dtype} elements does not fit in 2^64 bytes")
+        } else {
+            return Ok(());
+        };
+        Err(ClientError::Invalid(why))
+    }
+
+    /// The job-fatal error the coordinator announced, if any: a tensor that two workers
+    /// declared differently (or a tensor table that overflowed). Once set, every
+    /// [`declare`](Self::declare) and [`barrier`](Self::barrier) fails with it, and the
+    /// communication service fails its pushes with it.
+    pub fn job_error(&self) -> Option<String> {
+        let st = self.conn.inner.lock();
+        st.job_error.as_ref().map(|e| e.message.clone())
+    }
+
     /// A channel carrying every failure notice: those already received first, then new
     /// ones as they come, and a [`COORDINATOR_NODE`] notice if the coordinator is lost.
     /// Each call returns a new subscription that sees all notices.
@@ -387,6 +480,29 @@ struct Inner {
     changed: Condvar,
 }
 
+/// One tensor as this node first declared it, and its id once the coordinator has answered.
+#[derive(Clone, Copy, Debug)]
+struct Declaration {
+    dtype: Dtype,
+    elements: u64,
+    id: Option<u32>,
+    /// A different declaration of the same name went out before the answer came. An answer
+    /// does not say which declaration it is for, so none is trusted: the coordinator's
+    /// mismatch error, certain to follow, settles every waiter.
+    ambiguous: bool,
+}
+
+impl Declaration {
+    fn same_as(&self, other: &Declaration) -> bool {
+        self.dtype == other.dtype && self.elements == other.elements
+    }
+
+    /// The tensor id, if the coordinator has answered a declaration like `spec` with it.
+    fn answer(&self, spec: &Declaration) -> Option<u32> {
+        self.id.filter(|_| self.same_as(spec) && !self.ambiguous)
+    }
+}
+
 struct State {
     map: Option<(u32, ClusterMap)>,
     map_seen: bool,
@@ -395,6 +511,10 @@ struct State {
     barrier_errors: HashMap<u64, ErrorReply>,
     /// An error not tied to a barrier; before the map it refuses our registration.
     refusal: Option<ErrorReply>,
+    /// Tensors by name, as first declared here; replies are matched to them by name.
+    tensors: HashMap<String, Declaration>,
+    /// The coordinator's job-fatal declaration error; it fails declarations and barriers.
+    job_error: Option<ErrorReply>,
     failed: Vec<NodeFailure>,
     subscribers: Vec<Sender<NodeFailure>>,
     shutdown: Option<String>,
@@ -414,6 +534,8 @@ impl State {
             done: HashSet::new(),
             barrier_errors: HashMap::new(),
             refusal: None,
+            tensors: HashMap::new(),
+            job_error: None,
             failed: Vec::new(),
             subscribers: Vec::new(),
             shutdown: None,
@@ -522,8 +644,75 @@ impl Inner {
         }
     }
 
+    /// The job-fatal error as the caller's error: a refusal by the coordinator.
+    fn job_failed(&self, e: &ErrorReply) -> ClientError {
+        ClientError::Remote {
+            peer: self.peer.clone(),
+            code: e.code,
+            key: None,
+            message: e.message.clone(),
+        }
+    }
+
+    /// Why no declaration can be answered now, if none can.
+    fn check_declare(&self, st: &State) -> Result<()> {
+        if let Some(e) = &st.job_error {
+            return Err(self.job_failed(e));
+        }
+        if let Some(reason) = &st.lost {
+            return Err(self.lost_error(reason));
+        }
+        if let Some(reason) = &st.shutdown {
+            return Err(self.shutting_down(reason));
+        }
+        Ok(())
+    }
+
+    /// Waits until the coordinator has given tensor `name`, as declared in `spec`, its id.
+    fn wait_for_tensor_id(&self, name: &str, spec: &Declaration, timeout: Duration) -> Result<u32> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.lock();
+        loop {
+            // The job error comes first: it may have been caused by this very declaration.
+            self.check_declare(&st)?;
+            if let Some(id) = st.tensors.get(name).and_then(|d| d.answer(spec)) {
+                return Ok(id);
+            }
+            st = self
+                .wait_until(st, deadline)
+                .ok_or_else(|| ClientError::Timeout {
+                    what: format!(
+                        "the {} to assign an id to tensor '{name}' ({} x {})",
+                        self.peer, spec.dtype, spec.elements
+                    ),
+                    secs: timeout.as_secs_f64(),
+                })?;
+        }
+    }
+
+    /// Records the coordinator's answer to one of our declarations.
+    fn tensor_declared(&self, st: &mut State, name: String, tensor_id: u32) {
+        match st.tensors.get_mut(&name) {
+            Some(Declaration { id: id @ None, .. }) => *id = Some(tensor_id),
+            Some(Declaration {
+                id: Some(first), ..
+            }) if *first != tensor_id => warn!(
+                "the {} gave tensor '{name}' id {tensor_id} after id {first}; keeping the first",
+                self.peer
+            ),
+            Some(_) => {}
+            None => warn!(
+                "the {} assigned id {tensor_id} to tensor '{name}', which we never declared",
+                self.peer
+            ),
+        }
+    }
+
     /// Why a barrier of `group` cannot complete now, if it cannot.
     fn check_barrier(&self, st: &State, group: BarrierGroup) -> Result<()> {
+        if let Some(e) = &st.job_error {
+            return Err(self.job_failed(e));
+        }
         if let Some(reason) = &st.lost {
             return Err(self.lost_error(reason));
         }
@@ -603,6 +792,7 @@ impl Inner {
             Message::BarrierDone { id } => {
                 st.done.insert(id);
             }
+            Message::Declared { name, tensor_id } => self.tensor_declared(st, name, tensor_id),
             Message::NodeFailed { node, name, reason } => {
                 warn!("{node} '{name}' failed: {reason}");
                 st.record_failure(NodeFailure { node, name, reason });
@@ -614,6 +804,17 @@ impl Inner {
             Message::Error(e) => match e.key {
                 Some(id) => {
                     st.barrier_errors.insert(id, e);
+                }
+                // Sent to every worker at once and to any later declaration: the first
+                // one is the news, the rest repeat it.
+                None if st.map_seen && is_job_fatal(e.code) => {
+                    if st.job_error.is_none() {
+                        warn!(
+                            "the {} reports that the job cannot go on: {}",
+                            self.peer, e.message
+                        );
+                        st.job_error = Some(e);
+                    }
                 }
                 None => {
                     warn!("the {} reports: {}: {}", self.peer, e.code, e.message);
@@ -660,6 +861,12 @@ impl Inner {
             drop(self.wait_while(self.lock(), deadline, |st| !st.closing));
         }
     }
+}
+
+/// Errors without a key that the coordinator sends, after the map, only when the job's
+/// workers can no longer agree on their tensors.
+fn is_job_fatal(code: ErrorCode) -> bool {
+    matches!(code, ErrorCode::KeyMismatch | ErrorCode::ResourceExhausted)
 }
 
 fn group_name(group: BarrierGroup) -> &'static str {

@@ -1,4 +1,5 @@
-//! The coordinator's state machine: who has joined, the cluster map, barriers, liveness.
+//! The coordinator's state machine: who has joined, the cluster map, barriers, liveness,
+//! and the job's tensor table (name -> id, checked for agreement at declaration).
 //!
 //! It does no I/O and reads no clock: the service feeds it events with the current time
 //! and carries out the [`Action`]s it returns, in order. Every decision is logged with its
@@ -8,8 +9,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::{Duration, Instant};
 
 use sumflow_wire::{
-    BarrierGroup, ClusterMap, ErrorCode, Message, NodeId, NodeInfo, Peer, Registration, Role,
-    WireError,
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, ErrorReply, Message, NodeId, NodeInfo, Peer,
+    Registration, Role, WireError,
 };
 use tracing::Level;
 
@@ -20,6 +21,13 @@ use crate::{CoordinatorError, JobOutcome};
 
 /// Identifies one connection for the lifetime of a coordinator.
 pub type ConnId = u64;
+
+/// Most tensors one job may declare. Real models have thousands; a name that changes from
+/// step to step would otherwise grow the table until the coordinator runs out of memory.
+pub const MAX_TENSORS: usize = 1 << 20;
+
+/// How many declarers a mismatch message names before it only counts the rest.
+const NAMED_DECLARERS: usize = 3;
 
 /// What the service must do in response to an event, in the order given.
 #[derive(Debug)]
@@ -70,6 +78,17 @@ struct Barrier {
     waiters: BTreeSet<NodeId>,
 }
 
+/// One declared tensor: what its first declaration fixed, and who has declared it since.
+struct Tensor {
+    id: u32,
+    dtype: Dtype,
+    elements: u64,
+    /// Rank of the worker whose declaration came first; mismatch messages name it first.
+    first: u32,
+    /// Ranks of every worker that declared it with the same dtype and size.
+    declared_by: BTreeSet<u32>,
+}
+
 /// The coordinator's whole state. Feed it events; it answers with actions.
 pub struct Membership {
     job_id: String,
@@ -85,6 +104,12 @@ pub struct Membership {
     members: BTreeMap<NodeId, Member>,
     barriers: BTreeMap<u64, Barrier>,
     failed: Vec<(NodeId, String, String)>,
+    /// Declared tensors by name; ids are 0, 1, 2, ... in the order names first arrived.
+    tensors: HashMap<String, Tensor>,
+    max_tensors: usize,
+    /// The declaration error that ended the job's agreement on tensors. Every later
+    /// declaration gets it again: the table can no longer be trusted.
+    declare_error: Option<ErrorReply>,
     out: Vec<Action>,
 }
 
@@ -104,8 +129,24 @@ impl Membership {
             members: BTreeMap::new(),
             barriers: BTreeMap::new(),
             failed: Vec::new(),
+            tensors: HashMap::new(),
+            max_tensors: MAX_TENSORS,
+            declare_error: None,
             out: Vec::new(),
         }
+    }
+
+    /// Lowers the tensor table's limit so that tests can reach it.
+    #[cfg(test)]
+    pub(crate) fn limit_tensors(&mut self, max: usize) {
+        self.max_tensors = max;
+    }
+
+    /// The ranks of the workers that have declared tensor `name` (in rank order), or
+    /// `None` if no worker has.
+    pub fn declarers(&self, name: &str) -> Option<Vec<u32>> {
+        let t = self.tensors.get(name)?;
+        Some(t.declared_by.iter().copied().collect())
     }
 
     /// A connection finished the token handshake as `peer`.
@@ -138,6 +179,11 @@ impl Membership {
             Message::Register(reg) => self.register(conn, reg),
             Message::Heartbeat { seq } => self.send(conn, Message::HeartbeatAck { seq }),
             Message::Barrier { id, group } => self.barrier(conn, id, group),
+            Message::Declare {
+                name,
+                dtype,
+                elements,
+            } => self.declare(conn, name, dtype, elements),
             Message::Shutdown { reason } => self.leave(conn, &reason),
             Message::Error(e) => {
                 let who = self.describe(conn);
@@ -398,6 +444,150 @@ impl Membership {
             .waiters
             .insert(node);
         self.try_complete(id);
+    }
+
+    /// A worker declares a tensor: the first declaration of a name fixes its id, dtype and
+    /// size for the job; later ones must match, or the job's agreement is over.
+    fn declare(&mut self, conn: ConnId, name: String, dtype: Dtype, elements: u64) {
+        let Some(node) = self.declaring_worker(conn, &name) else {
+            return;
+        };
+        if let Some(e) = &self.declare_error {
+            return self.send(conn, Message::Error(e.clone()));
+        }
+        let Some(t) = self.tensors.get_mut(&name) else {
+            return self.first_declaration(conn, node, name, dtype, elements);
+        };
+        if t.dtype != dtype || t.elements != elements {
+            let msg = self.mismatch_text(&name, dtype, elements, node);
+            return self.declaration_failed(conn, ErrorCode::KeyMismatch, msg);
+        }
+        t.declared_by.insert(node.rank);
+        let tensor_id = t.id;
+        self.send(conn, Message::Declared { name, tensor_id });
+    }
+
+    /// The worker on `conn` if it may declare now; otherwise refuses the declaration.
+    fn declaring_worker(&mut self, conn: ConnId, name: &str) -> Option<NodeId> {
+        let c = self.conns.get(&conn)?;
+        let refusal = match (c.node, &c.reg) {
+            (Some(node), _) if node.role == Role::Worker => return Some(node),
+            (None, None) => {
+                let why = "sent a Declare frame before registering".to_string();
+                self.refuse_and_close(conn, ErrorCode::UnexpectedOp, why);
+                return None;
+            }
+            (None, Some(_)) => format!(
+                "tensor '{name}' declared before the cluster map was sent; declarations start once every node has joined"
+            ),
+            (Some(node), _) => format!(
+                "{} declared tensor '{name}': only workers declare tensors",
+                self.node_name(node)
+            ),
+        };
+        self.send(conn, Message::error(ErrorCode::UnexpectedOp, None, refusal));
+        None
+    }
+
+    /// A name no worker has declared yet gets the next id, unless the table is full.
+    fn first_declaration(
+        &mut self,
+        conn: ConnId,
+        node: NodeId,
+        name: String,
+        dtype: Dtype,
+        elements: u64,
+    ) {
+        let who = self.node_name(node);
+        let Some(id) = self.next_tensor_id() else {
+            let msg = format!(
+                "{who} declared tensor '{name}', but the job already has {} tensors, the most the \
+                 coordinator keeps: does a tensor's name change from step to step?",
+                self.tensors.len()
+            );
+            return self.declaration_failed(conn, ErrorCode::ResourceExhausted, msg);
+        };
+        self.log(
+            Level::DEBUG,
+            format!("{who} declared tensor '{name}' ({dtype} x {elements}): tensor {id}"),
+        );
+        let t = Tensor {
+            id,
+            dtype,
+            elements,
+            first: node.rank,
+            declared_by: BTreeSet::from([node.rank]),
+        };
+        self.tensors.insert(name.clone(), t);
+        self.send(
+            conn,
+            Message::Declared {
+                name,
+                tensor_id: id,
+            },
+        );
+    }
+
+    fn next_tensor_id(&self) -> Option<u32> {
+        if self.tensors.len() >= self.max_tensors {
+            return None;
+        }
+        u32::try_from(self.tensors.len()).ok()
+    }
+
+    /// "tensor 'x' declared as f16 x 4 by worker 1 'b', but as f32 x 4 by worker 0 'a': ...",
+    /// naming the earlier declarers, the first one first.
+    fn mismatch_text(&self, name: &str, dtype: Dtype, elements: u64, by: NodeId) -> String {
+        let Some(t) = self.tensors.get(name) else {
+            return format!("tensor '{name}' was declared inconsistently");
+        };
+        let others = t.declared_by.iter().filter(|r| **r != t.first);
+        let ranks: Vec<u32> = std::iter::once(t.first).chain(others.copied()).collect();
+        let earlier: Vec<String> = ranks
+            .iter()
+            .take(NAMED_DECLARERS)
+            .map(|r| {
+                self.node_name(NodeId {
+                    role: Role::Worker,
+                    rank: *r,
+                })
+            })
+            .collect();
+        format!(
+            "tensor '{name}' declared as {dtype} x {elements} by {}, but as {} x {} by {}: every \
+             worker must declare each tensor with the same dtype and size",
+            self.node_name(by),
+            t.dtype,
+            t.elements,
+            listing(earlier, ranks.len().saturating_sub(NAMED_DECLARERS))
+        )
+    }
+
+    /// The job's workers can no longer agree on tensors: the declaring worker is answered
+    /// and every other live worker told, with the same frame, and later declarations get it
+    /// too. Connections stay open; the workers end the job by leaving.
+    fn declaration_failed(&mut self, conn: ConnId, code: ErrorCode, message: String) {
+        self.log(
+            Level::ERROR,
+            format!("{message}; the job cannot continue, telling every worker"),
+        );
+        let reply = ErrorReply {
+            code,
+            key: None,
+            message,
+        };
+        self.declare_error = Some(reply.clone());
+        self.send(conn, Message::Error(reply.clone()));
+        let others: Vec<ConnId> = self
+            .members
+            .iter()
+            .filter(|(n, m)| n.role == Role::Worker && m.status == Status::Live)
+            .filter_map(|(_, m)| m.conn)
+            .filter(|c| *c != conn)
+            .collect();
+        for other in others {
+            self.send(other, Message::Error(reply.clone()));
+        }
     }
 
     /// Releases barrier `id` once every live member of its group waits in it.
@@ -697,6 +887,19 @@ fn group_name(group: BarrierGroup) -> &'static str {
 
 fn rank_text(rank: Option<u32>) -> String {
     rank.map_or_else(|| "any rank".into(), |r| format!("rank {r}"))
+}
+
+/// "a", "a and b", "a, b and c", "a, b, c and 2 more workers".
+fn listing(mut names: Vec<String>, unnamed: usize) -> String {
+    if unnamed > 0 {
+        let plural = if unnamed == 1 { "" } else { "s" };
+        names.push(format!("{unnamed} more worker{plural}"));
+    }
+    match names.split_last() {
+        Some((last, rest)) if !rest.is_empty() => format!("{} and {last}", rest.join(", ")),
+        Some((last, _)) => last.clone(),
+        None => "nobody".into(),
+    }
 }
 
 fn roster(nodes: &[NodeInfo]) -> String {

@@ -165,6 +165,34 @@ fn worker(rank: u32) -> NodeId {
     NodeId { role: W, rank }
 }
 
+fn declare(name: &str, dtype: Dtype, elements: u64) -> Message {
+    Message::Declare {
+        name: name.into(),
+        dtype,
+        elements,
+    }
+}
+
+/// The tensor id `conn` was answered with for `name`.
+fn declared(actions: &[Action], conn: ConnId, name: &str) -> Option<u32> {
+    sent(actions, conn).into_iter().find_map(|m| match m {
+        Message::Declared { name: n, tensor_id } if n == name => Some(*tensor_id),
+        _ => None,
+    })
+}
+
+/// Worker `conn`'s declarations in order, answered one by one: name -> id.
+fn declare_all(h: &mut Harness, conn: ConnId, names: &[String], ms: u64) -> Vec<(String, u32)> {
+    names
+        .iter()
+        .map(|n| {
+            let a = h.send(conn, declare(n, Dtype::F32, 10), ms);
+            let id = declared(&a, conn, n).unwrap_or_else(|| panic!("no id for {n}: {a:?}"));
+            (n.clone(), id)
+        })
+        .collect()
+}
+
 #[test]
 fn requested_ranks_are_honoured_and_the_rest_fill_the_lowest_free_in_join_order() {
     assert_eq!(
@@ -585,4 +613,235 @@ fn configuration_errors_name_the_setting() {
     c.max_body = 100;
     assert!(c.validate().unwrap_err().to_string().contains("frame size"));
     assert!(cfg(1, 0).validate().is_ok());
+}
+
+#[test]
+fn tensor_ids_follow_the_first_declaration_across_the_job() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    let a = h.send(1, declare("a", Dtype::F32, 10), 10);
+    assert_eq!(
+        sent(&a, 1),
+        [&Message::Declared {
+            name: "a".into(),
+            tensor_id: 0
+        }]
+    );
+    assert!(
+        sent(&a, 2).is_empty() && sent(&a, 101).is_empty(),
+        "only the declarer hears"
+    );
+    let a = h.send(2, declare("b", Dtype::Bf16, 3), 11);
+    assert_eq!(declared(&a, 2, "b"), Some(1));
+    let a = h.send(2, declare("a", Dtype::F32, 10), 12);
+    assert_eq!(
+        declared(&a, 2, "a"),
+        Some(0),
+        "a later declarer gets the first id"
+    );
+    let a = h.send(1, declare("b", Dtype::Bf16, 3), 13);
+    assert_eq!(declared(&a, 1, "b"), Some(1));
+    let a = h.send(1, declare("a", Dtype::F32, 10), 14);
+    assert_eq!(declared(&a, 1, "a"), Some(0), "declaring again is harmless");
+    let a = h.send(1, declare("c", Dtype::I64, 1), 15);
+    assert_eq!(declared(&a, 1, "c"), Some(2));
+    assert!(logs(&a).contains("worker 0 'w0' declared tensor 'c' (i64 x 1): tensor 2"));
+    assert_eq!(h.m.declarers("a"), Some(vec![0, 1]));
+    assert_eq!(h.m.declarers("c"), Some(vec![0]));
+    assert_eq!(h.m.declarers("d"), None);
+}
+
+#[test]
+fn every_worker_gets_the_same_ids_whatever_order_it_declares_in() {
+    let (mut h, _) = Harness::running(&cfg(3, 0));
+    let names: Vec<String> = (0..20).map(|i| format!("layer{i}.weight")).collect();
+    let mut orders = [names.clone(), names.clone(), names.clone()];
+    orders[1].reverse();
+    orders[2].rotate_left(7);
+    // Interleave the workers: each declares its next name in turn.
+    let mut maps: [Vec<(String, u32)>; 3] = Default::default();
+    for i in 0..names.len() {
+        for (w, order) in orders.iter().enumerate() {
+            let conn = 1 + w as u64;
+            maps[w].extend(declare_all(&mut h, conn, &order[i..=i], 10 + i as u64));
+        }
+    }
+    for map in &mut maps {
+        map.sort();
+    }
+    assert_eq!(maps[0], maps[1]);
+    assert_eq!(maps[0], maps[2]);
+    let mut ids: Vec<u32> = maps[0].iter().map(|(_, id)| *id).collect();
+    ids.sort();
+    assert_eq!(ids, (0..20).collect::<Vec<u32>>(), "ids are dense");
+    // The first name to arrive anywhere got id 0: worker 0's first, then worker 1's first.
+    assert_eq!(
+        maps[0]
+            .iter()
+            .find(|(n, _)| n == "layer0.weight")
+            .unwrap()
+            .1,
+        0
+    );
+    assert_eq!(
+        maps[0]
+            .iter()
+            .find(|(n, _)| n == "layer19.weight")
+            .unwrap()
+            .1,
+        1
+    );
+    for n in &names {
+        assert_eq!(h.m.declarers(n), Some(vec![0, 1, 2]), "{n}");
+    }
+}
+
+/// Asserts that `actions` tell every worker conn in `workers` the same job-fatal error
+/// with `code`, and nothing to the servers; returns its message.
+fn job_error(actions: &[Action], code: ErrorCode, workers: &[ConnId]) -> String {
+    let first = errors(actions, workers[0]);
+    assert_eq!(first.len(), 1, "{actions:?}");
+    assert_eq!((first[0].code, first[0].key), (code, None));
+    for conn in workers {
+        assert_eq!(errors(actions, *conn), first, "conn {conn}");
+        assert!(!closed(actions, *conn), "the connection stays open");
+    }
+    assert!(sent(actions, 101).is_empty(), "servers do not declare");
+    assert!(
+        outcome(actions).is_none(),
+        "the job ends when the workers leave"
+    );
+    first[0].message.clone()
+}
+
+#[test]
+fn a_dtype_mismatch_is_reported_to_every_worker_naming_both() {
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    h.send(1, declare("fc.weight", Dtype::F32, 1000), 10);
+    let a = h.send(2, declare("fc.weight", Dtype::F16, 1000), 11);
+    let msg = job_error(&a, ErrorCode::KeyMismatch, &[2, 1, 3]);
+    assert_eq!(
+        msg,
+        "tensor 'fc.weight' declared as f16 x 1000 by worker 1 'w1', but as f32 x 1000 by \
+         worker 0 'w0': every worker must declare each tensor with the same dtype and size"
+    );
+    assert!(logs(&a).contains("the job cannot continue"), "{}", logs(&a));
+    assert_eq!(
+        h.m.declarers("fc.weight"),
+        Some(vec![0]),
+        "a mismatch is not recorded"
+    );
+}
+
+#[test]
+fn a_size_mismatch_is_reported_to_every_worker_naming_every_declarer() {
+    let (mut h, _) = Harness::running(&cfg(6, 1));
+    for conn in [4, 1, 3, 6, 5] {
+        h.send(conn, declare("fc.weight", Dtype::F32, 1000), 10);
+    }
+    let a = h.send(2, declare("fc.weight", Dtype::F32, 1024), 11);
+    let msg = job_error(&a, ErrorCode::KeyMismatch, &[2, 1, 3, 4, 5, 6]);
+    assert!(
+        msg.starts_with(
+            "tensor 'fc.weight' declared as f32 x 1024 by worker 1 'w1', but as f32 x 1000 by \
+             worker 3 'w3', worker 0 'w0', worker 2 'w2' and 2 more workers: "
+        ),
+        "{msg}"
+    );
+}
+
+#[test]
+fn after_a_mismatch_every_declaration_gets_the_same_error() {
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    h.send(1, declare("a", Dtype::F32, 4), 10);
+    h.send(2, declare("b", Dtype::F32, 4), 10);
+    let a = h.send(3, declare("a", Dtype::I32, 4), 11);
+    let msg = job_error(&a, ErrorCode::KeyMismatch, &[3, 1, 2]);
+    for (conn, name) in [(1, "a"), (2, "b"), (3, "new"), (2, "a")] {
+        let a = h.send(conn, declare(name, Dtype::F32, 4), 12);
+        let e = errors(&a, conn);
+        assert_eq!(
+            (e.len(), e[0].code, &e[0].message),
+            (1, ErrorCode::KeyMismatch, &msg)
+        );
+        assert!(sent(&a, conn).len() == 1, "no Declared after a mismatch");
+        assert!(!closed(&a, conn));
+        assert!(
+            (1..=3)
+                .filter(|c| *c != conn)
+                .all(|c| sent(&a, c).is_empty()),
+            "told once"
+        );
+    }
+    assert!(h.m.declarers("new").is_none());
+}
+
+#[test]
+fn only_workers_declare_and_only_once_the_map_is_out() {
+    let mut h = Harness::new(&cfg(2, 1));
+    h.join(1, reg(W, None, "w0", "h0"), 0);
+    let a = h.send(1, declare("x", Dtype::F32, 1), 1);
+    let e = errors(&a, 1);
+    assert_eq!(e[0].code, ErrorCode::UnexpectedOp);
+    assert!(
+        e[0].message
+            .contains("tensor 'x' declared before the cluster map"),
+        "{}",
+        e[0].message
+    );
+    assert!(!closed(&a, 1));
+
+    h.m.connected(
+        9,
+        Peer {
+            role: W,
+            rank: None,
+            name: "anon".into(),
+        },
+        h.at(2),
+    );
+    let a = h.send(9, declare("x", Dtype::F32, 1), 2);
+    assert_eq!(errors(&a, 9)[0].code, ErrorCode::UnexpectedOp);
+    assert!(
+        closed(&a, 9),
+        "a Declare before registering breaks the protocol"
+    );
+
+    h.join(2, reg(W, None, "w1", "h1"), 3);
+    h.join(101, reg(S, None, "s0", "h0"), 3);
+    let a = h.send(101, declare("x", Dtype::F32, 1), 4);
+    let e = errors(&a, 101);
+    assert_eq!((e[0].code, e[0].key), (ErrorCode::UnexpectedOp, None));
+    assert_eq!(
+        e[0].message,
+        "server 0 's0' declared tensor 'x': only workers declare tensors"
+    );
+    assert!(!closed(&a, 101));
+    assert!(
+        h.m.declarers("x").is_none(),
+        "a refused declaration has no effect"
+    );
+    let a = h.send(1, declare("x", Dtype::F32, 1), 5);
+    assert_eq!(declared(&a, 1, "x"), Some(0));
+}
+
+#[test]
+fn a_full_tensor_table_ends_the_job_naming_the_tensor() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    h.m.limit_tensors(2);
+    let names: Vec<String> = ["step1.tmp", "step2.tmp"].map(String::from).to_vec();
+    declare_all(&mut h, 1, &names, 10);
+    let a = h.send(2, declare("step1.tmp", Dtype::F32, 10), 11);
+    assert_eq!(
+        declared(&a, 2, "step1.tmp"),
+        Some(0),
+        "known names still resolve"
+    );
+    let a = h.send(1, declare("step3.tmp", Dtype::F32, 10), 12);
+    let msg = job_error(&a, ErrorCode::ResourceExhausted, &[1, 2]);
+    assert!(
+        msg.starts_with(
+            "worker 0 'w0' declared tensor 'step3.tmp', but the job already has 2 tensors"
+        ),
+        "{msg}"
+    );
 }

@@ -40,6 +40,8 @@ ops! {
     Welcome = 0x03,
     Register = 0x04,
     ClusterMap = 0x05,
+    Declare = 0x06,
+    Declared = 0x07,
     InitKey = 0x10,
     InitAck = 0x11,
     Push = 0x12,

@@ -112,6 +112,23 @@ pub enum Message {
         your_rank: u32,
         map: ClusterMap,
     },
+    /// A worker declares a tensor before its first push. Every worker must declare each
+    /// name with the same dtype and element count; the coordinator checks that.
+    Declare {
+        /// The tensor's name, e.g. "layer1.0.conv1.weight"; never empty.
+        name: String,
+        dtype: Dtype,
+        /// Number of elements; positive, and small enough that the tensor's byte length
+        /// fits in a `u64`.
+        elements: u64,
+    },
+    /// The coordinator's answer to a `Declare`: the job-wide id of the named tensor,
+    /// assigned in the order of first declaration across the job, so every worker gets
+    /// the same id for the same name whatever order it declared in.
+    Declared {
+        name: String,
+        tensor_id: u32,
+    },
     /// Payload: the initial value (`byte_len` bytes) when `has_init`, else empty.
     InitKey {
         key: u64,
@@ -173,6 +190,8 @@ impl Message {
             Message::Welcome { .. } => Op::Welcome,
             Message::Register(_) => Op::Register,
             Message::ClusterMap { .. } => Op::ClusterMap,
+            Message::Declare { .. } => Op::Declare,
+            Message::Declared { .. } => Op::Declared,
             Message::InitKey { .. } => Op::InitKey,
             Message::InitAck { .. } => Op::InitAck,
             Message::Push { .. } => Op::Push,
@@ -262,6 +281,16 @@ impl Message {
                             .string(&n.name);
                     }
                 }
+            }
+            Message::Declare {
+                name,
+                dtype,
+                elements,
+            } => {
+                e.string(name).u8(*dtype as u8).u64(*elements);
+            }
+            Message::Declared { name, tensor_id } => {
+                e.string(name).u32(*tensor_id);
             }
             Message::InitKey {
                 key,
@@ -378,6 +407,21 @@ impl Message {
                     },
                 }
             }
+            Op::Declare => {
+                let name = tensor_name(&mut d)?;
+                let dtype = dtype(&mut d)?;
+                let elements = d.u64("elements")?;
+                declared_size(&d, dtype, elements)?;
+                Message::Declare {
+                    name,
+                    dtype,
+                    elements,
+                }
+            }
+            Op::Declared => Message::Declared {
+                name: tensor_name(&mut d)?,
+                tensor_id: d.u32("tensor_id")?,
+            },
             Op::InitKey => {
                 let key = d.u64("key")?;
                 let byte_len = d.u64("byte_len")?;
@@ -526,6 +570,29 @@ fn codec(d: &mut Dec) -> Result<Codec, WireError> {
         0 => Ok(Codec::Raw),
         v => Err(d.bad("codec", format!("unknown payload codec {v}"))),
     }
+}
+
+fn tensor_name(d: &mut Dec) -> Result<String, WireError> {
+    let name = d.string("name")?;
+    if name.is_empty() {
+        return Err(d.bad("name", "a tensor name must not be empty"));
+    }
+    Ok(name)
+}
+
+/// A declared tensor must have elements, and its byte length must fit in a `u64` so that
+/// no receiver overflows computing it.
+fn declared_size(d: &Dec, dtype: Dtype, elements: u64) -> Result<(), WireError> {
+    if elements == 0 {
+        return Err(d.bad("elements", "a tensor must have at least one element"));
+    }
+    if elements.checked_mul(dtype.size() as u64).is_none() {
+        return Err(d.bad(
+            "elements",
+            format!("{elements} elements of {dtype} do not fit in 2^64 bytes"),
+        ));
+    }
+    Ok(())
 }
 
 fn elements(d: &Dec, dtype: Dtype, payload_len: usize) -> Result<(), WireError> {

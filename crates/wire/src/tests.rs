@@ -82,6 +82,36 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
             vec![],
         ),
         (
+            Message::Declare {
+                name: "layer1.0.conv1.weight".into(),
+                dtype: Dtype::Bf16,
+                elements: 36_864,
+            },
+            vec![],
+        ),
+        (
+            Message::Declare {
+                name: "ü".into(),
+                dtype: Dtype::I64,
+                elements: u64::MAX / 8,
+            },
+            vec![],
+        ),
+        (
+            Message::Declared {
+                name: "layer1.0.conv1.weight".into(),
+                tensor_id: 0,
+            },
+            vec![],
+        ),
+        (
+            Message::Declared {
+                name: "fc.bias".into(),
+                tensor_id: u32::MAX,
+            },
+            vec![],
+        ),
+        (
             Message::InitKey {
                 key: 5,
                 dtype: Dtype::F16,
@@ -297,6 +327,51 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
     // Oversized frame, caught from the header alone.
     let e = decode_frame(&good, 16).unwrap_err();
     assert_eq!(e.code(), ErrorCode::FrameTooLarge);
+}
+
+#[test]
+fn declarations_without_a_name_or_elements_are_rejected_with_the_field_named() {
+    let declare = |name: &str, dtype: Dtype, elements: u64| {
+        let msg = Message::Declare {
+            name: name.into(),
+            dtype,
+            elements,
+        };
+        decode_frame(&msg.encode(0), 1 << 20).map(|f| f.map(|f| f.message))
+    };
+    let e = declare("", Dtype::F32, 4).unwrap_err();
+    assert!(e.to_string().contains("field name"), "{e}");
+    assert!(e.to_string().contains("must not be empty"), "{e}");
+    assert_eq!(e.code(), ErrorCode::BadFrame);
+    let e = declare("w", Dtype::F32, 0).unwrap_err();
+    assert!(e.to_string().contains("at least one element"), "{e}");
+    // The byte length of 2^62 f64 elements overflows a u64; of f16 elements it does not.
+    let e = declare("w", Dtype::F64, 1 << 62).unwrap_err();
+    assert!(e.to_string().contains("field elements"), "{e}");
+    assert!(declare("w", Dtype::F16, 1 << 62).is_ok());
+
+    let good = Message::Declare {
+        name: "w".into(),
+        dtype: Dtype::F32,
+        elements: 4,
+    }
+    .encode(0);
+    let mut body = good[HEADER_LEN..].to_vec();
+    body[3] = 0; // dtype, after the 2-byte length and the 1-byte name
+    assert!(body_err(Op::Declare, &body).to_string().contains("dtype"));
+    assert!(matches!(
+        body_err(Op::Declare, &good[HEADER_LEN..good.len() - 1]),
+        WireError::Truncated {
+            field: "elements",
+            ..
+        }
+    ));
+    let named = Message::Declared {
+        name: String::new(),
+        tensor_id: 3,
+    };
+    let e = decode_frame(&named.encode(0), 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("Declared frame: field name"), "{e}");
 }
 
 #[test]
