@@ -14,3 +14,57 @@ ensure_rust() {
   cargo --version
   rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy rustfmt 2>/dev/null || true
 }
+
+# Installs Debian packages (the machine image runs as root; CI does too).
+apt_install() {
+  DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
+}
+
+# The Python environment, in .venv at the repository root, activated for the rest of the
+# calling script:
+#   1. a virtual environment of python3 (CPython >= 3.9; Debian's python3-venv is installed
+#      if venv is missing);
+#   2. the pinned tools of requirements-dev.txt (maturin, pytest, ruff, numpy, torch), after
+#      upgrading pip; skipped when .venv already holds exactly that file's pins;
+#   3. the sumflow package, built by `maturin develop --release`: an editable install (a .pth
+#      points at python/, so Python edits need no reinstall) whose extension module is
+#      built into python/sumflow/. Cargo rebuilds only what changed, in the workspace's
+#      target/ (or $CARGO_TARGET_DIR), sharing the release build of `cargo test --release`.
+# After a Rust change, run `maturin develop --release` in the activated .venv, or this again.
+ensure_python_env() {
+  local venv=.venv started=$SECONDS
+  if ! command -v python3 >/dev/null 2>&1; then
+    echo "python3 not found; installing it from Debian's packages"
+    apt_install python3 python3-venv
+  fi
+  if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    if ! python3 -m venv "$venv"; then
+      echo "python3 cannot create a virtual environment; installing python3-venv"
+      rm -rf "$venv"
+      apt_install python3-venv
+      python3 -m venv "$venv"
+    fi
+  fi
+  export VIRTUAL_ENV=$PWD/$venv
+  export PATH="$VIRTUAL_ENV/bin:$PATH"
+  unset PYTHONHOME
+  python --version
+
+  local stamp="$venv/.requirements-dev.sha256" want
+  want=$({ sha256sum requirements-dev.txt; python --version; } | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    python -m pip install --disable-pip-version-check --progress-bar off -q --upgrade pip
+    local t=$SECONDS
+    python -m pip install --disable-pip-version-check --progress-bar off -r requirements-dev.txt
+    echo "installed requirements-dev.txt in $((SECONDS - t))s"
+    echo "$want" >"$stamp"
+  else
+    echo "requirements-dev.txt already installed in $venv"
+  fi
+
+  local t=$SECONDS
+  maturin develop --release --locked
+  echo "built and installed sumflow in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
+}

@@ -1,10 +1,42 @@
 #!/usr/bin/env bash
-# Sets up and runs every test: formatting, lints, unit and integration tests, a fuzz smoke
-# run, and quick smoke runs of the benchmarks. Works on a fresh machine of this project's
-# kind; installs what it needs.
+# Sets up and runs every test: formatting, lints, unit and integration tests, the Python
+# package's tests, a fuzz smoke run, and quick smoke runs of the benchmarks. Works on a
+# fresh machine of this project's kind; installs what it needs (Rust if missing, and the
+# Python environment in .venv: see ensure_python_env in scripts/lib.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+test_log=$tmp/cargo-test.log
+junit=$tmp/pytest.xml
+
+# One closing line with the totals over every Rust test binary and pytest.
+summary() {
+  local rust py
+  rust=$(awk '/^test result:/ { p += $4; f += $6 } END { printf "%d %d", p, f }' "$test_log")
+  py="0 0"
+  if [ -s "$junit" ]; then
+    py=$(python - "$junit" <<'PY'
+import sys
+import xml.etree.ElementTree as ET
+
+root = ET.parse(sys.argv[1]).getroot()
+suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+passed = failed = 0
+for s in suites:
+    n, fail, err, skip = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+    passed += n - fail - err - skip
+    failed += fail + err
+print(passed, failed)
+PY
+)
+  fi
+  read -r rp rf <<<"$rust"
+  read -r pp pf <<<"$py"
+  printf 'summary: %d passed, %d failed\n' "$((rp + pp))" "$((rf + pf))"
+}
 
 step "toolchain"
 ensure_rust
@@ -17,9 +49,23 @@ step "clippy (warnings are errors)"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 step "cargo test (release: kernels are tested as they run)"
-test_log=$(mktemp)
-trap 'rm -f "$test_log"' EXIT
 cargo test --workspace --release --locked 2>&1 | tee "$test_log"
+
+step "python environment (.venv, requirements-dev.txt, maturin develop --release)"
+ensure_python_env
+
+step "ruff (lint and format) on python/"
+ruff check python/
+ruff format --check python/
+
+step "pytest"
+pytest_status=0
+python -m pytest -q --junitxml="$junit" || pytest_status=$?
+if [ "$pytest_status" -ne 0 ]; then
+  summary
+  echo "pytest failed (exit $pytest_status)"
+  exit "$pytest_status"
+fi
 
 step "benchmark smoke runs"
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench reduce
@@ -29,5 +75,4 @@ step "fuzz smoke run of the frame decoder"
 scripts/fuzz.sh 30
 
 step "all tests passed"
-# One closing line with the totals over every test binary.
-awk '/^test result:/ { p += $4; f += $6 } END { printf "summary: %d passed, %d failed\n", p, f }' "$test_log"
+summary

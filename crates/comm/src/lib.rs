@@ -4,11 +4,30 @@
 //! A tensor is declared once by name; each push_pull of it is cut into partitions, each
 //! partition goes to the server placement chose for it, and the [`pipeline`] pushes
 //! partitions in priority order and writes each pulled sum back into the tensor.
+//!
+//! The data path of one declared tensor, on every worker alike:
+//!
+//! 1. [`partition`] cuts it into runs of at most the partition size (4 MiB by default) and
+//!    keys each run by declaration index and position, so all workers agree on the keys
+//!    without talking.
+//! 2. [`placement`] picks each key's summation server so that every server sums the share of
+//!    the model BytePS's Eq. 1 and 2 give it; from the same declaration and cluster map,
+//!    every worker picks the same servers.
+//! 3. The push and pull stages of the [`pipeline`] move each partition to its server and
+//!    back, in the order the scheduler admits them.
+//!
+//! Steps 1 and 2 are pure functions of the declaration, the partition size and the servers;
+//! they run once per declaration, not per iteration.
 
 mod average;
 pub mod error;
 pub mod handles;
+pub mod partition;
 pub mod pipeline;
+pub mod placement;
 mod queue;
+mod scatter;
+pub mod service;
 
 pub use error::CommError;
+pub use service::{CommConfig, CommunicationService, ReduceOp};

@@ -6,6 +6,7 @@
 //! [`reduce`] kernels over page-aligned [`buffer`]s; [`service`] starts and stops it all.
 
 pub mod buffer;
+pub mod cli;
 mod connection;
 pub mod directory;
 mod engine;

@@ -11,6 +11,8 @@ pub mod dtype;
 pub mod error;
 pub mod frame;
 pub mod io;
+#[cfg(feature = "cli")]
+pub mod logging;
 pub mod message;
 
 pub use auth::JobToken;

@@ -1,0 +1,315 @@
+//! Cutting tensors into partitions, and naming every partition with a key all workers agree
+//! on.
+//!
+//! BytePS (§4.1) cuts every tensor into parts of at most 4 MB. Small parts let placement
+//! spread the model over the servers in the proportions of Eq. 1 and 2, and let the push of
+//! one part overlap the pull of another; parts much smaller than that pay per-message
+//! overhead for nothing. Every partition of a tensor is full-size except the last, which
+//! holds the remainder: a partition's bounds and key then depend only on the tensor's own
+//! size and the partition size, never on how the remainder happens to fall, and full
+//! partitions stay aligned to the partition size in the tensor's memory.
+
+use std::collections::HashMap;
+
+use sumflow_wire::Dtype;
+use thiserror::Error;
+
+/// BytePS's partition size, which its authors found to work well (§4.1, footnote 6); tune it
+/// per job when messages are too many (raise it) or placement too lumpy (lower it).
+pub const DEFAULT_PARTITION_BYTES: u64 = 4 << 20;
+
+/// A contiguous run of a tensor's elements, pushed and summed as one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Partition {
+    /// Position among the tensor's partitions, from 0.
+    pub index_in_tensor: u32,
+    /// First element of the run.
+    pub offset_elements: u64,
+    /// Elements in the run; whole elements only, never zero.
+    pub elements: u64,
+}
+
+/// A tensor as declared by the training script, in declaration order.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TensorSpec<'a> {
+    pub name: &'a str,
+    pub elements: u64,
+    pub dtype: Dtype,
+}
+
+/// A partition with the key every worker uses for it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KeyedPartition {
+    pub key: u64,
+    /// Declaration index of the tensor it belongs to.
+    pub tensor_index: u32,
+    pub partition: Partition,
+    /// Size on the wire; never above the partition size.
+    pub bytes: u64,
+}
+
+/// Why a tensor or a declaration cannot be partitioned.
+#[derive(Clone, Debug, PartialEq, Eq, Error)]
+pub enum PartitionError {
+    #[error(
+        "tensor '{tensor}': a partition size of {partition_bytes} B cannot hold one {dtype} \
+         element ({} B); use a partition size of at least {} B",
+        .dtype.size(), .dtype.size()
+    )]
+    PartitionTooSmall {
+        tensor: String,
+        dtype: Dtype,
+        partition_bytes: u64,
+    },
+    #[error(
+        "tensor '{tensor}': {elements} {dtype} elements in partitions of {partition_bytes} B make \
+         {count} partitions, more than the {} a partition key can number; raise the partition \
+         size",
+        u32::MAX
+    )]
+    TooManyPartitions {
+        tensor: String,
+        elements: u64,
+        dtype: Dtype,
+        partition_bytes: u64,
+        count: u64,
+    },
+    #[error(
+        "{count} tensors declared, more than the {} a partition key can number",
+        u32::MAX
+    )]
+    TooManyTensors { count: usize },
+    #[error(
+        "tensor '{name}' is declared twice (declarations {first} and {second}); every tensor \
+         needs its own name"
+    )]
+    DuplicateName {
+        name: String,
+        first: usize,
+        second: usize,
+    },
+}
+
+/// Splits one tensor into partitions of at most `partition_bytes`; a tensor without elements
+/// has nothing to send and gets no partitions.
+///
+/// A partition holds whole elements, so the per-partition element count is rounded down.
+pub fn partition(
+    tensor: &str,
+    elements: u64,
+    dtype: Dtype,
+    partition_bytes: u64,
+) -> Result<Vec<Partition>, PartitionError> {
+    let per_partition = partition_bytes / dtype.size() as u64;
+    if per_partition == 0 {
+        return Err(PartitionError::PartitionTooSmall {
+            tensor: tensor.to_string(),
+            dtype,
+            partition_bytes,
+        });
+    }
+    let count = elements.div_ceil(per_partition);
+    let count = u32::try_from(count).map_err(|_| PartitionError::TooManyPartitions {
+        tensor: tensor.to_string(),
+        elements,
+        dtype,
+        partition_bytes,
+        count,
+    })?;
+    Ok((0..count)
+        .map(|index_in_tensor| {
+            let offset_elements = u64::from(index_in_tensor) * per_partition;
+            Partition {
+                index_in_tensor,
+                offset_elements,
+                elements: per_partition.min(elements - offset_elements),
+            }
+        })
+        .collect())
+}
+
+/// The key of a tensor's partition: the tensor's declaration index in the high 32 bits, the
+/// partition's index in the low 32.
+///
+/// Every worker computes it from the declaration order alone, so the same partition gets
+/// the same key everywhere without any exchange, and declaring more tensors later never
+/// changes the keys of earlier ones.
+pub const fn partition_key(tensor_index: u32, index_in_tensor: u32) -> u64 {
+    (tensor_index as u64) << 32 | index_in_tensor as u64
+}
+
+/// Partitions a whole declaration (tensors in declaration order) and keys every partition
+/// with [`partition_key`].
+///
+/// Workers must pass the same declaration to get the same keys; checking that they agree
+/// is the caller's job.
+///
+/// ```
+/// use sumflow_comm::partition::{partition_tensors, TensorSpec};
+/// use sumflow_wire::Dtype;
+///
+/// let decl = [
+///     TensorSpec { name: "fc.weight", elements: 2_500_000, dtype: Dtype::F32 },
+///     TensorSpec { name: "fc.bias", elements: 1000, dtype: Dtype::F32 },
+/// ];
+/// let parts = partition_tensors(&decl, 4 << 20)?;
+/// let keys: Vec<_> = parts.iter().map(|p| (p.key, p.bytes)).collect();
+/// assert_eq!(keys, [(0, 4 << 20), (1, 4 << 20), (2, 1_611_392), (1 << 32, 4000)]);
+/// # Ok::<(), sumflow_comm::partition::PartitionError>(())
+/// ```
+pub fn partition_tensors(
+    tensors: &[TensorSpec<'_>],
+    partition_bytes: u64,
+) -> Result<Vec<KeyedPartition>, PartitionError> {
+    if u32::try_from(tensors.len()).is_err() {
+        return Err(PartitionError::TooManyTensors {
+            count: tensors.len(),
+        });
+    }
+    let mut first_of: HashMap<&str, usize> = HashMap::with_capacity(tensors.len());
+    let mut out = Vec::new();
+    for (tensor_index, spec) in (0u32..).zip(tensors) {
+        if let Some(first) = first_of.insert(spec.name, tensor_index as usize) {
+            return Err(PartitionError::DuplicateName {
+                name: spec.name.to_string(),
+                first,
+                second: tensor_index as usize,
+            });
+        }
+        let parts = partition(spec.name, spec.elements, spec.dtype, partition_bytes)?;
+        out.extend(parts.into_iter().map(|partition| KeyedPartition {
+            key: partition_key(tensor_index, partition.index_in_tensor),
+            tensor_index,
+            partition,
+            bytes: partition.elements * spec.dtype.size() as u64,
+        }));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, elements: u64, dtype: Dtype) -> TensorSpec<'_> {
+        TensorSpec {
+            name,
+            elements,
+            dtype,
+        }
+    }
+
+    #[test]
+    fn full_partitions_then_the_remainder() {
+        let parts = partition("w", 10, Dtype::F32, 16).unwrap();
+        let spans: Vec<_> = parts
+            .iter()
+            .map(|p| (p.index_in_tensor, p.offset_elements, p.elements))
+            .collect();
+        assert_eq!(spans, vec![(0, 0, 4), (1, 4, 4), (2, 8, 2)]);
+    }
+
+    #[test]
+    fn an_exact_multiple_has_no_short_partition() {
+        let parts = partition("w", 3 << 20, Dtype::F32, DEFAULT_PARTITION_BYTES).unwrap();
+        assert_eq!(parts.len(), 3);
+        assert!(parts.iter().all(|p| p.elements == 1 << 20));
+    }
+
+    #[test]
+    fn partitions_hold_whole_elements() {
+        // 4 MiB + 7 B holds 524288 f64 elements; the 7 spare bytes are not used.
+        let parts = partition("w", 524_289, Dtype::F64, DEFAULT_PARTITION_BYTES + 7).unwrap();
+        assert_eq!(parts.len(), 2);
+        assert_eq!(parts[0].elements, 524_288);
+        assert_eq!(parts[1].offset_elements, 524_288);
+        assert_eq!(parts[1].elements, 1);
+    }
+
+    #[test]
+    fn a_small_tensor_is_one_partition_and_an_empty_one_none() {
+        assert_eq!(
+            partition("b", 3, Dtype::Bf16, DEFAULT_PARTITION_BYTES).unwrap(),
+            vec![Partition {
+                index_in_tensor: 0,
+                offset_elements: 0,
+                elements: 3
+            }]
+        );
+        assert!(partition("e", 0, Dtype::F32, 4).unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_partition_smaller_than_an_element_is_refused() {
+        for size in [0, 7] {
+            let err = partition("fc.weight", 10, Dtype::F64, size).unwrap_err();
+            assert_eq!(
+                err,
+                PartitionError::PartitionTooSmall {
+                    tensor: "fc.weight".into(),
+                    dtype: Dtype::F64,
+                    partition_bytes: size
+                }
+            );
+            let msg = err.to_string();
+            assert!(msg.contains("fc.weight") && msg.contains(&format!("{size} B")));
+            assert!(msg.contains("one f64 element (8 B)"), "{msg}");
+        }
+    }
+
+    #[test]
+    fn too_many_partitions_is_refused_before_allocating() {
+        let err = partition("huge", 1 << 33, Dtype::F32, 4).unwrap_err();
+        assert!(matches!(
+            err,
+            PartitionError::TooManyPartitions { count, .. } if count == 1 << 33
+        ));
+        assert!(err.to_string().contains("'huge'"));
+    }
+
+    #[test]
+    fn keys_follow_declaration_order() {
+        let decl = [
+            spec("a", 5, Dtype::F32),
+            spec("empty", 0, Dtype::F32),
+            spec("b", 1, Dtype::F16),
+        ];
+        let parts = partition_tensors(&decl, 8).unwrap();
+        let keys: Vec<_> = parts.iter().map(|p| (p.key, p.bytes)).collect();
+        assert_eq!(keys, vec![(0, 8), (1, 8), (2, 4), (2 << 32, 2)]);
+        assert_eq!(parts[3].tensor_index, 2);
+        assert_eq!(partition_key(7, 3), 0x0000_0007_0000_0003);
+    }
+
+    #[test]
+    fn declaring_more_tensors_keeps_earlier_keys() {
+        let short = [spec("a", 100, Dtype::F32), spec("b", 9, Dtype::I64)];
+        let long = [short[0], short[1], spec("c", 1000, Dtype::F16)];
+        let before = partition_tensors(&short, 64).unwrap();
+        let after = partition_tensors(&long, 64).unwrap();
+        assert_eq!(before[..], after[..before.len()]);
+    }
+
+    #[test]
+    fn duplicate_names_are_refused() {
+        let decl = [
+            spec("a", 1, Dtype::F32),
+            spec("b", 1, Dtype::F32),
+            spec("a", 2, Dtype::F32),
+        ];
+        let err = partition_tensors(&decl, 4).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "tensor 'a' is declared twice (declarations 0 and 2); every tensor needs its own name"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_tensor_that_failed() {
+        let decl = [spec("ok", 1, Dtype::F16), spec("wide", 1, Dtype::F64)];
+        let err = partition_tensors(&decl, 4).unwrap_err();
+        assert!(
+            matches!(err, PartitionError::PartitionTooSmall { ref tensor, .. } if tensor == "wide")
+        );
+    }
+}

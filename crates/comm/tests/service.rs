@@ -1,0 +1,279 @@
+//! The communication service in whole jobs on 127.0.0.1: coordinator, colocated and CPU
+//! summation servers, and workers as threads.
+
+use std::thread;
+use std::time::Duration;
+
+use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
+use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
+use sumflow_summation::{
+    CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
+};
+use sumflow_wire::{Dtype, ErrorCode, JobToken};
+
+fn token() -> JobToken {
+    JobToken::new("service-test-token-abcdefgh").unwrap()
+}
+
+fn options() -> CoordinatorOptions {
+    CoordinatorOptions {
+        heartbeat_interval: Duration::from_millis(50),
+        heartbeat_timeout: Duration::from_secs(5),
+        connect_timeout: Duration::from_secs(5),
+        ..CoordinatorOptions::default()
+    }
+}
+
+struct Job {
+    coordinator: CoordinatorHandle,
+    addr: String,
+    servers: thread::JoinHandle<Vec<ServerHandle>>,
+}
+
+/// A coordinator, one server colocated with each of `workers` machines, and `cpu` more.
+fn job(workers: u32, cpu: u32) -> Job {
+    let mut cfg = CoordinatorConfig::new(
+        "127.0.0.1:0".parse().unwrap(),
+        workers,
+        workers + cpu,
+        token(),
+    );
+    cfg.heartbeat_timeout = Duration::from_millis(800);
+    cfg.join_timeout = Duration::from_secs(20);
+    let coordinator = CoordinatorService::start(cfg).unwrap();
+    let addr = coordinator.local_addr().to_string();
+    let coord = addr.clone();
+    let servers = thread::spawn(move || {
+        let starting: Vec<_> = (0..workers + cpu)
+            .map(|i| {
+                let coord = coord.clone();
+                thread::spawn(move || {
+                    let mut cfg = ServerConfig::standalone(1, token());
+                    let host_id = if i < workers {
+                        format!("machine-{i}")
+                    } else {
+                        format!("cpu-{i}")
+                    };
+                    cfg.membership = Membership::Coordinator(CoordinatorLink {
+                        addr: coord,
+                        advertise_host: "127.0.0.1".into(),
+                        host_id,
+                        requested_rank: Some(i),
+                        join_timeout: Duration::from_secs(20),
+                        options: options(),
+                    });
+                    SummationService::start(cfg).unwrap()
+                })
+            })
+            .collect();
+        starting.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    Job {
+        coordinator,
+        addr,
+        servers,
+    }
+}
+
+fn worker(addr: &str, rank: u32) -> CommunicationService {
+    let mut cfg = CommConfig::new(addr, token(), &format!("machine-{rank}"));
+    cfg.rank = Some(rank);
+    cfg.name = format!("trainer {rank}");
+    cfg.partition_bytes = 4096;
+    cfg.coordinator_options = options();
+    cfg.declare_timeout = Duration::from_secs(10);
+    CommunicationService::start(cfg).unwrap()
+}
+
+fn finish(job: Job) {
+    for s in job.servers.join().unwrap() {
+        s.shutdown();
+        s.wait();
+    }
+    job.coordinator.shutdown();
+    let _ = job.coordinator.wait();
+}
+
+fn push_pull(
+    c: &CommunicationService,
+    id: u32,
+    data: &mut [f32],
+    priority: i64,
+    op: ReduceOp,
+) -> u64 {
+    // SAFETY: every caller waits on the handle before touching `data` again.
+    unsafe { c.push_pull(id, data.as_mut_ptr().cast(), data.len() * 4, priority, op) }.unwrap()
+}
+
+#[test]
+fn workers_sum_and_average_through_colocated_and_cpu_servers() {
+    let workers = 3;
+    let job = job(workers, 1);
+    let addr = job.addr.clone();
+    let threads: Vec<_> = (0..workers)
+        .map(|w| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let c = worker(&addr, w);
+                assert_eq!(
+                    (c.rank(), c.size(), c.local_rank(), c.local_size()),
+                    (w, 3, 0, 1)
+                );
+                // A model's parameters as a group, then tensors declared alone in an
+                // order that differs per worker.
+                let group: Vec<(String, u64)> = (0..12)
+                    .map(|i| (format!("layer{i}.weight"), 100 + 700 * i))
+                    .collect();
+                let specs: Vec<(&str, Dtype, u64)> = group
+                    .iter()
+                    .map(|(n, e)| (n.as_str(), Dtype::F32, *e))
+                    .collect();
+                let mut ids = c.declare_group(&specs).unwrap();
+                let mut extra: Vec<u32> = (0..4).collect();
+                extra.rotate_left(w as usize);
+                let mut extra_ids = vec![0; 4];
+                for e in extra {
+                    extra_ids[e as usize] = c
+                        .declare(&format!("extra{e}"), Dtype::F32, 3000 + u64::from(e))
+                        .unwrap();
+                }
+                ids.extend(extra_ids);
+                let sizes: Vec<u64> = group
+                    .iter()
+                    .map(|g| g.1)
+                    .chain((0..4).map(|e| 3000 + e))
+                    .collect();
+                assert!(
+                    c.placement_report().len() >= 3,
+                    "{:?}",
+                    c.placement_report()
+                );
+                for round in 1..=3u64 {
+                    let op = if round == 2 {
+                        ReduceOp::Sum
+                    } else {
+                        ReduceOp::Average
+                    };
+                    let mut data: Vec<Vec<f32>> = sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(t, &n)| {
+                            (0..n)
+                                .map(|i| (i as usize % 97 + t) as f32 * (w + 1) as f32)
+                                .collect()
+                        })
+                        .collect();
+                    let handles: Vec<u64> = data
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, op))
+                        .collect();
+                    for h in handles {
+                        c.wait(h, Duration::from_secs(20)).unwrap();
+                    }
+                    for (t, d) in data.iter().enumerate() {
+                        for (i, v) in d.iter().enumerate() {
+                            let base = (i % 97 + t) as f32;
+                            let sum = base * (1 + 2 + 3) as f32;
+                            let want = if op == ReduceOp::Sum { sum } else { sum / 3.0 };
+                            assert_eq!(*v, want, "worker {w} round {round} tensor {t} element {i}");
+                        }
+                    }
+                }
+                c.barrier(Duration::from_secs(10)).unwrap();
+                c.shutdown("done").unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    finish(job);
+}
+
+#[test]
+fn a_declaration_mismatch_stops_every_worker_with_its_name() {
+    let job = job(2, 0);
+    let addr = job.addr.clone();
+    let threads: Vec<_> = (0..2u32)
+        .map(|w| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let c = worker(&addr, w);
+                c.barrier(Duration::from_secs(10)).unwrap();
+                // Worker 1 has the wrong size for 'fc.weight'.
+                let declared = c.declare("fc.weight", Dtype::F32, 1000 + u64::from(w) * 24);
+                let err = match declared {
+                    Err(e) => e,
+                    Ok(id) => {
+                        let elements = 1000 + w as usize * 24;
+                        let mut data = vec![0f32; elements];
+                        // The other worker's declaration breaks the job: wait for it to land.
+                        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                        loop {
+                            // SAFETY: waited on below before `data` is dropped.
+                            match unsafe {
+                                c.push_pull(
+                                    id,
+                                    data.as_mut_ptr().cast(),
+                                    elements * 4,
+                                    0,
+                                    ReduceOp::Sum,
+                                )
+                            } {
+                                Err(e) => break e,
+                                Ok(h) => {
+                                    let _ = c.wait(h, Duration::from_millis(200));
+                                }
+                            }
+                            assert!(
+                                std::time::Instant::now() < deadline,
+                                "mismatch never reported"
+                            );
+                        }
+                    }
+                };
+                let msg = err.to_string();
+                assert!(
+                    msg.contains("fc.weight")
+                        && msg.contains("f32 x 1024")
+                        && msg.contains("f32 x 1000"),
+                    "{msg}"
+                );
+                drop(c);
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    finish(job);
+}
+
+#[test]
+fn a_crashed_worker_fails_the_others_operations_by_name() {
+    let job = job(2, 1);
+    let addr = job.addr.clone();
+    let victim = {
+        let addr = addr.clone();
+        thread::spawn(move || {
+            let c = worker(&addr, 1);
+            c.declare("w", Dtype::F32, 5000).unwrap();
+            c
+        })
+    };
+    let c = worker(&addr, 0);
+    let id = c.declare("w", Dtype::F32, 5000).unwrap();
+    let crashed = victim.join().unwrap();
+    let mut data = vec![1f32; 5000];
+    let h = push_pull(&c, id, &mut data, 0, ReduceOp::Sum);
+    // Worker 1 dies without leaving, before pushing its share.
+    drop(crashed);
+    let err = c.wait(h, Duration::from_secs(10)).unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NodeFailed, "{err}");
+    assert!(err.to_string().contains("trainer 1"), "{err}");
+    assert!(!matches!(err, CommError::Timeout { .. }));
+    drop(c);
+    finish(job);
+}

@@ -1,0 +1,243 @@
+//! The `sumflow-server` command-line program as a library function, so that the binary
+//! and the Python package's `sumflow-server` console script (which runs it in-process) are
+//! one program.
+//!
+//! ```no_run
+//! let code = sumflow_summation::cli::run(["sumflow-server", "--workers", "2"]);
+//! std::process::exit(code.into());
+//! ```
+
+use std::ffi::OsString;
+use std::io::Write;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::{Parser, ValueEnum};
+use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_wire::logging::{init_logging, LogFormat};
+use sumflow_wire::JobToken;
+use tracing::error;
+
+use crate::{CoordinatorLink, Membership, ServerConfig, Settings, SimdLevel, SummationService};
+
+/// Sums gradient partitions pushed by a job's workers and returns each round's sum.
+///
+/// In a job, point it at the coordinator (--coordinator); for tests and benchmarks it can
+/// run standalone with a fixed number of workers (--workers). The job token comes from
+/// --token-file, SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN.
+#[derive(Parser, Debug)]
+#[command(name = "sumflow-server", version)]
+struct Args {
+    /// Address to listen on. Use 0.0.0.0:PORT on a cluster machine.
+    #[arg(long, env = "SUMFLOW_SERVER_BIND", default_value = "127.0.0.1:0")]
+    bind: SocketAddr,
+    /// The job's coordinator (host:port); the server registers there and learns the workers.
+    #[arg(long, env = "SUMFLOW_COORDINATOR", conflicts_with = "workers")]
+    coordinator: Option<String>,
+    /// Standalone mode: serve exactly this many workers, without a coordinator.
+    #[arg(
+        long,
+        env = "SUMFLOW_NUM_WORKERS",
+        required_unless_present = "coordinator"
+    )]
+    workers: Option<u32>,
+    /// Host name or address workers use to reach this server [default: the bind address,
+    /// or this machine's host name when binding to all interfaces].
+    #[arg(long, env = "SUMFLOW_ADVERTISE_HOST")]
+    advertise: Option<String>,
+    /// Machine identity shared with colocated workers [default: this machine's host name].
+    #[arg(long, env = "SUMFLOW_HOST_ID")]
+    host_id: Option<String>,
+    /// Ask the coordinator for this server rank.
+    #[arg(long, env = "SUMFLOW_SERVER_RANK")]
+    rank: Option<u32>,
+    /// Engine threads summing keys [default: half the CPU cores, 1 to 8].
+    #[arg(long, env = "SUMFLOW_ENGINE_THREADS")]
+    engine_threads: Option<usize>,
+    /// Receive buffers per worker connection: pushes in flight before back-pressure.
+    #[arg(long, env = "SUMFLOW_PUSH_BUFFERS", default_value_t = 4)]
+    push_buffers: usize,
+    /// Largest frame body accepted, in bytes.
+    #[arg(long, env = "SUMFLOW_MAX_FRAME_BYTES", default_value_t = sumflow_wire::DEFAULT_MAX_BODY)]
+    max_frame_bytes: u32,
+    /// Cap on bytes held for keys (accumulators and sums) [default: no cap].
+    #[arg(long, env = "SUMFLOW_MAX_KEY_MEMORY")]
+    max_key_memory: Option<u64>,
+    /// SIMD kernels to use.
+    #[arg(long, env = "SUMFLOW_SIMD", value_enum, default_value_t = Simd::Auto)]
+    simd: Simd,
+    /// Seconds between heartbeats to the coordinator.
+    #[arg(long, env = "SUMFLOW_HEARTBEAT_INTERVAL", default_value_t = 1.0)]
+    heartbeat_interval: f64,
+    /// Seconds of coordinator silence after which it is considered lost.
+    #[arg(long, env = "SUMFLOW_HEARTBEAT_TIMEOUT", default_value_t = 10.0)]
+    heartbeat_timeout: f64,
+    /// Seconds to wait for the whole job to register with the coordinator.
+    #[arg(long, env = "SUMFLOW_JOIN_TIMEOUT", default_value_t = 300.0)]
+    join_timeout: f64,
+    /// File holding the job token (else SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN).
+    #[arg(long)]
+    token_file: Option<PathBuf>,
+    /// Write the bound address (host:port) to this file once listening.
+    #[arg(long)]
+    addr_file: Option<PathBuf>,
+    /// Log format.
+    #[arg(long, env = "SUMFLOW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
+}
+
+#[derive(Clone, Copy, Debug, ValueEnum)]
+enum Simd {
+    Auto,
+    Avx512,
+    Avx2,
+    Portable,
+}
+
+/// Runs `sumflow-server` with `args` (the program name first, as in
+/// [`std::env::args_os`]) until the job ends or SIGTERM/SIGINT stops it, and returns the
+/// exit status: 0 after a clean stop (and for `--help` and `--version`), 1 when the server
+/// fails, 2 for bad arguments or configuration. Messages go to stdout (help) and stderr.
+///
+/// It never exits the process. While it runs, SIGTERM and SIGINT stop it gracefully; its
+/// handlers are removed when it returns, but the signals' default actions are not put back
+/// (see `signal_hook::low_level::unregister`).
+pub fn run<I, T>(args: I) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let args = match Args::try_parse_from(args) {
+        Ok(args) => args,
+        Err(e) => {
+            // Help and version go to stdout with status 0, usage errors to stderr with 2.
+            let _ = e.print();
+            let _ = std::io::stdout().flush();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
+    init_logging(args.log_format);
+    let cfg = match config(&args) {
+        Ok(cfg) => cfg,
+        Err(msg) => {
+            eprintln!("sumflow-server: {msg}");
+            return 2;
+        }
+    };
+    let handle = match SummationService::start(cfg) {
+        Ok(h) => h,
+        Err(e) => {
+            error!("{e}");
+            eprintln!("sumflow-server: {e}");
+            return 1;
+        }
+    };
+    if let Some(path) = &args.addr_file {
+        if let Err(e) = std::fs::write(path, handle.local_addr().to_string()) {
+            eprintln!("sumflow-server: cannot write {}: {e}", path.display());
+            handle.shutdown();
+            handle.wait();
+            return 1;
+        }
+    }
+    let term = Arc::new(AtomicBool::new(false));
+    let mut hooks = Vec::new();
+    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        if let Ok(id) = signal_hook::flag::register(sig, Arc::clone(&term)) {
+            hooks.push(id);
+        }
+    }
+    while !handle.is_finished() {
+        if term.load(Ordering::Relaxed) {
+            tracing::info!("signal received; stopping");
+            handle.shutdown();
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    handle.wait();
+    for id in hooks {
+        signal_hook::low_level::unregister(id);
+    }
+    0
+}
+
+fn config(args: &Args) -> Result<ServerConfig, String> {
+    let token = JobToken::load(args.token_file.as_deref()).map_err(|e| e.to_string())?;
+    let secs = |name: &str, v: f64| {
+        if v.is_finite() && v > 0.0 {
+            Ok(Duration::from_secs_f64(v))
+        } else {
+            Err(format!(
+                "--{name} must be a positive number of seconds, got {v}"
+            ))
+        }
+    };
+    let membership = match (&args.coordinator, args.workers) {
+        (Some(addr), _) => {
+            let host = hostname();
+            let advertise = match &args.advertise {
+                Some(h) => h.clone(),
+                None if args.bind.ip().is_unspecified() => host
+                    .clone()
+                    .ok_or("cannot read this machine's host name; pass --advertise".to_string())?,
+                None => args.bind.ip().to_string(),
+            };
+            Membership::Coordinator(CoordinatorLink {
+                addr: addr.clone(),
+                advertise_host: advertise,
+                host_id: args
+                    .host_id
+                    .clone()
+                    .or(host)
+                    .ok_or("cannot read this machine's host name; pass --host-id")?,
+                requested_rank: args.rank,
+                join_timeout: secs("join-timeout", args.join_timeout)?,
+                options: CoordinatorOptions {
+                    heartbeat_interval: secs("heartbeat-interval", args.heartbeat_interval)?,
+                    heartbeat_timeout: secs("heartbeat-timeout", args.heartbeat_timeout)?,
+                    ..CoordinatorOptions::default()
+                },
+            })
+        }
+        (None, Some(0)) => return Err("--workers must be at least 1".into()),
+        (None, Some(workers)) => Membership::Standalone { workers },
+        (None, None) => return Err("pass --coordinator ADDR or --workers N".into()),
+    };
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let engine_threads = args.engine_threads.unwrap_or((cores / 2).clamp(1, 8));
+    if engine_threads == 0 || args.push_buffers == 0 {
+        return Err("--engine-threads and --push-buffers must be at least 1".into());
+    }
+    let simd = match args.simd {
+        Simd::Auto => None,
+        Simd::Avx512 => Some(SimdLevel::Avx512),
+        Simd::Avx2 => Some(SimdLevel::Avx2F16c),
+        Simd::Portable => Some(SimdLevel::Portable),
+    };
+    Ok(ServerConfig {
+        bind: args.bind,
+        token,
+        membership,
+        engine_threads,
+        settings: Settings {
+            max_body: args.max_frame_bytes,
+            push_buffers: args.push_buffers,
+            handshake_timeout: Duration::from_secs(10),
+            write_timeout: Duration::from_secs(120),
+        },
+        max_key_memory: args.max_key_memory,
+        simd,
+        max_connections: 4096,
+    })
+}
+
+fn hostname() -> Option<String> {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .or_else(|_| std::fs::read_to_string("/etc/hostname"))
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+}
