@@ -46,3 +46,86 @@ class DeclarationMismatchError(SumflowError):
 class ProtocolError(SumflowError):
     """A peer sent a message it must not send (a bug or a version mismatch); the message
     names the peer."""
+
+class CommunicationService:
+    """The communication service of one worker: joins the job through its coordinator,
+    connects to every summation server, and sums tensors across workers.
+
+    Low level: ``sumflow.torch`` drives it for PyTorch users. Buffers are passed as raw
+    host addresses together with the object that owns the memory; the service keeps a
+    reference to that owner until the operation has been waited for.
+    """
+
+    def __init__(
+        self,
+        coordinator: str,
+        token: str,
+        *,
+        host_id: str,
+        rank: int | None = None,
+        name: str | None = None,
+        partition_bytes: int = 4194304,
+        join_timeout: float = 300.0,
+        declare_timeout: float = 300.0,
+        connect_timeout: float = 60.0,
+        heartbeat_interval: float = 1.0,
+        heartbeat_timeout: float = 10.0,
+    ) -> None:
+        """Joins the job at ``coordinator`` (host:port) with the job ``token`` and blocks
+        (GIL released) until every node has joined, at most ``join_timeout`` seconds.
+
+        ``host_id`` names this worker's machine: workers with the same one share its
+        colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
+        other nodes' error messages. Tensors are cut into partitions of at most
+        ``partition_bytes``.
+        """
+
+    @property
+    def rank(self) -> int:
+        """This worker's rank, 0 to size - 1."""
+    @property
+    def size(self) -> int:
+        """The number of workers."""
+    @property
+    def local_rank(self) -> int:
+        """This worker's rank among the workers of its machine."""
+    @property
+    def local_size(self) -> int:
+        """The number of workers on this machine."""
+    @property
+    def num_servers(self) -> int:
+        """The number of summation servers."""
+    def declare(self, name: str, dtype_name: str, elements: int) -> int:
+        """Declares a tensor by name and returns its id. Every worker must declare it with
+        the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64") and number of
+        elements, or every worker gets ``DeclarationMismatchError`` naming it."""
+    def declare_group(self, tensors: Sequence[tuple[str, str, int]]) -> list[int]:
+        """Declares tensors ``(name, dtype, elements)`` together and places their
+        partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker must
+        declare the same group."""
+    def push_pull(
+        self,
+        tensor_id: int,
+        owner: object,
+        ptr: int,
+        nbytes: int,
+        priority: int = 0,
+        average: bool = False,
+    ) -> int:
+        """Starts summing tensor ``tensor_id`` across workers, in place in the ``nbytes``
+        bytes at host address ``ptr``, which ``owner`` must own. Returns a handle at once.
+        Lower ``priority`` is sent first; ``average`` divides the sum by the size. The
+        memory must not be read or written until ``wait`` has returned."""
+    def poll(self, handle: int) -> bool:
+        """True once the operation has finished; raises its error if it failed."""
+    def wait(self, handle: int, timeout: float) -> None:
+        """Waits (GIL released) at most ``timeout`` seconds for an operation and releases
+        it; raises its error if it failed, ``SumflowTimeoutError`` naming the tensor and
+        the servers still owing partitions if it did not finish in time."""
+    def barrier(self, timeout: float) -> None:
+        """Waits (GIL released) until every worker reaches this barrier."""
+    def placement_report(self) -> list[str]:
+        """One line per summation server: the bytes of declared tensors it sums."""
+    def shutdown(self, reason: str = "shutdown") -> None:
+        """Leaves the job gracefully. Operations in flight fail, and so does any later
+        call."""

@@ -91,6 +91,8 @@ pub enum ErrorKind {
     DeclarationMismatch,
     /// A peer broke the protocol: `ProtocolError`.
     Protocol,
+    /// A bad argument from the caller: the builtin `ValueError`.
+    Invalid,
     /// Anything else: `SumflowError`.
     Other,
 }
@@ -106,6 +108,7 @@ pub fn to_py_err(py: Python<'_>, kind: ErrorKind, message: String) -> PyErr {
         ErrorKind::NodeFailed => NodeFailedError::new_err(message),
         ErrorKind::DeclarationMismatch => DeclarationMismatchError::new_err(message),
         ErrorKind::Protocol => ProtocolError::new_err(message),
+        ErrorKind::Invalid => pyo3::exceptions::PyValueError::new_err(message),
         ErrorKind::Other => SumflowError::new_err(message),
     }
 }

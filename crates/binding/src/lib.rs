@@ -11,6 +11,7 @@ use std::ffi::OsString;
 use pyo3::prelude::*;
 
 pub mod errors;
+mod service;
 
 /// The name of the SIMD kernels the summation service would use on this CPU:
 /// "avx512", "avx2+f16c" or "portable".
@@ -51,7 +52,7 @@ fn program(name: &str, argv: Vec<OsString>) -> Vec<OsString> {
     std::iter::once(OsString::from(name)).chain(argv).collect()
 }
 
-/// sumflow's Rust core: the summation server, the coordinator and, next, the communication
+/// sumflow's Rust core: the summation server, the coordinator and the communication
 /// service. Use it through the `sumflow` package, which re-exports what is public.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -59,6 +60,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
     m.add_function(wrap_pyfunction!(run_coordinator, m)?)?;
+    m.add_class::<service::PyCommunicationService>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -309,9 +309,9 @@ impl CoordinatorClient {
     /// declared differently (or a tensor table that overflowed). Once set, every
     /// [`declare`](Self::declare) and [`barrier`](Self::barrier) fails with it, and the
     /// communication service fails its pushes with it.
-    pub fn job_error(&self) -> Option<String> {
+    pub fn job_error(&self) -> Option<ErrorReply> {
         let st = self.conn.inner.lock();
-        st.job_error.as_ref().map(|e| e.message.clone())
+        st.job_error.clone()
     }
 
     /// A channel carrying every failure notice: those already received first, then new
@@ -346,12 +346,13 @@ impl CoordinatorClient {
     }
 
     /// Leaves the job gracefully: the coordinator stops expecting us in barriers and does
-    /// not report us as failed. Fails only if the coordinator was already lost.
-    pub fn leave(self, reason: &str) -> Result<()> {
+    /// not report us as failed. Fails only if the coordinator was already lost. Calls after
+    /// the first do nothing.
+    pub fn leave(&self, reason: &str) -> Result<()> {
         let inner = self.conn.inner.clone();
         {
             let mut st = inner.lock();
-            if st.shutdown.is_some() {
+            if st.shutdown.is_some() || st.closing {
                 return Ok(());
             }
             if let Some(reason) = &st.lost {

@@ -201,7 +201,7 @@ fn wait_job_error(client: &CoordinatorClient) -> String {
     let deadline = Instant::now() + WAIT;
     loop {
         if let Some(e) = client.job_error() {
-            return e;
+            return e.message;
         }
         assert!(
             Instant::now() < deadline,

@@ -18,6 +18,10 @@ struct Op {
     /// Outstanding partitions, by server rank, for timeout messages.
     outstanding: HashMap<u64, usize>,
     error: Option<CommError>,
+    /// Stage threads reading or writing the caller's buffer right now. A failed operation
+    /// is released only once this is 0, and no access starts after a failure, so the
+    /// buffer is never touched after `wait` returns.
+    in_use: u32,
 }
 
 #[derive(Default)]
@@ -58,14 +62,49 @@ impl Handles {
                 parts,
                 outstanding,
                 error: None,
+                in_use: 0,
             },
         );
         Ok(id)
     }
 
+    /// Called before a stage reads or writes the caller's buffer: false when the operation
+    /// failed or is unknown, and then the buffer must not be touched (its waiter may have
+    /// returned and the buffer be gone). After true, call [`Self::end_access`].
+    pub fn begin_access(&self, handle: u64) -> bool {
+        let mut s = self.state.lock().expect("handles lock");
+        match s.ops.get_mut(&handle) {
+            Some(op) if op.error.is_none() => {
+                op.in_use += 1;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Ends an access begun by [`Self::begin_access`]; with `done`, that partition (by key)
+    /// is complete.
+    pub fn end_access(&self, handle: u64, done: Option<u64>) {
+        let mut s = self.state.lock().expect("handles lock");
+        let Some(op) = s.ops.get_mut(&handle) else {
+            return;
+        };
+        op.in_use -= 1;
+        if op.in_use == 0 {
+            self.changed.notify_all();
+        }
+        if let Some(key) = done {
+            Self::complete(&mut s, handle, key, &self.changed);
+        }
+    }
+
     /// Marks one partition (by key) done.
     pub fn part_done(&self, handle: u64, key: u64) {
         let mut s = self.state.lock().expect("handles lock");
+        Self::complete(&mut s, handle, key, &self.changed);
+    }
+
+    fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) {
         let Some(op) = s.ops.get_mut(&handle) else {
             return;
         };
@@ -73,7 +112,7 @@ impl Handles {
         if op.outstanding.is_empty() {
             let t = op.tensor_id;
             s.busy.remove(&t);
-            self.changed.notify_all();
+            changed.notify_all();
         }
     }
 
@@ -89,6 +128,7 @@ impl Handles {
         }
         let t = op.tensor_id;
         s.busy.remove(&t);
+        // An access in progress ends with end_access, which notifies again.
         self.changed.notify_all();
     }
 
@@ -103,7 +143,8 @@ impl Handles {
     }
 
     /// Waits for the operation and releases the handle. `describe_server` turns a server
-    /// rank into a name for the timeout message.
+    /// rank into a name for the timeout message. Once this returns anything but a timeout,
+    /// the operation never touches its buffer again; after a timeout it may still.
     pub fn wait(
         &self,
         handle: u64,
@@ -119,11 +160,11 @@ impl Handles {
             .changed
             .wait_timeout_while(s, timeout, |s| {
                 let op = &s.ops[&handle];
-                op.error.is_none() && !op.outstanding.is_empty()
+                op.in_use > 0 || (op.error.is_none() && !op.outstanding.is_empty())
             })
             .expect("handles lock");
         let op = &s.ops[&handle];
-        if op.error.is_none() && !op.outstanding.is_empty() {
+        if op.in_use > 0 || (op.error.is_none() && !op.outstanding.is_empty()) {
             let mut servers: Vec<usize> = op.outstanding.values().copied().collect();
             servers.sort_unstable();
             servers.dedup();
@@ -205,6 +246,29 @@ mod tests {
             .wait(id, Duration::from_secs(1), |s| s.to_string())
             .unwrap_err();
         assert_eq!(e.to_string(), "invalid argument: fc.weight broke");
+    }
+
+    #[test]
+    fn no_access_starts_after_a_failure_and_a_failed_wait_outlasts_one() {
+        let h = std::sync::Arc::new(Handles::default());
+        let id = h.start(4, "c", [(1, 0), (2, 1)]).unwrap();
+        assert!(h.begin_access(id));
+        h.fail(id, |t| CommError::Invalid(format!("{t} lost a server")));
+        assert!(
+            !h.begin_access(id),
+            "no access may start once the operation failed"
+        );
+        let h2 = h.clone();
+        let waiter =
+            std::thread::spawn(move || h2.wait(id, Duration::from_secs(10), |s| s.to_string()));
+        std::thread::sleep(Duration::from_millis(30));
+        assert!(
+            !waiter.is_finished(),
+            "the wait must outlast the access in progress"
+        );
+        h.end_access(id, Some(1));
+        assert!(waiter.join().unwrap().is_err());
+        assert!(!h.begin_access(id), "released");
     }
 
     #[test]

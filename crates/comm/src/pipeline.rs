@@ -49,14 +49,16 @@ pub struct HostSlice {
 }
 
 // SAFETY: a HostSlice is only created by `HostSlice::new`, whose caller promises the memory
-// stays valid and untouched by others until the operation's handle completes; the pipeline
-// touches each slice from one thread at a time (push, then pull, ordered by the reply).
+// stays valid and untouched by others until the operation has been waited for; the stages
+// touch it only between `Handles::begin_access` and `end_access`, which `wait` outlasts,
+// and each slice from one thread at a time (push, then pull, ordered by the reply).
 unsafe impl Send for HostSlice {}
 
 impl HostSlice {
     /// # Safety
     /// `ptr..ptr+len` must be valid for reads and writes, and neither freed nor accessed by
-    /// anyone else until the handle of the operation using it has completed or failed.
+    /// anyone else until `Handles::wait` on the operation using it has returned something
+    /// other than a timeout.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> Option<HostSlice> {
         NonNull::new(ptr).map(|ptr| HostSlice { ptr, len })
     }
@@ -111,7 +113,7 @@ struct Shared {
 
 pub struct Pipeline {
     shared: Arc<Shared>,
-    threads: Vec<JoinHandle<()>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Pipeline {
@@ -165,11 +167,20 @@ impl Pipeline {
             "sumflow-pull".into(),
             Box::new(move || pull_loop(&sh, recyclers)),
         )?);
-        Ok(Pipeline { shared, threads })
+        Ok(Pipeline {
+            shared,
+            threads: Mutex::new(threads),
+        })
     }
 
     /// Queues a partition for the push stage.
     pub fn enqueue(&self, task: PartTask) {
+        if self.shared.stop.load(Ordering::Acquire) {
+            self.shared
+                .handles
+                .fail(task.handle, |_| CommError::Shutdown);
+            return;
+        }
         if let Some(why) = self.shared.dead[task.server]
             .lock()
             .expect("dead lock")
@@ -189,12 +200,9 @@ impl Pipeline {
         self.shared.server_names[server].clone()
     }
 
-    /// Stops every stage, leaving each server gracefully; operations still in flight fail.
-    pub fn shutdown(mut self, reason: &str) {
-        self.stop(reason);
-    }
-
-    fn stop(&mut self, reason: &str) {
+    /// Stops every stage, leaving each server gracefully; operations still in flight fail,
+    /// and so does any enqueued later. Only the first call does anything.
+    pub fn shutdown(&self, reason: &str) {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
         }
@@ -203,7 +211,8 @@ impl Pipeline {
         for tx in &self.shared.senders {
             let _ = tx.lock().expect("sender lock").shutdown(reason);
         }
-        for t in self.threads.drain(..) {
+        let threads = std::mem::take(&mut *self.threads.lock().expect("threads lock"));
+        for t in threads {
             let _ = t.join();
         }
         self.shared.handles.fail_all(None, |_| CommError::Shutdown);
@@ -212,7 +221,7 @@ impl Pipeline {
 
 impl Drop for Pipeline {
     fn drop(&mut self) {
-        self.stop("communication service dropped");
+        self.shutdown("communication service dropped");
     }
 }
 
@@ -255,8 +264,18 @@ fn push_loop(sh: &Shared) {
         let Some(task) = sh.push_queue.pop(POLL) else {
             continue;
         };
-        let (server, key, round, dtype, len) =
-            (task.server, task.key, task.round, task.dtype, task.data.len);
+        // A failed operation's buffer may already be gone: drop its remaining partitions.
+        if !sh.handles.begin_access(task.handle) {
+            continue;
+        }
+        let (server, key, round, dtype, len, handle) = (
+            task.server,
+            task.key,
+            task.round,
+            task.dtype,
+            task.data.len,
+            task.handle,
+        );
         let data = task.data;
         // Registered before the frames go out: the reply may beat this thread back.
         sh.in_flight
@@ -273,6 +292,7 @@ fn push_loop(sh: &Shared) {
             init.and_then(|()| tx.push(key, round, dtype, data.bytes()))
                 .and_then(|()| tx.pull(key, round))
         };
+        sh.handles.end_access(handle, None);
         if let Err(e) = sent {
             if sh.stop.load(Ordering::Acquire) {
                 break;
@@ -340,8 +360,11 @@ fn pull_loop(sh: &Shared, recyclers: Vec<Sender<Vec<u8>>>) {
             }
             continue;
         };
-        write_result(task.dtype, task.data.bytes_mut(), &sum, task.divisor);
+        // A failed operation's buffer may already be gone: never write into it.
+        if sh.handles.begin_access(task.handle) {
+            write_result(task.dtype, task.data.bytes_mut(), &sum, task.divisor);
+            sh.handles.end_access(task.handle, Some(task.key));
+        }
         let _ = recyclers[task.server].send(sum);
-        sh.handles.part_done(task.handle, task.key);
     }
 }

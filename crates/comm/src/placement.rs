@@ -67,8 +67,8 @@ pub enum PlacementError {
     #[error("server rank {0} is listed twice in the server set; every server needs its own rank")]
     DuplicateServer(u32),
     #[error(
-        "worker machine '{machine}' (worker '{worker}') runs no summation server; start one \
-         there, placement needs one per worker machine"
+        "worker machine '{machine}' (worker '{worker}') runs no summation server but others \
+         do; start one there, or none on any worker machine for a non-colocated PS"
     )]
     NoColocatedServer { machine: String, worker: String },
     #[error(
@@ -218,9 +218,12 @@ impl fmt::Display for ServerKind {
 }
 
 /// The job's summation servers by cluster-map rank: one colocated with each of the n worker
-/// machines, plus k on CPU machines.
+/// machines, plus k on CPU machines; or, in the non-colocated PS, only the k CPU servers.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ServerSet {
+    /// n, the number of worker machines.
+    machines: u32,
+    /// One per worker machine, or none (non-colocated).
     colocated: Vec<u32>,
     cpu: Vec<u32>,
 }
@@ -231,19 +234,43 @@ impl ServerSet {
         if colocated.is_empty() {
             return Err(PlacementError::NoMachines);
         }
+        // Server ranks are u32, so there are fewer than 2^32 of them.
+        ServerSet::checked(colocated.len() as u32, colocated, cpu)
+    }
+
+    /// The non-colocated PS: `machines` worker machines run no server, the `cpu` servers
+    /// sum everything in equal shares.
+    pub fn non_colocated(machines: u32, cpu: Vec<u32>) -> Result<ServerSet, PlacementError> {
+        check_machines(machines)?;
+        if cpu.is_empty() {
+            return Err(PlacementError::NoCpuServers);
+        }
+        ServerSet::checked(machines, Vec::new(), cpu)
+    }
+
+    fn checked(
+        machines: u32,
+        colocated: Vec<u32>,
+        cpu: Vec<u32>,
+    ) -> Result<ServerSet, PlacementError> {
         let mut seen = HashSet::new();
         if let Some(&rank) = colocated.iter().chain(&cpu).find(|&&r| !seen.insert(r)) {
             return Err(PlacementError::DuplicateServer(rank));
         }
-        Ok(ServerSet { colocated, cpu })
+        Ok(ServerSet {
+            machines,
+            colocated,
+            cpu,
+        })
     }
 
     /// Reads the servers off the cluster map: workers sharing a `host_id` share a machine,
     /// whose one server is its colocated server; servers on machines without workers are
-    /// CPU servers.
+    /// CPU servers. Either every worker machine runs one server or none does.
     pub fn from_cluster(map: &ClusterMap) -> Result<ServerSet, PlacementError> {
         let mut machines = HashSet::new();
         let mut colocated = Vec::new();
+        let mut bare = None;
         for worker in &map.workers {
             if !machines.insert(worker.host_id.as_str()) {
                 continue;
@@ -251,10 +278,10 @@ impl ServerSet {
             match map.colocated_servers(worker.rank)[..] {
                 [rank] => colocated.push(rank),
                 [] => {
-                    return Err(PlacementError::NoColocatedServer {
+                    bare.get_or_insert(PlacementError::NoColocatedServer {
                         machine: worker.host_id.clone(),
                         worker: worker.name.clone(),
-                    })
+                    });
                 }
                 ref ranks => {
                     return Err(PlacementError::SeveralColocatedServers {
@@ -264,7 +291,33 @@ impl ServerSet {
                 }
             }
         }
-        ServerSet::new(colocated, map.cpu_only_servers())
+        match bare {
+            None => ServerSet::new(colocated, map.cpu_only_servers()),
+            Some(_) if colocated.is_empty() => {
+                // Worker ranks are u32, so there are fewer than 2^32 machines.
+                ServerSet::non_colocated(machines.len() as u32, map.cpu_only_servers())
+            }
+            Some(e) => Err(e),
+        }
+    }
+
+    /// The share of the model each server of a kind sums.
+    pub fn shares(&self) -> Shares {
+        let (colocated, cpu) = self.weights();
+        let total =
+            self.colocated.len() as f64 * colocated as f64 + self.cpu.len() as f64 * cpu as f64;
+        Shares {
+            colocated: colocated as f64 / total,
+            cpu: cpu as f64 / total,
+        }
+    }
+
+    fn weights(&self) -> (u64, u64) {
+        if self.colocated.is_empty() {
+            (0, 1)
+        } else {
+            weights(self.machines.into(), self.cpu.len() as u64)
+        }
     }
 
     pub fn colocated(&self) -> &[u32] {
@@ -364,9 +417,8 @@ fn cheaper(a: &Slot, b: &Slot, size: u64) -> Ordering {
 /// # Ok::<(), sumflow_comm::placement::PlacementError>(())
 /// ```
 pub fn place(partitions: &[(u64, u64)], servers: &ServerSet) -> Result<Placement, PlacementError> {
-    let (n, k) = (servers.colocated.len() as u64, servers.cpu.len() as u64);
-    let (colocated_weight, cpu_weight) = weights(n, k);
-    let shares = shares_of(n, k);
+    let (colocated_weight, cpu_weight) = servers.weights();
+    let shares = servers.shares();
     let mut order = partitions.to_vec();
     order.sort_unstable_by_key(|&(key, bytes)| (Reverse(bytes), key));
     let total_bytes = order
@@ -664,11 +716,11 @@ mod tests {
         let set = ServerSet::from_cluster(&map).unwrap();
         assert_eq!((set.colocated(), set.cpu()), (&[2, 1][..], &[0, 3][..]));
 
-        map.servers[2].host_id = "b".into();
+        map.servers[2].host_id = "cpu3".into();
         assert_eq!(
             ServerSet::from_cluster(&map).unwrap_err().to_string(),
-            "worker machine 'a' (worker 'a-0') runs no summation server; start one there, \
-             placement needs one per worker machine"
+            "worker machine 'a' (worker 'a-0') runs no summation server but others do; start \
+             one there, or none on any worker machine for a non-colocated PS"
         );
         map.servers[0].host_id = "a".into();
         map.servers[2].host_id = "a".into();
@@ -678,6 +730,42 @@ mod tests {
                 machine: "a".into(),
                 ranks: vec![0, 2]
             })
+        );
+    }
+
+    #[test]
+    fn without_colocated_servers_the_cpu_servers_share_equally() {
+        let node = |rank: u32, host: &str| NodeInfo {
+            rank,
+            host: "10.0.0.1".into(),
+            port: 9000,
+            host_id: host.into(),
+            pid: 1,
+            name: format!("{host}-{rank}"),
+        };
+        let map = ClusterMap {
+            job_id: "j".into(),
+            workers: vec![node(0, "a"), node(1, "b"), node(2, "c")],
+            servers: vec![node(0, "cpu1"), node(1, "cpu2")],
+        };
+        let set = ServerSet::from_cluster(&map).unwrap();
+        assert_eq!((set.colocated(), set.cpu()), (&[][..], &[0, 1][..]));
+        assert_eq!(set, ServerSet::non_colocated(3, vec![0, 1]).unwrap());
+        let shares = set.shares();
+        assert_eq!((shares.colocated, shares.cpu), (0.0, 0.5));
+        let parts: Vec<(u64, u64)> = (0..10).map(|k| (k, 1000)).collect();
+        let p = place(&parts, &set).unwrap();
+        assert!(p
+            .loads()
+            .iter()
+            .all(|l| l.bytes == 5000 && l.kind == ServerKind::Cpu));
+        assert_eq!(
+            ServerSet::non_colocated(3, vec![]),
+            Err(PlacementError::NoCpuServers)
+        );
+        assert_eq!(
+            ServerSet::non_colocated(0, vec![1]),
+            Err(PlacementError::NoMachines)
         );
     }
 

@@ -8,7 +8,7 @@
 //! partitions in proportion to their optimal shares, and every worker computes the same
 //! server without knowing what else was declared.
 
-use crate::placement::{optimal_shares, PlacementError, ServerSet};
+use crate::placement::{PlacementError, ServerSet};
 
 /// A 64-bit mix (splitmix64's finaliser): consecutive keys spread over the whole range.
 fn mix(mut x: u64) -> u64 {
@@ -19,9 +19,7 @@ fn mix(mut x: u64) -> u64 {
 
 /// The server (cluster-map rank) for a partition key.
 pub fn scatter(key: u64, servers: &ServerSet) -> Result<u32, PlacementError> {
-    let n = servers.colocated().len() as u32;
-    let k = servers.cpu().len() as u32;
-    let shares = optimal_shares(n.max(1), k)?;
+    let shares = servers.shares();
     let candidates = servers
         .colocated()
         .iter()
@@ -43,6 +41,7 @@ pub fn scatter(key: u64, servers: &ServerSet) -> Result<u32, PlacementError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::placement::optimal_shares;
 
     #[test]
     fn shares_follow_the_equations_and_every_worker_agrees() {
@@ -76,6 +75,11 @@ mod tests {
         let servers = ServerSet::new(vec![0, 1], vec![2, 3]).unwrap();
         for key in 0..1000 {
             assert!(scatter(key, &servers).unwrap() >= 2);
+        }
+        // No colocated servers at all: only the CPU servers.
+        let servers = ServerSet::non_colocated(4, vec![5, 7]).unwrap();
+        for key in 0..1000 {
+            assert!([5, 7].contains(&scatter(key, &servers).unwrap()));
         }
     }
 }

@@ -3,11 +3,11 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
-use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, JobToken, Registration, Role};
+use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
 use tracing::info;
 
 use crate::error::CommError;
@@ -16,6 +16,12 @@ use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
+
+/// How often a wait looks for a job-fatal error from the coordinator.
+const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
+
+/// How long a failed wait looks for a job-fatal error that may explain the failure.
+const JOB_ERROR_GRACE: Duration = Duration::from_millis(300);
 
 /// How a worker joins its job.
 #[derive(Clone, Debug)]
@@ -268,7 +274,8 @@ impl CommunicationService {
     ///
     /// # Safety
     /// `ptr..ptr+len` must be valid for reads and writes and left alone (not freed, read
-    /// or written) until the handle has completed or failed.
+    /// or written) until [`wait`](Self::wait) on the handle has returned anything but a
+    /// timeout, or [`shutdown`](Self::shutdown) has returned.
     pub unsafe fn push_pull(
         &self,
         id: u32,
@@ -277,8 +284,8 @@ impl CommunicationService {
         priority: i64,
         op: ReduceOp,
     ) -> Result<u64, CommError> {
-        if let Some(e) = self.job.job_error() {
-            return Err(CommError::Invalid(format!("the job cannot continue: {e}")));
+        if let Some(e) = self.job_error() {
+            return Err(e);
         }
         let mut tensors = self.tensors.lock().expect("tensors lock");
         let t = tensors
@@ -328,10 +335,71 @@ impl CommunicationService {
         self.handles.poll(handle)
     }
 
-    /// Waits for an operation and releases its handle.
+    /// Waits for an operation and releases its handle. A job-fatal error announced by the
+    /// coordinator (workers declaring a tensor differently) fails the wait at once, since
+    /// the operation may never complete; it is also the error reported when the operation
+    /// failed for another reason meanwhile, being the cause.
     pub fn wait(&self, handle: u64, timeout: Duration) -> Result<(), CommError> {
-        self.handles
-            .wait(handle, timeout, |s| self.pipeline.server_name(s))
+        let deadline = Instant::now() + timeout;
+        loop {
+            let slice = JOB_ERROR_CHECK.min(deadline.saturating_duration_since(Instant::now()));
+            let result = self
+                .handles
+                .wait(handle, slice, |s| self.pipeline.server_name(s));
+            match (result, self.job_error()) {
+                (Ok(()), _) => return Ok(()),
+                (Err(CommError::Timeout { .. }), Some(e)) => {
+                    self.handles.fail(handle, |_| e);
+                }
+                (Err(CommError::Timeout { .. }), None) if Instant::now() < deadline => {}
+                (
+                    Err(CommError::Timeout {
+                        tensor,
+                        outstanding,
+                        parts,
+                        servers,
+                        ..
+                    }),
+                    None,
+                ) => {
+                    return Err(CommError::Timeout {
+                        tensor,
+                        secs: timeout.as_secs_f64(),
+                        outstanding,
+                        parts,
+                        servers,
+                    })
+                }
+                (Err(CommError::UnknownHandle(h)), _) => return Err(CommError::UnknownHandle(h)),
+                (Err(_), Some(e)) => return Err(e),
+                (Err(e), None) if e.code() == ErrorCode::NodeFailed => {
+                    return Err(self.cause_of_failure(e))
+                }
+                (Err(e), None) => return Err(e),
+            }
+        }
+    }
+
+    /// A peer's failure may follow from a job-fatal error that has not reached this worker
+    /// yet (the worker that saw a declaration mismatch first left at once, and its
+    /// servers said so sooner than the coordinator's notice arrived): waits briefly for
+    /// it, the real cause, and returns it if it comes.
+    fn cause_of_failure(&self, e: CommError) -> CommError {
+        let deadline = Instant::now() + JOB_ERROR_GRACE;
+        while Instant::now() < deadline {
+            if let Some(cause) = self.job_error() {
+                return cause;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        e
+    }
+
+    /// The coordinator's job-fatal error, if it announced one.
+    fn job_error(&self) -> Option<CommError> {
+        self.job
+            .job_error()
+            .map(|e| CommError::Client(format!("the job cannot continue: {}", e.message), e.code))
     }
 
     /// Waits until every worker reaches this barrier.
@@ -363,8 +431,10 @@ impl CommunicationService {
             .collect()
     }
 
-    /// Leaves the job gracefully; operations still in flight fail.
-    pub fn shutdown(self, reason: &str) -> Result<(), CommError> {
+    /// Leaves the job gracefully; operations still in flight fail with
+    /// [`CommError::Shutdown`], and so does every later one. Calls after the first do
+    /// nothing.
+    pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
         Ok(self.job.leave(reason)?)
     }

@@ -1,0 +1,274 @@
+//! `sumflow._core.CommunicationService`: the worker's communication service, for Python.
+//!
+//! Python hands over raw host pointers (`tensor.data_ptr()`, `array.ctypes.data`) with the
+//! object that owns the memory. The binding keeps a reference to that owner until the
+//! operation has been waited for, so the buffer cannot be freed while the pipeline threads
+//! write the sum into it. Every call that can block runs with the GIL released.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
+use sumflow_wire::{Dtype, ErrorCode, JobToken};
+
+use crate::errors::{to_py_err, ErrorKind};
+
+/// Which Python exception a communication error becomes.
+fn kind_of(e: &CommError) -> ErrorKind {
+    match e {
+        CommError::Invalid(_) | CommError::UnknownHandle(_) => ErrorKind::Invalid,
+        CommError::Timeout { .. } => ErrorKind::Timeout,
+        CommError::Busy(_) | CommError::Shutdown => ErrorKind::Other,
+        CommError::Failed { code, .. } | CommError::Client(_, code) => match code {
+            ErrorCode::Timeout => ErrorKind::Timeout,
+            ErrorCode::NodeFailed | ErrorCode::ShuttingDown => ErrorKind::NodeFailed,
+            ErrorCode::KeyMismatch => ErrorKind::DeclarationMismatch,
+            ErrorCode::BadFrame
+            | ErrorCode::UnsupportedVersion
+            | ErrorCode::UnknownOp
+            | ErrorCode::FrameTooLarge
+            | ErrorCode::UnexpectedOp
+            | ErrorCode::UnknownKey
+            | ErrorCode::RoundOutOfSequence
+            | ErrorCode::DuplicatePush
+            | ErrorCode::DuplicatePull => ErrorKind::Protocol,
+            _ => ErrorKind::Other,
+        },
+    }
+}
+
+fn py_err(py: Python<'_>, e: CommError) -> PyErr {
+    to_py_err(py, kind_of(&e), e.to_string())
+}
+
+fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "{what} must be a positive number of seconds, not {secs}"
+            ))
+        })
+}
+
+fn dtype(name: &str) -> PyResult<Dtype> {
+    Dtype::from_name(name).ok_or_else(|| {
+        PyValueError::new_err(format!(
+            "unknown dtype '{name}'; expected one of f32, f16, bf16, f64, i32, i64"
+        ))
+    })
+}
+
+/// The communication service of one worker: joins the job through its coordinator,
+/// connects to every summation server, and sums tensors across workers.
+#[pyclass(name = "CommunicationService", module = "sumflow._core", frozen)]
+pub struct PyCommunicationService {
+    svc: Arc<CommunicationService>,
+    /// The objects owning the buffers of operations not yet waited for, by handle.
+    owners: Mutex<HashMap<u64, Py<PyAny>>>,
+}
+
+#[pymethods]
+impl PyCommunicationService {
+    #[new]
+    #[pyo3(signature = (
+        coordinator, token, *, host_id, rank = None, name = None,
+        partition_bytes = 4 << 20, join_timeout = 300.0, declare_timeout = 300.0,
+        connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        coordinator: &str,
+        token: &str,
+        host_id: &str,
+        rank: Option<u32>,
+        name: Option<String>,
+        partition_bytes: u64,
+        join_timeout: f64,
+        declare_timeout: f64,
+        connect_timeout: f64,
+        heartbeat_interval: f64,
+        heartbeat_timeout: f64,
+    ) -> PyResult<Self> {
+        let token = JobToken::new(token.trim().as_bytes().to_vec())
+            .map_err(|e| PyValueError::new_err(format!("job token: {e}")))?;
+        let mut cfg = CommConfig::new(coordinator, token, host_id);
+        cfg.rank = rank;
+        if let Some(name) = name {
+            cfg.name = name;
+        }
+        cfg.partition_bytes = partition_bytes;
+        cfg.join_timeout = seconds("join_timeout", join_timeout)?;
+        cfg.declare_timeout = seconds("declare_timeout", declare_timeout)?;
+        cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;
+        cfg.coordinator_options = CoordinatorOptions {
+            heartbeat_interval: seconds("heartbeat_interval", heartbeat_interval)?,
+            heartbeat_timeout: seconds("heartbeat_timeout", heartbeat_timeout)?,
+            connect_timeout: cfg.connect_timeout,
+            ..CoordinatorOptions::default()
+        };
+        let svc = py
+            .detach(move || CommunicationService::start(cfg))
+            .map_err(|e| py_err(py, e))?;
+        Ok(PyCommunicationService {
+            svc: Arc::new(svc),
+            owners: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// This worker's rank, 0 to size - 1.
+    #[getter]
+    fn rank(&self) -> u32 {
+        self.svc.rank()
+    }
+
+    /// The number of workers.
+    #[getter]
+    fn size(&self) -> u32 {
+        self.svc.size()
+    }
+
+    /// This worker's rank among the workers of its machine.
+    #[getter]
+    fn local_rank(&self) -> u32 {
+        self.svc.local_rank()
+    }
+
+    /// The number of workers on this machine.
+    #[getter]
+    fn local_size(&self) -> u32 {
+        self.svc.local_size()
+    }
+
+    /// The number of summation servers.
+    #[getter]
+    fn num_servers(&self) -> usize {
+        self.svc.cluster_map().servers.len()
+    }
+
+    /// Declares a tensor by name; returns its id. Every worker must declare it with the
+    /// same dtype and number of elements.
+    fn declare(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        dtype_name: &str,
+        elements: u64,
+    ) -> PyResult<u32> {
+        let dt = dtype(dtype_name)?;
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.declare(name, dt, elements))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Declares tensors `(name, dtype, elements)` together and places their partitions
+    /// by BytePS's Eq. 1 and 2; returns their ids in order.
+    fn declare_group(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<(String, String, u64)>,
+    ) -> PyResult<Vec<u32>> {
+        let specs = tensors
+            .iter()
+            .map(|(n, d, e)| Ok((n.as_str(), dtype(d)?, *e)))
+            .collect::<PyResult<Vec<_>>>()?;
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.declare_group(&specs))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Starts summing tensor `tensor_id` across workers in place, in the `nbytes` bytes
+    /// at address `ptr`, which `owner` must own (kept alive until `wait`). Returns a
+    /// handle at once. Lower `priority` is sent first; `average` divides by the size.
+    #[pyo3(signature = (tensor_id, owner, ptr, nbytes, priority = 0, average = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_pull(
+        &self,
+        py: Python<'_>,
+        tensor_id: u32,
+        owner: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        priority: i64,
+        average: bool,
+    ) -> PyResult<u64> {
+        let op = if average {
+            ReduceOp::Average
+        } else {
+            ReduceOp::Sum
+        };
+        // The owners lock is held across the enqueue so that a wait on another thread
+        // cannot find the handle finished before its owner is recorded.
+        let mut owners = self.owners.lock().expect("owners lock");
+        // SAFETY: `owner` owns `ptr..ptr+nbytes` (the documented contract of this method,
+        // upheld by sumflow.torch, which passes a contiguous tensor and its data_ptr) and
+        // stays referenced in `owners` until `wait` returns, so the memory outlives the
+        // operation; Python code touching it meanwhile is the caller's race, as with any
+        // asynchronous in-place collective.
+        let handle = unsafe {
+            self.svc
+                .push_pull(tensor_id, ptr as *mut u8, nbytes, priority, op)
+        }
+        .map_err(|e| py_err(py, e))?;
+        owners.insert(handle, owner);
+        Ok(handle)
+    }
+
+    /// True once the operation has finished; raises its error if it failed.
+    fn poll(&self, py: Python<'_>, handle: u64) -> PyResult<bool> {
+        self.svc.poll(handle).map_err(|e| py_err(py, e))
+    }
+
+    /// Waits for an operation to finish, at most `timeout` seconds, and releases its
+    /// handle and buffer owner. Raises the operation's error if it failed.
+    fn wait(&self, py: Python<'_>, handle: u64, timeout: f64) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        let svc = Arc::clone(&self.svc);
+        let result = py.detach(|| svc.wait(handle, timeout));
+        // A timed-out operation may still write into the buffer: keep its owner.
+        if !matches!(result, Err(CommError::Timeout { .. })) {
+            let owner = self.owners.lock().expect("owners lock").remove(&handle);
+            drop(owner);
+        }
+        result.map_err(|e| py_err(py, e))
+    }
+
+    /// Waits until every worker reaches this barrier, at most `timeout` seconds.
+    fn barrier(&self, py: Python<'_>, timeout: f64) -> PyResult<()> {
+        let timeout = seconds("timeout", timeout)?;
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.barrier(timeout))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// One line per summation server: the bytes of declared tensors it sums.
+    fn placement_report(&self) -> Vec<String> {
+        self.svc.placement_report()
+    }
+
+    /// Leaves the job gracefully. Operations in flight fail, and so does any later call.
+    #[pyo3(signature = (reason = "shutdown"))]
+    fn shutdown(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        let svc = Arc::clone(&self.svc);
+        let result = py.detach(|| svc.shutdown(reason));
+        // Every operation has failed or finished by now: nothing writes into the buffers.
+        let owners = std::mem::take(&mut *self.owners.lock().expect("owners lock"));
+        drop(owners);
+        result.map_err(|e| py_err(py, e))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "CommunicationService(rank={}, size={}, servers={})",
+            self.svc.rank(),
+            self.svc.size(),
+            self.svc.cluster_map().servers.len()
+        )
+    }
+}

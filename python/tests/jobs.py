@@ -1,0 +1,160 @@
+"""Local sumflow jobs for tests: a coordinator and summation servers as processes, and
+workers as threads of the test process (each with its own CommunicationService)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import subprocess
+import sysconfig
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from sumflow import _core
+
+#: Every wait in these tests is bounded; this is the bound for a job's start.
+START_TIMEOUT = 30.0
+
+
+def script(name: str) -> str:
+    """The installed console script `name`, from this interpreter's environment."""
+    candidate = Path(sysconfig.get_path("scripts")) / name
+    if candidate.exists():
+        return str(candidate)
+    found = shutil.which(name)
+    assert found, f"console script {name} is not installed (pip install -e .)"
+    return found
+
+
+@dataclass
+class Job:
+    """A running coordinator and its servers; workers join with `service(i)`."""
+
+    coordinator: str
+    token: str
+    workers: int
+    machines: int
+    procs: list[subprocess.Popen[str]] = field(default_factory=list)
+
+    def host_id(self, worker: int) -> str:
+        """The machine of worker `worker`: workers are spread evenly over the machines."""
+        return f"local-{worker * self.machines // self.workers}"
+
+    def service(self, worker: int, **options: Any) -> _core.CommunicationService:
+        """Joins the job as worker `worker` (blocks until every node has joined)."""
+        options.setdefault("join_timeout", START_TIMEOUT)
+        return _core.CommunicationService(
+            self.coordinator,
+            self.token,
+            host_id=self.host_id(worker),
+            rank=worker,
+            name=f"worker {worker}",
+            **options,
+        )
+
+    def run_workers(
+        self, body: Callable[[_core.CommunicationService], Any], **options: Any
+    ) -> list[Any]:
+        """Runs `body(service)` on one thread per worker; returns the results by rank and
+        re-raises the first worker's exception."""
+        results: list[Any] = [None] * self.workers
+        errors: list[BaseException | None] = [None] * self.workers
+
+        def worker(i: int) -> None:
+            try:
+                svc = self.service(i, **options)
+                try:
+                    results[i] = body(svc)
+                finally:
+                    svc.shutdown("test done")
+            except BaseException as e:
+                errors[i] = e
+
+        threads = [
+            threading.Thread(target=worker, args=(i,), daemon=True) for i in range(self.workers)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+            assert not t.is_alive(), "a worker thread did not finish within 120 s"
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+
+@contextmanager
+def local_job(
+    tmp_path: Path,
+    workers: int,
+    cpu_servers: int = 0,
+    *,
+    colocated: bool = True,
+    machines: int | None = None,
+    heartbeat_timeout: float = 10.0,
+) -> Iterator[Job]:
+    """Starts a coordinator, one colocated server per machine (unless `colocated` is
+    False) and `cpu_servers` CPU servers; stops them all on exit."""
+    machines = machines or workers
+    token = secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    env.update(SUMFLOW_JOB_TOKEN=token, RUST_LOG="warn")
+    servers = (machines if colocated else 0) + cpu_servers
+    addr_file = tmp_path / f"coordinator-{secrets.token_hex(4)}"
+    procs: list[subprocess.Popen[str]] = []
+
+    def start(args: list[str]) -> None:
+        procs.append(
+            subprocess.Popen(
+                args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+            )
+        )
+
+    try:
+        start(
+            [
+                script("sumflow-coordinator"),
+                "--bind=127.0.0.1:0",
+                f"--workers={workers}",
+                f"--servers={servers}",
+                f"--heartbeat-timeout={heartbeat_timeout}",
+                f"--join-timeout={START_TIMEOUT}",
+                f"--addr-file={addr_file}",
+            ]
+        )
+        deadline = time.monotonic() + START_TIMEOUT
+        while not (addr_file.exists() and addr_file.read_text().strip()):
+            assert procs[0].poll() is None, f"coordinator exited: {procs[0].communicate()[1]}"
+            assert time.monotonic() < deadline, "the coordinator did not write its address"
+            time.sleep(0.01)
+        coordinator = addr_file.read_text().strip()
+        hosts = [f"local-{m}" for m in range(machines)] if colocated else []
+        hosts += [f"cpu-{j}" for j in range(cpu_servers)]
+        for host in hosts:
+            start(
+                [
+                    script("sumflow-server"),
+                    f"--coordinator={coordinator}",
+                    f"--host-id={host}",
+                    "--engine-threads=1",
+                    f"--heartbeat-timeout={heartbeat_timeout}",
+                ]
+            )
+        yield Job(coordinator, token, workers, machines, procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.communicate(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
