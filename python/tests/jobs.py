@@ -6,7 +6,9 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
+import socket
 import subprocess
+import sys
 import sysconfig
 import threading
 import time
@@ -158,3 +160,75 @@ def local_job(
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.communicate()
+
+
+@dataclass
+class Outcome:
+    """How one worker process ended."""
+
+    rank: int
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def run_worker_processes(
+    tmp_path: Path,
+    workers: int,
+    argv: list[str],
+    cpu_servers: int = 0,
+    *,
+    colocated: bool = True,
+    heartbeat_timeout: float = 10.0,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+) -> list[Outcome]:
+    """Runs `argv` as `workers` worker processes of a local job, with the environment
+    sumflow-run gives workers (and MASTER_ADDR/MASTER_PORT for a gloo process group);
+    returns how each ended."""
+    with local_job(
+        tmp_path, workers, cpu_servers, colocated=colocated, heartbeat_timeout=heartbeat_timeout
+    ) as job:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            master_port = s.getsockname()[1]
+        procs = []
+        for rank in range(workers):
+            worker_env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+            worker_env.update(
+                SUMFLOW_COORDINATOR=job.coordinator,
+                SUMFLOW_JOB_TOKEN=job.token,
+                SUMFLOW_RANK=str(rank),
+                SUMFLOW_HOST_ID=job.host_id(rank),
+                SUMFLOW_WORKER_NAME=f"worker {rank}",
+                SUMFLOW_HEARTBEAT_TIMEOUT=str(heartbeat_timeout),
+                SUMFLOW_JOIN_TIMEOUT=str(START_TIMEOUT),
+                RANK=str(rank),
+                WORLD_SIZE=str(workers),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(master_port),
+                OMP_NUM_THREADS="1",
+                RUST_LOG="warn",
+                **(env or {}),
+            )
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv],
+                    env=worker_env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        outcomes = []
+        deadline = time.monotonic() + timeout
+        for rank, p in enumerate(procs):
+            try:
+                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                out, err = p.communicate()
+                err += f"\n[test harness: worker {rank} killed after {timeout:.0f} s]"
+            outcomes.append(Outcome(rank, p.returncode, out, err))
+        return outcomes

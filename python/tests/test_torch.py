@@ -1,0 +1,148 @@
+"""sumflow.torch across worker processes: DistributedOptimizer against one process on the
+whole batch, broadcasts, Horovod's collectives, the DDP hook against DDP with gloo, and
+failures (declaration mismatch, a killed worker)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import Outcome, run_worker_processes
+from torch_worker import BATCH, STEPS, batch, make_optimizer, model
+
+WORKER = str(Path(__file__).with_name("torch_worker.py"))
+# The test model is float64: the only difference between a distributed run and one process
+# is the order of summation, far below this.
+ATOL = 1e-10
+
+
+def run(
+    tmp_path: Path, workers: int, mode: str, cpu_servers: int = 1, **kw: object
+) -> list[Outcome]:
+    argv = [WORKER, mode, str(tmp_path)]
+    return run_worker_processes(tmp_path, workers, argv, cpu_servers, **kw)  # type: ignore[arg-type]
+
+
+def results(tmp_path: Path, outcomes: list[Outcome]) -> list[object]:
+    for o in outcomes:
+        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
+    return [torch.load(tmp_path / f"rank{o.rank}.pt", weights_only=False) for o in outcomes]
+
+
+def reference(opt_name: str, workers: int) -> dict[str, torch.Tensor]:
+    """One process taking the same steps on the concatenated global batch."""
+    m = model()
+    opt = make_optimizer(opt_name, m.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        xs, ys = zip(*(batch(step, r, workers) for r in range(workers)))
+        torch.nn.functional.cross_entropy(m(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return m.state_dict()
+
+
+@pytest.mark.parametrize(
+    ("workers", "opt_name", "passes"),
+    [(2, "sgd", 1), (4, "sgd", 1), (2, "adam", 1), (2, "sgd", 2)],
+    ids=["2-sgd", "4-sgd", "2-adam", "2-sgd-accumulate"],
+)
+def test_distributed_optimizer_equals_one_process_on_the_whole_batch(
+    tmp_path: Path, workers: int, opt_name: str, passes: int
+) -> None:
+    want = reference(opt_name, workers)
+    for got in results(tmp_path, run(tmp_path, workers, f"train-{opt_name}-{passes}")):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    assert BATCH % passes == 0
+
+
+def test_broadcasts_make_every_worker_equal_the_root(tmp_path: Path) -> None:
+    got = results(tmp_path, run(tmp_path, 3, "broadcasts"))
+    root = got[1]
+    assert isinstance(root, dict)
+    assert root["object"] == {"rank": 1, "blob": [0, 1, 2]}
+    assert root["lr"] == pytest.approx(0.2)
+    assert int(root["state"]["steps"]) == 10
+    assert root["state"]["mask"].tolist() == [False, True]
+    for r in got:
+        assert isinstance(r, dict)
+        assert r["object"] == root["object"]
+        assert r["lr"] == root["lr"]
+        for k, v in root["state"].items():
+            assert torch.equal(r["state"][k], v), k
+        for a, b in zip(r["momentum"], root["momentum"]):
+            assert torch.equal(a, b)
+
+
+def test_horovod_collectives(tmp_path: Path) -> None:
+    n = 3
+    for r, out in enumerate(results(tmp_path, run(tmp_path, n, "collectives", cpu_servers=2))):
+        assert isinstance(out, dict)
+        assert torch.equal(out["avg"], torch.full((5,), 2.0))
+        assert torch.equal(out["sum"], torch.full((5,), 6.0))
+        assert torch.equal(out["untouched"], torch.full((5,), float(r + 1))), (
+            "allreduce is out of place"
+        )
+        assert torch.equal(out["ints"], torch.full((3,), 6, dtype=torch.int64))
+        for i, t in enumerate(out["async"]):
+            assert torch.equal(t, torch.full((1000,), float(sum(i * n + q for q in range(n)))))
+        assert out["fp16"].dtype == torch.float32
+        assert torch.allclose(out["fp16"], torch.full((7,), 0.2), atol=1e-3)
+        want_nc = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * 6
+        assert torch.equal(out["noncontig"], want_nc)
+        assert torch.equal(out["push_pull"], torch.full((3,), 6.0))
+        assert torch.equal(out["scaled"], torch.full((2,), 3.0))
+        errors = out["errors"]
+        for label, kind, hint in [
+            ("adasum", "NotImplementedError", "Average or Sum"),
+            ("allgather", "NotImplementedError", "broadcast_object"),
+            ("uint8", "TypeError", "torch.uint8"),
+            ("int_avg", "ValueError", "op=sumflow.torch.Sum"),
+        ]:
+            assert errors[label].startswith(kind), errors[label]
+            assert hint in errors[label], errors[label]
+
+
+def test_ddp_hook_matches_ddp_with_gloo(tmp_path: Path) -> None:
+    (tmp_path / "gloo").mkdir()
+    (tmp_path / "hook").mkdir()
+    gloo = results(
+        tmp_path / "gloo",
+        run_worker_processes(tmp_path, 2, [WORKER, "ddp-gloo", str(tmp_path / "gloo")], 1),
+    )
+    hook = results(
+        tmp_path / "hook",
+        run_worker_processes(tmp_path, 2, [WORKER, "ddp-sumflow", str(tmp_path / "hook")], 1),
+    )
+    for g, h in zip(gloo, hook):
+        assert isinstance(g, dict)
+        assert isinstance(h, dict)
+        for k in g:
+            assert torch.allclose(g[k], h[k], rtol=0, atol=ATOL), k
+
+
+def test_declaration_mismatch_reaches_every_worker_naming_the_tensor(tmp_path: Path) -> None:
+    for o in run(tmp_path, 2, "mismatch"):
+        assert o.returncode != 0
+        assert "DeclarationMismatchError" in o.stderr, o.stderr[-2000:]
+        assert "DistributedOptimizer.grad.weight" in o.stderr, o.stderr[-2000:]
+
+
+def test_a_killed_worker_is_named_by_the_others_within_the_heartbeat_timeout(
+    tmp_path: Path,
+) -> None:
+    heartbeat = 2.0
+    started = time.monotonic()
+    outcomes = run(tmp_path, 3, "crash", heartbeat_timeout=heartbeat, timeout=90.0)
+    elapsed = time.monotonic() - started
+    assert outcomes[2].returncode == -9
+    for o in outcomes[:2]:
+        assert o.returncode not in (0, None), o.stderr[-2000:]
+        assert "NodeFailedError" in o.stderr, o.stderr[-2000:]
+        assert "worker 2" in o.stderr, o.stderr[-2000:]
+    # Start-up (three torch imports on two cores) plus detection; far below the 300 s an
+    # operation waits before timing out.
+    assert elapsed < 60, elapsed

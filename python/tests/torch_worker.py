@@ -1,0 +1,199 @@
+"""A worker process for test_torch.py: `python torch_worker.py MODE OUTDIR`.
+
+Each mode exercises part of sumflow.torch the way a training script does and saves what
+the test checks to OUTDIR/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import sumflow.torch as hvd
+
+STEPS = 20
+BATCH = 8  # per worker
+
+
+def model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(10, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3)
+    ).double()
+
+
+def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Worker `rank`'s share of step `step`'s global batch (BATCH * size rows)."""
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(BATCH * size, 10, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (BATCH * size,), generator=g)
+    return x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
+
+
+def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, nesterov=True)  # type: ignore[arg-type]
+    return torch.optim.Adam(params, lr=0.01)  # type: ignore[arg-type]
+
+
+def train(opt_name: str, passes: int) -> dict[str, torch.Tensor]:
+    m = model()
+    opt = hvd.DistributedOptimizer(
+        make_optimizer(opt_name, m.parameters()),
+        named_parameters=m.named_parameters(),
+        backward_passes_per_step=passes,
+    )
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    for step in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        x, y = batch(step, hvd.rank(), hvd.size())
+        for chunk in range(passes):
+            rows = slice(chunk * BATCH // passes, (chunk + 1) * BATCH // passes)
+            # Mean over the worker's batch; averaged across workers = mean of the global batch.
+            loss = torch.nn.functional.cross_entropy(m(x[rows]), y[rows]) / passes
+            loss.backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def broadcasts() -> dict[str, object]:
+    torch.manual_seed(hvd.rank())  # a different model on every worker
+    m = torch.nn.Linear(5, 4)
+    m.register_buffer("steps", torch.tensor(hvd.rank() * 10, dtype=torch.int64))
+    m.register_buffer("mask", torch.tensor([hvd.rank() % 2 == 0, True]))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1 * (hvd.rank() + 1), momentum=0.9)
+    m(torch.randn(2, 5)).sum().backward()
+    opt.step()  # momentum buffers now differ per worker
+    hvd.broadcast_parameters(m.state_dict(), root_rank=1)
+    hvd.broadcast_optimizer_state(opt, root_rank=1)
+    obj = hvd.broadcast_object(
+        {"rank": hvd.rank(), "blob": list(range(hvd.rank() * 3))}, root_rank=1
+    )
+    return {
+        "state": m.state_dict(),
+        "lr": opt.param_groups[0]["lr"],
+        "momentum": [opt.state[p]["momentum_buffer"] for p in m.parameters()],
+        "object": obj,
+    }
+
+
+def collectives() -> dict[str, object]:
+    r, n = hvd.rank(), hvd.size()
+    out: dict[str, object] = {}
+    t = torch.full((5,), float(r + 1))
+    out["avg"] = hvd.allreduce(t, name="avg")
+    out["sum"] = hvd.allreduce(t, name="sum", op=hvd.Sum)
+    out["untouched"] = t
+    ints = torch.full((3,), r + 1, dtype=torch.int64)
+    hvd.allreduce_(ints, name="ints", op=hvd.Sum)
+    out["ints"] = ints
+    handles = [
+        hvd.allreduce_async_(
+            torch.full((1000,), float(i * n + r)), name=f"a{i}", op=hvd.Sum, priority=-i
+        )
+        for i in range(4)
+    ]
+    deadline = time.monotonic() + 60
+    while not all(hvd.poll(h) for h in handles):
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    out["async"] = [hvd.synchronize(h) for h in handles]
+    half = torch.full((7,), 0.1 * (r + 1))
+    out["fp16"] = hvd.allreduce(half, name="fp16", compression=hvd.Compression.fp16)
+    noncontig = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (r + 1)
+    hvd.allreduce_(noncontig, name="nc", op=hvd.Sum)
+    out["noncontig"] = noncontig
+    out["push_pull"] = hvd.push_pull(torch.ones(3) * (r + 1), average=False, name="pp")
+    out["scaled"] = hvd.allreduce(
+        torch.ones(2), name="scaled", op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5
+    )
+    errors = {}
+    for label, call in {
+        "adasum": lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
+        "allgather": lambda: hvd.allgather(torch.ones(1)),
+        "uint8": lambda: hvd.allreduce(torch.ones(1, dtype=torch.uint8)),
+        "int_avg": lambda: hvd.allreduce(torch.ones(1, dtype=torch.int32)),
+    }.items():
+        try:
+            call()
+            errors[label] = "no error"
+        except Exception as e:
+            errors[label] = f"{type(e).__name__}: {e}"
+    out["errors"] = errors
+    hvd.barrier()
+    return out
+
+
+def ddp(use_hook: bool) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+    m = model()
+    net = DistributedDataParallel(m)
+    if use_hook:
+        net.register_comm_hook(hvd.DDPHookState(net), hvd.ddp_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for step in range(STEPS):
+        opt.zero_grad()
+        x, y = batch(step, hvd.rank(), hvd.size())
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+    dist.destroy_process_group()
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def mismatch() -> None:
+    m = torch.nn.Linear(4, 3 if hvd.rank() == 0 else 2)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters()
+    )
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+
+
+def crash() -> None:
+    m = model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters()
+    )
+    for step in range(10_000):
+        if step == 3 and hvd.rank() == hvd.size() - 1:
+            print(f"worker {hvd.rank()} kills itself", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        x, y = batch(step % 20, hvd.rank(), hvd.size())
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+
+
+def main() -> None:
+    mode, outdir = sys.argv[1], Path(sys.argv[2])
+    hvd.init()
+    if mode.startswith("train-"):
+        _, opt_name, passes = mode.split("-")
+        result: object = train(opt_name, int(passes))
+    elif mode == "broadcasts":
+        result = broadcasts()
+    elif mode == "collectives":
+        result = collectives()
+    elif mode in ("ddp-gloo", "ddp-sumflow"):
+        result = ddp(mode == "ddp-sumflow")
+    elif mode == "mismatch":
+        result = mismatch()
+    elif mode == "crash":
+        result = crash()
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    torch.save(result, outdir / f"rank{hvd.rank()}.pt")
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()
