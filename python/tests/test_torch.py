@@ -4,6 +4,10 @@ failures (declaration mismatch, a killed worker)."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -146,3 +150,36 @@ def test_a_killed_worker_is_named_by_the_others_within_the_heartbeat_timeout(
     # Start-up (three torch imports on two cores) plus detection; far below the 300 s an
     # operation waits before timing out.
     assert elapsed < 60, elapsed
+
+
+def test_workers_started_by_torchrun(tmp_path: Path) -> None:
+    """torchrun's RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT are enough: rank 0
+    starts the coordinator and local rank 0 the machine's summation server."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    env["SUMFLOW_JOB_TOKEN"] = "torchrun-test-token-0123456789"
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=2",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            WORKER,
+            "collectives",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    for r in range(2):
+        got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
+        assert torch.equal(got["sum"], torch.full((5,), 3.0))
+        assert torch.equal(got["avg"], torch.full((5,), 1.5))

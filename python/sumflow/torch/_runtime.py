@@ -137,7 +137,7 @@ def _job_token() -> str:
     )
 
 
-def _torchrun_job(children: list[subprocess.Popen[bytes]], tmp: str) -> tuple[str, str, str, int]:
+def _torchrun_job(children: list[subprocess.Popen[bytes]]) -> tuple[str, str, str, int]:
     """Coordinator address, token, machine id and rank for a torchrun worker, starting the
     coordinator (rank 0) and this machine's colocated server (local rank 0)."""
     rank = _env_int("RANK") or 0
@@ -166,8 +166,8 @@ def _torchrun_job(children: list[subprocess.Popen[bytes]], tmp: str) -> tuple[st
     host_id = os.environ.get("SUMFLOW_HOST_ID") or socket.gethostname()
     env = dict(os.environ, SUMFLOW_JOB_TOKEN=token)
     env.pop("SUMFLOW_JOB_TOKEN_FILE", None)
+    env.setdefault("RUST_LOG", "warn")
     machines = world // local_world
-    timeout = _env_float("SUMFLOW_JOIN_TIMEOUT", 300.0)
     if rank == 0:
         bind = "0.0.0.0" if master not in ("127.0.0.1", "localhost") else "127.0.0.1"
         children.append(
@@ -179,7 +179,6 @@ def _torchrun_job(children: list[subprocess.Popen[bytes]], tmp: str) -> tuple[st
         )
     if local_rank == 0:
         advertise = "127.0.0.1" if master in ("127.0.0.1", "localhost") else socket.getfqdn()
-        addr_file = Path(tmp) / "server"
         children.append(
             _start(
                 "sumflow-server",
@@ -188,12 +187,10 @@ def _torchrun_job(children: list[subprocess.Popen[bytes]], tmp: str) -> tuple[st
                     f"--host-id={host_id}",
                     f"--bind={'127.0.0.1' if advertise == '127.0.0.1' else '0.0.0.0'}:0",
                     f"--advertise={advertise}",
-                    f"--addr-file={addr_file}",
                 ],
                 env,
             )
         )
-        _wait_for_file(addr_file, "colocated summation server", children[-1], timeout)
     return coordinator, token, host_id, rank
 
 
@@ -240,7 +237,7 @@ def init() -> Runtime:
                 host_id = os.environ.get("SUMFLOW_HOST_ID") or socket.gethostname()
                 rank = _env_int("SUMFLOW_RANK")
             elif os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
-                coordinator, token, host_id, rank = _torchrun_job(children, tmpdir.name)
+                coordinator, token, host_id, rank = _torchrun_job(children)
             else:
                 coordinator, token, host_id, rank = _single_process_job(children, tmpdir.name)
             service = _core.CommunicationService(
