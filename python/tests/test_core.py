@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
-import sysconfig
 import time
 from importlib import metadata
 from pathlib import Path
 
 import pytest
+from jobs import script
 
 import sumflow
 from sumflow import _core
@@ -31,16 +30,6 @@ def cargo_version() -> str:
     version = re.search(r'^version\s*=\s*"([^"]+)"', table.group(1), re.M)
     assert version, "no version in [workspace.package]"
     return version.group(1)
-
-
-def script(name: str) -> str:
-    """The installed console script `name`, from this interpreter's environment."""
-    candidate = Path(sysconfig.get_path("scripts")) / name
-    if candidate.exists():
-        return str(candidate)
-    found = shutil.which(name)
-    assert found, f"console script {name} is not installed (pip install -e .)"
-    return found
 
 
 def clean_env(**extra: str) -> dict[str, str]:

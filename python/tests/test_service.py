@@ -12,16 +12,10 @@ import torch
 from jobs import local_job
 
 import sumflow
+from sumflow.torch.ops import DTYPES
 
 WAIT = 60.0
-CORE_DTYPES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
+CORE_DTYPES = DTYPES
 # 1 element, small, a multiple of the 64 KiB partition size used here, and not a multiple.
 SIZES = [1, 1000, 3 * 16384, 5 * 16384 + 3]
 PARTITION = 64 << 10

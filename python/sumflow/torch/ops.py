@@ -266,16 +266,17 @@ def allreduce_async(
     priority: int = 0,
 ) -> int:
     """Like ``allreduce_async_``, into a new tensor (``synchronize`` returns it)."""
-    _no_process_sets(process_set)
     output = tensor.detach().clone(memory_format=torch.contiguous_format)
-    return _issue(
-        _auto_name("allreduce", name),
+    return allreduce_async_(
         output,
-        _op_of(average, op),
-        priority,
-        compression,
+        average,
+        name,
+        op,
         prescale_factor,
         postscale_factor,
+        process_set,
+        compression=compression,
+        priority=priority,
     )
 
 
