@@ -54,9 +54,9 @@ cargo test --workspace --release --locked 2>&1 | tee "$test_log"
 step "python environment (.venv, requirements-dev.txt, maturin develop --release)"
 ensure_python_env
 
-step "ruff (lint and format) on python/"
-ruff check python/
-ruff format --check python/
+step "ruff (lint and format) on python/, examples/, benchmarks/"
+ruff check python/ examples/ benchmarks/
+ruff format --check python/ examples/ benchmarks/
 
 step "pytest"
 pytest_status=0
@@ -66,6 +66,9 @@ if [ "$pytest_status" -ne 0 ]; then
   echo "pytest failed (exit $pytest_status)"
   exit "$pytest_status"
 fi
+
+step "end-to-end smoke run: sumflow-run, 2 workers + 1 CPU server, the digits example"
+sumflow-run -np 2 --servers 1 python examples/train_digits.py --epochs 8 --min-accuracy 0.9
 
 step "benchmark smoke runs"
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench reduce

@@ -1,0 +1,260 @@
+"""Data-parallel training of a small CNN on scikit-learn's digits, through sumflow.
+
+The data set ships with scikit-learn (1797 grey 8x8 images of the digits 0 to 9), so
+nothing is downloaded. Every worker makes the same seeded train/test split, takes its own
+shard of the training set each epoch (a seeded shuffle, like PyTorch's
+DistributedSampler), and averages gradients with the others through
+``sumflow.torch.DistributedOptimizer``. Rank 0's initial weights and optimizer state are
+broadcast to everyone first. The learning rate is the per-worker rate times the number of
+workers, since the global batch grows with them (Goyal et al., 2017). The test accuracy is
+computed on shards of the test set and summed across workers with ``allreduce``.
+
+Run it with the launcher, or alone as a job of one::
+
+    sumflow-run -np 4 --servers 2 python examples/train_digits.py
+    python examples/train_digits.py --epochs 10 --json digits.json
+
+Rank 0 prints one line per epoch (plus a progress bar when its stderr is a terminal) and
+the final metrics; ``--json PATH`` writes them to a file as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
+from torch import nn
+from tqdm import tqdm
+
+import sumflow.torch as hvd
+
+
+class DigitsNet(nn.Module):
+    """Two 3x3 convolutions, one 2x2 max-pool and two linear layers (38k parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, kernel_size=3, padding=1)
+        self.conv2 = nn.Conv2d(16, 32, kernel_size=3, padding=1)
+        self.fc1 = nn.Linear(32 * 4 * 4, 64)
+        self.fc2 = nn.Linear(64, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits for a batch of 1x8x8 images."""
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = F.relu(self.fc1(x.flatten(1)))
+        return self.fc2(x)
+
+
+def load_split(
+    seed: int, test_fraction: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The digits as (train images, train labels, test images, test labels): images scaled
+    to [0, 1] with shape (N, 1, 8, 8). The split is stratified and seeded, so it is the
+    same on every worker."""
+    digits = load_digits()
+    images = torch.tensor(digits.images / 16.0, dtype=torch.float32).unsqueeze(1)
+    labels = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, test_idx = train_test_split(
+        list(range(len(labels))),
+        test_size=test_fraction,
+        random_state=seed,
+        stratify=digits.target,
+    )
+    train = torch.tensor(train_idx)
+    test = torch.tensor(test_idx)
+    return images[train], labels[train], images[test], labels[test]
+
+
+def shard(n: int, rank: int, size: int, seed: int, epoch: int) -> torch.Tensor:
+    """This worker's sample indices for one epoch, as DistributedSampler draws them: a
+    permutation seeded by (seed, epoch), identical on every worker, padded by wrapping
+    around to a multiple of ``size``, then every ``size``-th index from ``rank`` on. Every
+    worker gets the same number, so all make the same number of optimizer steps."""
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch)
+    order = torch.randperm(n, generator=generator)
+    total = math.ceil(n / size) * size
+    if total > n:
+        order = torch.cat([order, order[: total - n]])
+    return order[rank:total:size]
+
+
+def batches(indices: torch.Tensor, batch_size: int) -> Iterator[torch.Tensor]:
+    """Consecutive batches of ``indices`` (the last one may be smaller)."""
+    for start in range(0, len(indices), batch_size):
+        yield indices[start : start + batch_size]
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    parser = argparse.ArgumentParser(
+        description="Train a small CNN on scikit-learn's digits across sumflow workers.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--epochs", type=int, default=20, help="passes over the training set")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per worker per step")
+    parser.add_argument(
+        "--lr",
+        type=float,
+        default=0.02,
+        help="learning rate per worker; the optimizer uses lr x number of workers",
+    )
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum")
+    parser.add_argument("--seed", type=int, default=42, help="seed of the split, shuffles, init")
+    parser.add_argument(
+        "--test-fraction", type=float, default=0.2, help="share of the images held out"
+    )
+    parser.add_argument(
+        "--fp16", action="store_true", help="send gradients as float16 (Compression.fp16)"
+    )
+    parser.add_argument(
+        "--min-accuracy",
+        type=float,
+        default=0.0,
+        help="exit with status 1 when the test accuracy ends below this (0 to 1)",
+    )
+    parser.add_argument("--json", type=Path, help="write the final metrics to this JSON file")
+    args = parser.parse_args(argv)
+    if args.epochs < 1 or args.batch_size < 1 or args.lr <= 0:
+        parser.error("--epochs and --batch-size must be at least 1 and --lr positive")
+    if not 0.0 < args.test_fraction < 1.0:
+        parser.error("--test-fraction must lie between 0 and 1")
+    return args
+
+
+def summed(values: Sequence[float], name: str) -> list[float]:
+    """``values`` summed element-wise over all workers (one allreduce)."""
+    total = hvd.allreduce(torch.tensor(values, dtype=torch.float64), op=hvd.Sum, name=name)
+    return [float(v) for v in total]
+
+
+def evaluate(
+    model: nn.Module, images: torch.Tensor, labels: torch.Tensor, rank: int, size: int
+) -> tuple[float, float]:
+    """(accuracy, mean loss) on the whole test set: each worker scores every size-th
+    image from its rank on, and the counts are summed over the workers."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(images[rank::size])
+        mine = labels[rank::size]
+        loss = F.cross_entropy(logits, mine, reduction="sum").item()
+        correct = (logits.argmax(dim=1) == mine).sum().item()
+    loss_sum, correct_sum, count = summed([loss, correct, len(mine)], "test.metrics")
+    return correct_sum / count, loss_sum / count
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Trains, evaluates, reports; returns the exit status."""
+    args = parse_args(argv)
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    if size > 1:
+        # Several workers share this machine's cores: one thread each avoids oversubscription.
+        torch.set_num_threads(1)
+    torch.manual_seed(args.seed)
+
+    train_x, train_y, test_x, test_y = load_split(args.seed, args.test_fraction)
+    model = DigitsNet()
+    lr = args.lr * size
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
+    # Every worker starts from rank 0's weights and optimizer state.
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(
+        optimizer,
+        named_parameters=model.named_parameters(),
+        compression=compression,
+        op=hvd.Average,
+    )
+
+    steps = math.ceil(math.ceil(len(train_y) / size) / args.batch_size)
+    if rank == 0:
+        print(
+            f"digits: {len(train_y)} training and {len(test_y)} test images; {size} worker(s), "
+            f"batch {args.batch_size} per worker ({args.batch_size * size} in all), "
+            f"{steps} steps per epoch; lr {args.lr:g} x {size} worker(s) = {lr:g}; "
+            f"gradients sent as {'float16' if args.fp16 else 'float32'}",
+            flush=True,
+        )
+    show_bar = rank == 0 and sys.stderr.isatty()
+    train_seconds = 0.0
+    train_samples = 0.0
+    for epoch in range(args.epochs):
+        model.train()
+        loss_sum = correct = count = 0.0
+        bar = tqdm(total=steps, desc=f"epoch {epoch + 1}", leave=False, disable=not show_bar)
+        start = time.perf_counter()
+        for batch in batches(shard(len(train_y), rank, size, args.seed, epoch), args.batch_size):
+            x, y = train_x[batch], train_y[batch]
+            optimizer.zero_grad()
+            logits = model(x)
+            loss = F.cross_entropy(logits, y)
+            loss.backward()
+            optimizer.step()
+            loss_sum += loss.item() * len(y)
+            correct += (logits.argmax(dim=1) == y).sum().item()
+            count += len(y)
+            bar.update()
+        elapsed = time.perf_counter() - start
+        bar.close()
+        # Sums over workers: loss, correct, samples, and seconds (for the mean epoch time).
+        loss_sum, correct, count, seconds = summed(
+            [loss_sum, correct, count, elapsed], "train.metrics"
+        )
+        seconds /= size
+        train_seconds += seconds
+        train_samples += count
+        if rank == 0:
+            tqdm.write(
+                f"epoch {epoch + 1:>3}/{args.epochs}  loss {loss_sum / count:.4f}  "
+                f"train accuracy {correct / count:6.2%}  {count / seconds:8.0f} samples/s",
+                file=sys.stdout,
+            )
+            sys.stdout.flush()
+
+    accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
+    samples_per_s = train_samples / train_seconds
+    metrics = {
+        "accuracy": accuracy,
+        "test_loss": test_loss,
+        "samples_per_s": samples_per_s,
+        "train_seconds": train_seconds,
+        "epochs": args.epochs,
+        "workers": size,
+        "batch_size": args.batch_size,
+        "lr": lr,
+        "fp16": args.fp16,
+    }
+    if rank == 0:
+        print(
+            f"test accuracy {accuracy:.2%} (loss {test_loss:.4f}) after {args.epochs} epochs; "
+            f"training: {samples_per_s:.0f} samples/s in all over {size} worker(s), "
+            f"{train_seconds:.1f} s",
+            flush=True,
+        )
+        if args.json is not None:
+            args.json.write_text(json.dumps(metrics, indent=2) + "\n")
+    hvd.shutdown()
+    if accuracy < args.min_accuracy:
+        if rank == 0:
+            print(
+                f"test accuracy {accuracy:.2%} is below --min-accuracy {args.min_accuracy:.2%}",
+                file=sys.stderr,
+            )
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
