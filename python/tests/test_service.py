@@ -15,7 +15,6 @@ import sumflow
 from sumflow.torch.ops import DTYPES
 
 WAIT = 60.0
-CORE_DTYPES = DTYPES
 # 1 element, small, a multiple of the 64 KiB partition size used here, and not a multiple.
 SIZES = [1, 1000, 3 * 16384, 5 * 16384 + 3]
 PARTITION = 64 << 10
@@ -37,7 +36,7 @@ def exchange(
     """push_pull every tensor at once (all in flight together), then waits for all."""
     handles = []
     for prio, (name, t) in enumerate(tensors.items()):
-        tid = svc.declare(name, CORE_DTYPES[t.dtype], t.numel())
+        tid = svc.declare(name, DTYPES[t.dtype], t.numel())
         handles.append(
             svc.push_pull(tid, t, t.data_ptr(), t.numel() * t.element_size(), prio, average)
         )
@@ -64,8 +63,8 @@ def test_push_pull_matches_the_reference(
         assert svc.size == workers
         for rnd in range(2):  # a second round reuses the declarations and keys
             tensors = {
-                f"{CORE_DTYPES[dt]}-{n}": contribution(svc.rank, n, dt, salt=rnd)
-                for dt in CORE_DTYPES
+                f"{DTYPES[dt]}-{n}": contribution(svc.rank, n, dt, salt=rnd)
+                for dt in DTYPES
                 for n in SIZES
             }
             exchange(svc, tensors, average=False)

@@ -697,16 +697,20 @@ mod tests {
         );
     }
 
-    #[test]
-    fn servers_come_from_the_cluster_map() {
-        let node = |rank: u32, host: &str| NodeInfo {
+    /// A node of rank `rank` on machine `host`, named "host-rank".
+    fn node(rank: u32, host: &str) -> NodeInfo {
+        NodeInfo {
             rank,
             host: "10.0.0.1".into(),
             port: 9000,
             host_id: host.into(),
             pid: 1,
             name: format!("{host}-{rank}"),
-        };
+        }
+    }
+
+    #[test]
+    fn servers_come_from_the_cluster_map() {
         let mut map = ClusterMap {
             job_id: "j".into(),
             // Two workers share machine a.
@@ -735,14 +739,6 @@ mod tests {
 
     #[test]
     fn without_colocated_servers_the_cpu_servers_share_equally() {
-        let node = |rank: u32, host: &str| NodeInfo {
-            rank,
-            host: "10.0.0.1".into(),
-            port: 9000,
-            host_id: host.into(),
-            pid: 1,
-            name: format!("{host}-{rank}"),
-        };
         let map = ClusterMap {
             job_id: "j".into(),
             workers: vec![node(0, "a"), node(1, "b"), node(2, "c")],

@@ -11,15 +11,13 @@
 //! ```
 
 use std::ffi::OsString;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use sumflow_wire::logging::{init_logging, LogFormat};
+use sumflow_wire::program::{parse_args, positive_seconds, write_addr_file, StopSignals};
 use sumflow_wire::JobToken;
 use tracing::{error, info, warn};
 
@@ -101,14 +99,9 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let args = match Args::try_parse_from(args) {
+    let args: Args = match parse_args(args) {
         Ok(args) => args,
-        Err(e) => {
-            // Help and version go to stdout with status 0, usage errors to stderr with 2.
-            let _ = e.print();
-            let _ = std::io::stdout().flush();
-            return u8::try_from(e.exit_code()).unwrap_or(2);
-        }
+        Err(code) => return code,
     };
     init_logging(args.log_format);
     let cfg = match config(&args) {
@@ -126,19 +119,13 @@ where
             return bad_config(&format!("cannot write --addr-file {}: {e}", path.display()));
         }
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut hooks = Vec::new();
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        match signal_hook::flag::register(sig, stop.clone()) {
-            Ok(id) => hooks.push(id),
-            Err(e) => {
-                warn!("cannot handle signal {sig}: {e}; stop the coordinator with SIGKILL")
-            }
-        }
+    let signals = StopSignals::install();
+    for (sig, e) in &signals.unhandled {
+        warn!("cannot handle signal {sig}: {e}; stop the coordinator with SIGKILL");
     }
     let mut stopping = false;
     while !handle.is_finished() {
-        if !stopping && stop.load(Ordering::Relaxed) {
+        if !stopping && signals.requested() {
             info!("signal received: telling every node to shut down");
             handle.shutdown();
             stopping = true;
@@ -146,9 +133,7 @@ where
         std::thread::sleep(Duration::from_millis(100));
     }
     let outcome = handle.wait();
-    for id in hooks {
-        signal_hook::low_level::unregister(id);
-    }
+    drop(signals);
     match outcome {
         Ok(outcome) if outcome.failed.is_empty() => {
             info!("job finished: {}", outcome.stop_reason);
@@ -177,29 +162,12 @@ where
 fn config(args: &Args) -> Result<CoordinatorConfig, String> {
     let token = JobToken::load(args.token_file.as_deref()).map_err(|e| e.to_string())?;
     let mut cfg = CoordinatorConfig::new(args.bind, args.workers, args.servers, token);
-    cfg.heartbeat_timeout = seconds("--heartbeat-timeout", args.heartbeat_timeout)?;
-    cfg.join_timeout = seconds("--join-timeout", args.join_timeout)?;
+    cfg.heartbeat_timeout = positive_seconds("--heartbeat-timeout", args.heartbeat_timeout)?;
+    cfg.join_timeout = positive_seconds("--join-timeout", args.join_timeout)?;
     cfg.max_body = args.max_frame_bytes;
     cfg.job_id = args.job_id.clone().unwrap_or_else(random_job_id);
     cfg.validate().map_err(|e| e.to_string())?;
     Ok(cfg)
-}
-
-fn seconds(flag: &str, secs: f64) -> Result<Duration, String> {
-    match Duration::try_from_secs_f64(secs) {
-        Ok(d) if !d.is_zero() => Ok(d),
-        _ => Err(format!(
-            "{flag} must be a positive number of seconds (got {secs})"
-        )),
-    }
-}
-
-/// Writes to a temporary file first so a launcher polling for the file never reads half.
-fn write_addr_file(path: &std::path::Path, addr: SocketAddr) -> std::io::Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, format!("{addr}\n"))?;
-    std::fs::rename(&tmp, path)
 }
 
 fn bad_config(msg: &str) -> u8 {

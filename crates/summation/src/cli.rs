@@ -8,16 +8,14 @@
 //! ```
 
 use std::ffi::OsString;
-use std::io::Write;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_wire::logging::{init_logging, LogFormat};
+use sumflow_wire::program::{parse_args, positive_seconds, write_addr_file, StopSignals};
 use sumflow_wire::JobToken;
 use tracing::error;
 
@@ -110,14 +108,9 @@ where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
 {
-    let args = match Args::try_parse_from(args) {
+    let args: Args = match parse_args(args) {
         Ok(args) => args,
-        Err(e) => {
-            // Help and version go to stdout with status 0, usage errors to stderr with 2.
-            let _ = e.print();
-            let _ = std::io::stdout().flush();
-            return u8::try_from(e.exit_code()).unwrap_or(2);
-        }
+        Err(code) => return code,
     };
     init_logging(args.log_format);
     let cfg = match config(&args) {
@@ -136,45 +129,28 @@ where
         }
     };
     if let Some(path) = &args.addr_file {
-        if let Err(e) = std::fs::write(path, handle.local_addr().to_string()) {
+        if let Err(e) = write_addr_file(path, handle.local_addr()) {
             eprintln!("sumflow-server: cannot write {}: {e}", path.display());
             handle.shutdown();
             handle.wait();
             return 1;
         }
     }
-    let term = Arc::new(AtomicBool::new(false));
-    let mut hooks = Vec::new();
-    for sig in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-        if let Ok(id) = signal_hook::flag::register(sig, Arc::clone(&term)) {
-            hooks.push(id);
-        }
-    }
+    let signals = StopSignals::install();
     while !handle.is_finished() {
-        if term.load(Ordering::Relaxed) {
+        if signals.requested() {
             tracing::info!("signal received; stopping");
             handle.shutdown();
         }
         std::thread::sleep(Duration::from_millis(100));
     }
     handle.wait();
-    for id in hooks {
-        signal_hook::low_level::unregister(id);
-    }
+    drop(signals);
     0
 }
 
 fn config(args: &Args) -> Result<ServerConfig, String> {
     let token = JobToken::load(args.token_file.as_deref()).map_err(|e| e.to_string())?;
-    let secs = |name: &str, v: f64| {
-        if v.is_finite() && v > 0.0 {
-            Ok(Duration::from_secs_f64(v))
-        } else {
-            Err(format!(
-                "--{name} must be a positive number of seconds, got {v}"
-            ))
-        }
-    };
     let membership = match (&args.coordinator, args.workers) {
         (Some(addr), _) => {
             let host = hostname();
@@ -194,10 +170,16 @@ fn config(args: &Args) -> Result<ServerConfig, String> {
                     .or(host)
                     .ok_or("cannot read this machine's host name; pass --host-id")?,
                 requested_rank: args.rank,
-                join_timeout: secs("join-timeout", args.join_timeout)?,
+                join_timeout: positive_seconds("--join-timeout", args.join_timeout)?,
                 options: CoordinatorOptions {
-                    heartbeat_interval: secs("heartbeat-interval", args.heartbeat_interval)?,
-                    heartbeat_timeout: secs("heartbeat-timeout", args.heartbeat_timeout)?,
+                    heartbeat_interval: positive_seconds(
+                        "--heartbeat-interval",
+                        args.heartbeat_interval,
+                    )?,
+                    heartbeat_timeout: positive_seconds(
+                        "--heartbeat-timeout",
+                        args.heartbeat_timeout,
+                    )?,
                     ..CoordinatorOptions::default()
                 },
             })

@@ -14,6 +14,8 @@ pub mod io;
 #[cfg(feature = "cli")]
 pub mod logging;
 pub mod message;
+#[cfg(feature = "cli")]
+pub mod program;
 
 pub use auth::JobToken;
 pub use cluster::{ClusterMap, NodeId, NodeInfo, Role};

@@ -64,7 +64,6 @@ class Runtime:
     #: Coordinator and servers this process started (torchrun and single-process jobs).
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     tmpdir: tempfile.TemporaryDirectory[str] | None = None
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 _runtime: Runtime | None = None

@@ -52,7 +52,7 @@ DTYPES = {
 class _Pending:
     core: int
     output: torch.Tensor
-    finish: Callable[[], None] | None
+    finish: Callable[[], None]
 
 
 _pending: dict[int, _Pending] = {}
@@ -119,7 +119,6 @@ def declare(name: str, tensor: torch.Tensor) -> int:
 def declare_group(named: list[tuple[str, torch.Tensor]]) -> list[int]:
     """Declares tensors together, so their partitions are placed as one group (BytePS
     Eq. 1 and 2 over the whole set); names already declared keep their placement."""
-    fresh = []
     with _declared_lock:
         fresh = [(n, t) for n, t in named if n not in _declared]
     if fresh:
@@ -139,8 +138,11 @@ def _issue(
     compression: type[Compressor] | Compressor,
     prescale_factor: float,
     postscale_factor: float,
+    deliver_to: torch.Tensor | None = None,
 ) -> int:
-    """Sums `output` across workers in place (after compression); returns a handle."""
+    """Sums `output` across workers in place (after compression); returns a handle.
+    With `deliver_to`, the result is also copied there and that is what ``synchronize``
+    returns."""
     if op not in (Average, Sum):
         raise NotImplementedError(
             f"op={op!r} is not supported by sumflow; use sumflow.torch.Average or Sum "
@@ -177,10 +179,13 @@ def _issue(
             output.copy_(result)
         if postscale_factor != 1.0:
             output.mul_(postscale_factor)
+        if deliver_to is not None:
+            with torch.no_grad():
+                deliver_to.copy_(output)
 
     handle = next(_next_handle)
     with _pending_lock:
-        _pending[handle] = _Pending(core, output, finish)
+        _pending[handle] = _Pending(core, output if deliver_to is None else deliver_to, finish)
     return handle
 
 
@@ -212,8 +217,7 @@ def synchronize(handle: int) -> torch.Tensor:
     pending = _take(handle)
     rt = _runtime.current()
     rt.service.wait(pending.core, rt.timeout)
-    if pending.finish is not None:
-        pending.finish()
+    pending.finish()
     return pending.output
 
 
@@ -383,19 +387,7 @@ def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = No
         carrier = carrier.clone()
     if rt.service.rank != root_rank:
         carrier.zero_()
-    handle = _issue(full_name, carrier, Sum, 0, Compression.none, 1.0, 1.0)
-    with _pending_lock:
-        pending = _pending[handle]
-        inner = pending.finish
-
-        def finish() -> None:
-            if inner is not None:
-                inner()
-            with torch.no_grad():
-                tensor.copy_(carrier)
-
-        _pending[handle] = _Pending(pending.core, tensor, finish)
-    return handle
+    return _issue(full_name, carrier, Sum, 0, Compression.none, 1.0, 1.0, deliver_to=tensor)
 
 
 def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:

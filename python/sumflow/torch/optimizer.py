@@ -10,6 +10,7 @@ then runs the wrapped optimizer, so the optimizer stays on the worker, as in Byt
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -51,7 +52,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     f"parameters (first: index {missing[0]}); pass model.named_parameters() "
                     "of the model whose parameters the optimizer updates"
                 )
-            dupes = {n for n, p in named_parameters if list(names.values()).count(n) > 1}
+            dupes = {n for n, count in Counter(n for n, _ in named_parameters).items() if count > 1}
             if dupes:
                 raise ValueError(f"named_parameters repeats names: {sorted(dupes)}")
             order = [p for _, p in named_parameters if p in set(params)]
@@ -124,7 +125,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Waits until every gradient has been averaged across workers. Parameters whose
         gradient did not arrive this step (unused in the forward) are sent now, as zeros if
         they have none, so every worker takes part in every sum."""
-        for p in self._sf_hooks_params():
+        for p in self._sf_trainable():
             if p not in self._sf_handles:
                 self._sf_push(p)
         handles, self._sf_handles = self._sf_handles, {}
@@ -139,7 +140,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if errors:
             raise errors[0]
 
-    def _sf_hooks_params(self) -> Iterator[torch.Tensor]:
+    def _sf_trainable(self) -> Iterator[torch.Tensor]:
         return (p for p in self._sf_priority if p.requires_grad)
 
     @contextlib.contextmanager
