@@ -68,3 +68,13 @@ ensure_python_env() {
   maturin develop --release --locked
   echo "built and installed sumflow in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
 }
+
+# What the emulated-cluster benchmark (python -m sumflow.bench.cluster) needs besides root:
+# ip and tc from iproute2 for the namespaces and shaping, iperf3 for its link check.
+ensure_cluster_tools() {
+  if command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 \
+    && command -v iperf3 >/dev/null 2>&1; then
+    return 0
+  fi
+  apt_install iproute2 iperf3
+}

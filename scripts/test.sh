@@ -54,9 +54,12 @@ cargo test --workspace --release --locked 2>&1 | tee "$test_log"
 step "python environment (.venv, requirements-dev.txt, maturin develop --release)"
 ensure_python_env
 
-step "ruff (lint and format) on python/, examples/, benchmarks/"
-ruff check python/ examples/ benchmarks/
-ruff format --check python/ examples/ benchmarks/
+step "ruff (lint and format) on python/, examples/, bench/"
+ruff check python/ examples/ bench/
+ruff format --check python/ examples/ bench/
+
+step "tools of the emulated-cluster smoke test (iproute2, iperf3)"
+ensure_cluster_tools || echo "could not install them: the emulated-cluster test will say it is skipped"
 
 step "pytest"
 pytest_status=0

@@ -37,6 +37,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -103,8 +104,9 @@ examples:
 
 every worker gets SUMFLOW_COORDINATOR, SUMFLOW_JOB_TOKEN_FILE (SUMFLOW_JOB_TOKEN over ssh),
 SUMFLOW_RANK, SUMFLOW_NUM_WORKERS, SUMFLOW_HOST_ID, SUMFLOW_WORKER_NAME and torchrun's
-RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. Children do not inherit SUMFLOW_*
-variables from this environment; forward one with -x NAME. See docs/launcher.md.
+RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Children do not
+inherit SUMFLOW_* variables from this environment; forward one with -x NAME. See
+docs/launcher.md.
 """
 
 
@@ -360,6 +362,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="port the summation servers on ssh hosts listen on (all interfaces) "
         "[default: 0, any free port]",
     )
+    p.add_argument(
+        "--master-port",
+        type=int,
+        metavar="PORT",
+        help="MASTER_PORT given to every worker, for torch.distributed's env:// rendezvous "
+        "alongside MASTER_ADDR (the first worker machine) [default: a free port on this "
+        "machine; 29500 in the cluster form]",
+    )
     cl.add_argument(
         "--ssh",
         default="ssh",
@@ -509,6 +519,14 @@ def _check_program(program: str) -> None:
         raise ConfigError(f"cannot run {program!r}: no such program on PATH{hint}")
 
 
+def _free_port() -> int:
+    """A TCP port free on loopback now (another program may take it before the job does,
+    as with any such choice; --master-port fixes it instead)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _forwarded_env(items: list[str]) -> dict[str, str]:
     env = {}
     for item in items:
@@ -547,6 +565,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     _seconds(args.shutdown_grace, "--shutdown-grace", allow_zero=True)
     if not 0 <= args.server_port <= 65535:
         raise ConfigError(f"--server-port must be 0 to 65535, got {args.server_port}")
+    if args.master_port is not None and not 1 <= args.master_port <= 65535:
+        raise ConfigError(f"--master-port must be 1 to 65535, got {args.master_port}")
 
     forwarded = _forwarded_env(args.env)
     ssh = shlex.split(args.ssh) if args.ssh else []
@@ -665,6 +685,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
         common["SUMFLOW_JOIN_TIMEOUT"] = repr(float(args.join_timeout))
         coordinator_args += ["--join-timeout", common["SUMFLOW_JOIN_TIMEOUT"]]
     worker_env = dict(common)
+    # torch.distributed's env:// rendezvous, so a worker can open gloo/nccl groups next to
+    # sumflow (rank 0 of the first machine hosts the store, as under torchrun).
+    worker_env["MASTER_ADDR"] = "127.0.0.1" if hosts is None else machines[0][0]
+    if args.master_port is not None:
+        worker_env["MASTER_PORT"] = str(args.master_port)
+    else:
+        worker_env["MASTER_PORT"] = str(_free_port() if hosts is None else 29500)
     if args.partition_bytes is not None:
         worker_env["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
     if args.timeout is not None:

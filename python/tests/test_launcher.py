@@ -59,7 +59,8 @@ from pathlib import Path
 
 env = {k: v for k, v in os.environ.items()
        if k.startswith("SUMFLOW_") or k in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                            "LOCAL_WORLD_SIZE", "RUST_LOG", "FORWARDED")}
+                                            "LOCAL_WORLD_SIZE", "RUST_LOG", "FORWARDED",
+                                            "MASTER_ADDR", "MASTER_PORT")}
 info = {"env": env, "cwd": os.getcwd()}
 path = env.get("SUMFLOW_JOB_TOKEN_FILE")
 if path:
@@ -191,6 +192,7 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
         (["-np", "2", "--server-hosts", "h", "true"], "needs the cluster form"),
         (["-np", "2", "--token-file", "/no/such/token", "true"], "--token-file"),
         (["-np", "2", "-x", "SUMFLOW_NOT_SET_ANYWHERE", "true"], "is not set here"),
+        (["-np", "2", "--master-port", "0", "true"], "--master-port must be 1 to 65535"),
         (["-H", "a:1", "true"], "needs --coordinator-bind"),
         (["-H", "a:0", "--coordinator-bind", "127.0.0.1:0", "true"], "at least 1 slot"),
         (["-H", "a,a", "--coordinator-bind", "127.0.0.1:0", "true"], "listed twice"),
@@ -234,6 +236,7 @@ def test_help_documents_every_option() -> None:
         "--coordinator-bind",
         "--coordinator-addr",
         "--server-hosts",
+        "--master-port",
         "examples:",
     ):
         assert flag in out.stdout, flag
@@ -307,6 +310,10 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     ]
     assert specs[1].argv[specs[1].argv.index("--advertise") + 1] == "b"
     assert specs[6].env["SUMFLOW_HOST_ID"] == "b"
+    assert (specs[6].env["MASTER_ADDR"], specs[6].env["MASTER_PORT"]) == ("a", "29500")
+    plan = launcher.make_plan(parser.parse_args(["-np", "2", "--master-port", "29611", "true"]))
+    env = launcher.build_processes(plan, "127.0.0.1:1")[-1].env
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29611")
     assert "--engine-threads" not in specs[0].argv
 
 
@@ -438,6 +445,9 @@ def test_worker_environment(tmp_path: Path) -> None:
         assert float(env["SUMFLOW_JOIN_TIMEOUT"]) == 40
         assert env["RUST_LOG"] == "info"
         assert env["FORWARDED"] == "fwd"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["MASTER_PORT"] == infos[0]["env"]["MASTER_PORT"]
+        assert 0 < int(env["MASTER_PORT"]) < 65536
         assert env["SUMFLOW_EXTRA"] == "yes"
         assert "SUMFLOW_STALE" not in env
         assert "SUMFLOW_JOB_TOKEN" not in env
@@ -594,6 +604,7 @@ def test_cluster_form_runs_every_process_over_ssh(tmp_path: Path, token_file: bo
         assert env["LOCAL_WORLD_SIZE"] == "1"
         assert env["SUMFLOW_HOST_ID"] == host
         assert re.fullmatch(r"127\.0\.0\.1:\d+", env["SUMFLOW_COORDINATOR"])
+        assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("localhost", "29500")
         assert info["cwd"] == os.getcwd()
         if token_file:
             assert env["SUMFLOW_JOB_TOKEN_FILE"] == str(tmp_path / "job.token")

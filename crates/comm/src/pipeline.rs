@@ -1,14 +1,18 @@
 //! The staged pipeline (BytePS §6.1): partitions flow through a push stage and a pull
-//! stage, each a thread with its own priority queue, with one receiver thread per server
-//! in between.
+//! stage, each with priority queues, with one receiver thread per server in between.
 //!
 //! ```text
-//!  enqueue --> [push queue] --push thread--> server s --receiver s--> [pull queue] --pull thread--> tensor
-//!              by priority                                             by priority  (copy, average)
+//!  enqueue --> [push queue s] --push thread s--> server s --receiver s--> [pull queue] --pull thread--> tensor
+//!              by priority, one per server                               by priority  (copy, average)
 //! ```
 //!
 //! Pushes of later partitions go out while earlier ones are still being summed and pulled,
-//! and partitions of different tensors interleave by priority.
+//! and partitions of different tensors interleave by priority. Each server has its own
+//! push queue and thread: every worker sends partitions in the same priority order, so with
+//! one sending thread all workers would push to the same server at once while the links to
+//! the others idled (incast: that server's ingress at B shared by n-1 senders, each worker's
+//! egress at B/(n-1)). One sender per server keeps every link busy, as BytePS §4.1's
+//! analysis assumes, and each link still sends its most urgent partition first.
 //!
 //! Nothing here waits on other workers before sending: a round completes only once every
 //! worker pushed it, and workers may reach their partitions in different orders, so any
@@ -106,7 +110,7 @@ struct Shared {
     in_flight: Mutex<HashMap<u64, PartTask>>,
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
-    push_queue: StageQueue<PartTask>,
+    push_queues: Vec<StageQueue<PartTask>>,
     pull_queue: StageQueue<(PartTask, Vec<u8>)>,
     stop: AtomicBool,
 }
@@ -132,11 +136,11 @@ impl Pipeline {
         }
         let shared = Arc::new(Shared {
             dead: names.iter().map(|_| Mutex::new(None)).collect(),
+            push_queues: names.iter().map(|_| StageQueue::default()).collect(),
             senders,
             server_names: names,
             in_flight: Mutex::new(HashMap::new()),
             handles,
-            push_queue: StageQueue::default(),
             pull_queue: StageQueue::default(),
             stop: AtomicBool::new(false),
         });
@@ -157,11 +161,13 @@ impl Pipeline {
                 Box::new(move || receive_loop(&sh, s, rx, take)),
             )?);
         }
-        let sh = Arc::clone(&shared);
-        threads.push(spawn(
-            "sumflow-push".into(),
-            Box::new(move || push_loop(&sh)),
-        )?);
+        for s in 0..shared.senders.len() {
+            let sh = Arc::clone(&shared);
+            threads.push(spawn(
+                format!("sumflow-push-{s}"),
+                Box::new(move || push_loop(&sh, s)),
+            )?);
+        }
         let sh = Arc::clone(&shared);
         threads.push(spawn(
             "sumflow-pull".into(),
@@ -192,7 +198,7 @@ impl Pipeline {
                 .fail(task.handle, |t| lost(t, &name, &why));
             return;
         }
-        self.shared.push_queue.push(task.priority, task);
+        self.shared.push_queues[task.server].push(task.priority, task);
     }
 
     /// The name of a server, for messages.
@@ -206,7 +212,9 @@ impl Pipeline {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
         }
-        self.shared.push_queue.close();
+        for q in &self.shared.push_queues {
+            q.close();
+        }
         self.shared.pull_queue.close();
         for tx in &self.shared.senders {
             let _ = tx.lock().expect("sender lock").shutdown(reason);
@@ -254,22 +262,23 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
     };
     drop(stranded);
-    sh.push_queue.drain_where(|t| t.server == server);
+    sh.push_queues[server].drain_where(|_| true);
     sh.handles.fail_all(Some(server), |t| lost(t, name, why));
 }
 
-fn push_loop(sh: &Shared) {
+/// Sends the partitions queued for `server`, most urgent first.
+fn push_loop(sh: &Shared, server: usize) {
     let mut initialised: HashSet<u64> = HashSet::new();
     while !sh.stop.load(Ordering::Acquire) {
-        let Some(task) = sh.push_queue.pop(POLL) else {
+        let Some(task) = sh.push_queues[server].pop(POLL) else {
             continue;
         };
         // A failed operation's buffer may already be gone: drop its remaining partitions.
         if !sh.handles.begin_access(task.handle) {
             continue;
         }
-        let (server, key, round, dtype, len, handle) = (
-            task.server,
+        debug_assert_eq!(task.server, server);
+        let (key, round, dtype, len, handle) = (
             task.key,
             task.round,
             task.dtype,

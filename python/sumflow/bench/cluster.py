@@ -1,0 +1,326 @@
+"""The emulated-cluster benchmark: what the papers measure, on one Linux machine.
+
+    sudo python -m sumflow.bench.cluster            # n = 4, k = 0..4, three models
+
+Builds an emulated cluster (:mod:`sumflow.bench.netns`: n worker hosts and up to k CPU
+hosts, every link shaped to the same rate), then, side by side in one invocation:
+
+1. a link check: iperf3 between two hosts in both directions at once, whose goodput is the
+   B of the theory lines;
+2. goodput (BytePS Fig. 12): sumflow push_pull for every k, gloo all_reduce once (it cannot
+   use CPU hosts), against Eq. 6's optimum and Table 1's formulas;
+3. training on scaled layer profiles (:mod:`sumflow.profiles`): sumflow's
+   DistributedOptimizer (k = 0, and k = n) against DDP with gloo, in iterations/s.
+
+Every run records the machine's CPU utilisation over its measured window and is flagged
+when it passed ``--cpu-flag``: then the 2 CPUs, not the emulated network, may have set the
+pace. Results go to ``--out``: results.json, results.md, goodput.png, training.png and a log
+per job. See docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from sumflow.bench import report, theory
+from sumflow.bench.cpu import CpuSampler
+from sumflow.bench.jobs import JobFailed, run_sumflow_job, run_torch_job
+from sumflow.bench.netns import (
+    DEFAULT_SUBNET,
+    ClusterError,
+    ClusterUnavailable,
+    EmulatedCluster,
+    LinkShape,
+    started,
+)
+
+GBIT = 1e9 / 8
+IPERF_PORT = 5201
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m sumflow.bench.cluster",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    net = p.add_argument_group("emulated network")
+    net.add_argument("--workers", type=int, default=4, help="worker hosts n (one worker each)")
+    net.add_argument(
+        "--cpu-servers",
+        default="0,1,2,3,4",
+        help="values of k (CPU-server hosts) to run, comma-separated",
+    )
+    net.add_argument("--rate-mbit", type=float, default=250.0, help="link rate B per direction")
+    net.add_argument("--delay-ms", type=float, default=0.0, help="one-way delay per link (netem)")
+    net.add_argument(
+        "--mtu", type=int, default=9000, help="link MTU (jumbo frames, as in GPU clusters)"
+    )
+    net.add_argument("--subnet", default=DEFAULT_SUBNET, help="private subnet of the hosts")
+    gp = p.add_argument_group("goodput")
+    gp.add_argument("--megabytes", type=float, default=32.0, help="gradient set per round")
+    gp.add_argument("--tensors", type=int, default=8, help="tensors in the set")
+    gp.add_argument("--rounds", type=int, default=5, help="measured rounds per run")
+    gp.add_argument("--warmup", type=int, default=2, help="rounds before measuring")
+    gp.add_argument(
+        "--partition-bytes",
+        type=int,
+        default=256 << 10,
+        help="sumflow's partition size for goodput (scaled down from BytePS's 4 MB with the "
+        "link rate, see docs/benchmarks.md)",
+    )
+    tr = p.add_argument_group("training")
+    tr.add_argument(
+        "--models", default="vgg16,resnet50,transformer", help="layer profiles ('' skips)"
+    )
+    tr.add_argument(
+        "--reference-gbit",
+        type=float,
+        default=10.0,
+        help="bandwidth of the real cluster whose communication/computation ratio is kept",
+    )
+    tr.add_argument("--iterations", type=int, default=15, help="measured iterations per run")
+    tr.add_argument("--warmup-iterations", type=int, default=3)
+    out = p.add_argument_group("output")
+    out.add_argument(
+        "--out", type=Path, default=Path("bench/results/cluster"), help="output folder"
+    )
+    out.add_argument(
+        "--cpu-flag", type=float, default=0.8, help="flag runs above this CPU utilisation"
+    )
+    out.add_argument("--job-timeout", type=float, default=300.0, help="seconds one job may take")
+    out.add_argument("--skip-goodput", action="store_true")
+    out.add_argument("--link-seconds", type=float, default=3.0, help="iperf3 duration")
+    args = p.parse_args(argv)
+    try:
+        args.ks = sorted({int(k) for k in args.cpu_servers.split(",") if k.strip()})
+    except ValueError:
+        p.error(f"--cpu-servers {args.cpu_servers!r}: give comma-separated integers")
+    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    if args.workers < 2:
+        p.error("--workers must be at least 2")
+    if any(k < 0 for k in args.ks) or not args.ks:
+        p.error("--cpu-servers needs values >= 0")
+    if args.rounds < 1 or args.iterations < 1:
+        p.error("--rounds and --iterations must be at least 1")
+    return args
+
+
+class Progress:
+    """Numbered steps with elapsed time on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start = total, 0, time.monotonic()
+
+    def step(self, text: str) -> None:
+        self.done += 1
+        elapsed = time.monotonic() - self.start
+        print(f"[{self.done}/{self.total} {elapsed:5.0f} s] {text}", file=sys.stderr, flush=True)
+
+
+def link_check(cluster: EmulatedCluster, seconds: float) -> dict[str, Any]:
+    """iperf3 between hosts 1 and 2, both directions at once."""
+    import shutil
+
+    if shutil.which("iperf3") is None:
+        raise ClusterUnavailable("the link check needs iperf3: apt install iperf3")
+    a, b = cluster.hosts[0], cluster.hosts[1]
+    server = ["iperf3", "-s", "-1", "-B", b.address, "-p", str(IPERF_PORT)]
+    with started(cluster, b, server, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL):
+        time.sleep(0.5)
+        client = [
+            "iperf3",
+            "-c",
+            b.address,
+            "-p",
+            str(IPERF_PORT),
+            "-t",
+            f"{seconds:g}",
+            "-J",
+            "--bidir",
+        ]
+        done = subprocess.run(
+            cluster.command(a, client), capture_output=True, text=True, timeout=seconds + 30
+        )
+    if done.returncode != 0:
+        raise ClusterError(f"iperf3 failed: {done.stdout[-500:]} {done.stderr[-500:]}")
+    return parse_iperf(json.loads(done.stdout), cluster.shape.rate_mbit, seconds)
+
+
+def parse_iperf(data: dict[str, Any], rate_mbit: float, seconds: float) -> dict[str, Any]:
+    """The link check's figures from ``iperf3 -J --bidir`` output: the goodput received in
+    each direction, their mean as B, and B against the configured rate."""
+    end = data["end"]
+    forward = end["sum_received"]["bits_per_second"] / 1e6
+    reverse = end["sum_received_bidir_reverse"]["bits_per_second"] / 1e6
+    b = (forward + reverse) / 2
+    return {
+        "seconds": seconds,
+        "forward_mbit": forward,
+        "reverse_mbit": reverse,
+        "b_mbit": b,
+        "ratio": b / rate_mbit,
+    }
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"{what} left no readable result in {path}: {e}") from None
+
+
+def _with_cpu(result: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
+    start, end = result["window"]
+    result["cpu"] = sampler.utilisation(start, end)
+    return result
+
+
+def goodput_runs(
+    args: argparse.Namespace,
+    cluster: EmulatedCluster,
+    sampler: CpuSampler,
+    b: float,
+    tmp: Path,
+    progress: Progress,
+) -> dict[str, Any]:
+    """gloo all_reduce once, then sumflow push_pull for every k."""
+    n = args.workers
+    workers, spare = cluster.hosts[:n], cluster.hosts[n:]
+    logs = args.out / "logs"
+    worker = [
+        *(sys.executable, "-m", "sumflow.bench.goodput_worker"),
+        *("--megabytes", str(args.megabytes), "--tensors", str(args.tensors)),
+        *("--rounds", str(args.rounds), "--warmup", str(args.warmup)),
+    ]
+    progress.step("goodput: gloo all_reduce")
+    out = tmp / "goodput-gloo.json"
+    run_torch_job(
+        cluster,
+        workers,
+        [*worker, "--system", "gloo", "--json", str(out)],
+        what="goodput gloo",
+        log_path=logs / "goodput-gloo.log",
+        timeout=args.job_timeout,
+    )
+    gloo = _with_cpu(_read_json(out, "goodput gloo"), sampler)
+    gloo["goodput_gbit"] = gloo["goodput_bytes_per_s"] / GBIT
+    m = gloo["bytes"]
+    runs = []
+    for k in args.ks:
+        progress.step(f"goodput: sumflow push_pull, k = {k}")
+        out = tmp / f"goodput-sumflow-k{k}.json"
+        run_sumflow_job(
+            cluster,
+            workers,
+            spare[:k],
+            [*worker, "--system", "sumflow", "--json", str(out)],
+            what=f"goodput sumflow k={k}",
+            log_path=logs / f"goodput-sumflow-k{k}.log",
+            timeout=args.job_timeout,
+            launcher_args=["--partition-bytes", str(args.partition_bytes)],
+        )
+        run = _with_cpu(_read_json(out, f"goodput sumflow k={k}"), sampler)
+        run["k"] = k
+        run["goodput_gbit"] = run["goodput_bytes_per_s"] / GBIT
+        run["optimum_gbit"] = theory.goodput(m, theory.optimal_time(n, k, m, b)) / GBIT
+        run["vs_optimum"] = run["goodput_gbit"] / run["optimum_gbit"]
+        run["vs_gloo"] = run["goodput_gbit"] / gloo["goodput_gbit"]
+        print(
+            f"    sumflow k={k}: {run['goodput_gbit']:.3f} Gbit/s per worker, "
+            f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo",
+            file=sys.stderr,
+            flush=True,
+        )
+        runs.append(run)
+    return {
+        "gloo": gloo,
+        "sumflow": runs,
+        "allreduce_theory_gbit": theory.goodput(m, theory.allreduce_time(n, m, b)) / GBIT,
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    hosts = args.workers + max(args.ks)
+    steps = 1 + (0 if args.skip_goodput else 1 + len(args.ks)) + 3 * len(args.models)
+    progress = Progress(steps)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "logs").mkdir(exist_ok=True)
+    results: dict[str, Any] = {
+        "config": {
+            "workers": args.workers,
+            "cpu_servers": args.ks,
+            "rate_mbit": args.rate_mbit,
+            "delay_ms": args.delay_ms,
+            "mtu": args.mtu,
+            "megabytes": args.megabytes,
+            "tensors": args.tensors,
+            "rounds": args.rounds,
+            "warmup": args.warmup,
+            "partition_bytes": args.partition_bytes,
+            "reference_gbit": args.reference_gbit,
+            "cpu_flag": args.cpu_flag,
+            "command": " ".join(sys.argv),
+            "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    }
+    try:
+        shape = LinkShape(args.rate_mbit, delay_ms=args.delay_ms, mtu=args.mtu)
+        with (
+            tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
+            EmulatedCluster(hosts, shape, subnet=args.subnet, log=sys.stderr) as cluster,
+            CpuSampler() as sampler,
+        ):
+            tmp = Path(tmpdir)
+            progress.step("link check (iperf3)")
+            results["link"] = link_check(cluster, args.link_seconds)
+            link = results["link"]
+            print(
+                f"    {link['forward_mbit']:.0f} / {link['reverse_mbit']:.0f} Mbit/s "
+                f"({link['ratio']:.3f}x the configured rate)",
+                file=sys.stderr,
+            )
+            b = link["b_mbit"] * 1e6 / 8
+            if not args.skip_goodput:
+                results["goodput"] = goodput_runs(args, cluster, sampler, b, tmp, progress)
+            if args.models:
+                from sumflow.bench.training import training_runs
+
+                results["training"] = training_runs(args, cluster, sampler, tmp, progress)
+    except (ClusterUnavailable, ClusterError) as e:
+        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if len(results) > 1:
+            write_outputs(results, args.out)
+    return 0
+
+
+def write_outputs(results: dict[str, Any], out: Path) -> None:
+    """results.json, results.md and the plots of whatever finished."""
+    (out / "results.json").write_text(json.dumps(results, indent=1))
+    (out / "results.md").write_text(report.markdown(results))
+    plots: list[tuple[str, Callable[[dict[str, Any], Path], None], str]] = [
+        ("goodput", report.plot_goodput, "goodput.png"),
+        ("training", report.plot_training, "training.png"),
+    ]
+    for key, plot, name in plots:
+        if results.get(key):
+            plot(results, out / name)
+    print(f"results in {out}/ (results.md, results.json, *.png, logs/)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""The harness's results as a markdown table and PNG plots (BytePS Fig. 12 style)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+GBIT = 1e9 / 8
+
+
+def _cpu(run: dict[str, Any], flag: float) -> str:
+    cpu = run.get("cpu")
+    if cpu is None:
+        return "n/a"
+    return f"{cpu:.0%}" + (" (over limit)" if cpu > flag else "")
+
+
+def markdown(results: dict[str, Any]) -> str:
+    """The results as markdown: configuration, link check, goodput, training."""
+    cfg = results["config"]
+    flag = cfg["cpu_flag"]
+    lines = [
+        f"Emulated cluster: {cfg['workers']} worker hosts + up to {max(cfg['cpu_servers'])} "
+        f"CPU-server hosts, {cfg['rate_mbit']:g} Mbit/s per direction per host, MTU "
+        f"{cfg['mtu']}, delay {cfg['delay_ms']:g} ms.",
+        "",
+    ]
+    link = results.get("link")
+    if link:
+        lines += [
+            f"Link check (iperf3, both directions at once, {link['seconds']:g} s): "
+            f"{link['forward_mbit']:.0f} and {link['reverse_mbit']:.0f} Mbit/s, "
+            f"{link['ratio']:.3f}x the configured rate; B = {link['b_mbit']:.0f} Mbit/s "
+            "is used for the theory lines (as BytePS Fig. 12 uses the measured goodput).",
+            "",
+        ]
+    goodput = results.get("goodput")
+    if goodput:
+        lines += [
+            "| system | k (CPU-server hosts) | goodput per worker | Eq. 6 optimum | "
+            "vs optimum | vs gloo all-reduce | CPU |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        gloo = goodput["gloo"]
+        lines.append(
+            f"| gloo all_reduce | - | {gloo['goodput_gbit']:.3f} Gbit/s | "
+            f"{goodput['allreduce_theory_gbit']:.3f} Gbit/s (all-reduce, Table 1) | "
+            f"{gloo['goodput_gbit'] / goodput['allreduce_theory_gbit']:.2f}x | 1.00x | "
+            f"{_cpu(gloo, flag)} |"
+        )
+        for run in goodput["sumflow"]:
+            lines.append(
+                f"| sumflow push_pull | {run['k']} | {run['goodput_gbit']:.3f} Gbit/s | "
+                f"{run['optimum_gbit']:.3f} Gbit/s | **{run['vs_optimum']:.2f}x** | "
+                f"**{run['vs_gloo']:.2f}x** | {_cpu(run, flag)} |"
+            )
+        lines.append("")
+    training = results.get("training")
+    if training:
+        lines += [
+            "| model (scaled) | system | iterations/s | vs DDP/gloo | compute per iteration | "
+            "idle per iteration | CPU |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for model in training:
+            for run in model["runs"]:
+                lines.append(
+                    f"| {model['model']} ({model['megabytes']:.1f} MB) | {run['label']} | "
+                    f"{run['iterations_per_s']:.2f} | **{run['vs_ddp']:.2f}x** | "
+                    f"{run['compute_ms']:.0f} ms | {run['idle_ms']:.0f} ms | "
+                    f"{_cpu(run, flag)} |"
+                )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot_goodput(results: dict[str, Any], path: Path) -> None:
+    """Goodput per worker against k, with the Eq. 6 optimum, Table 1's all-reduce and
+    non-colocated PS lines and the measured gloo all-reduce."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from sumflow.bench import theory
+
+    g = results["goodput"]
+    n = results["config"]["workers"]
+    b = results["link"]["b_mbit"] * 1e6 / 8
+    ks = [run["k"] for run in g["sumflow"]]
+    kk = list(range(0, max(ks) + 1))
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    ax.plot(
+        kk, [1 / theory.optimal_time(n, k, 1, b) / GBIT for k in kk], "k-", label="optimum (Eq. 6)"
+    )
+    ax.plot(
+        [k for k in kk if k],
+        [1 / theory.noncolocated_ps_time(n, k, 1, b) / GBIT for k in kk if k],
+        "k:",
+        label="non-colocated PS (Table 1)",
+    )
+    ax.axhline(
+        1 / theory.allreduce_time(n, 1, b) / GBIT,
+        color="grey",
+        ls="--",
+        label="all-reduce (Table 1)",
+    )
+    ax.axhline(g["gloo"]["goodput_gbit"], color="tab:orange", label="gloo all_reduce (measured)")
+    ax.plot(
+        ks,
+        [r["goodput_gbit"] for r in g["sumflow"]],
+        "o-",
+        color="tab:blue",
+        label="sumflow (measured)",
+    )
+    ax.set_xlabel("CPU-server hosts k")
+    ax.set_ylabel("goodput per worker (Gbit/s)")
+    ax.set_title(f"{n} worker hosts, {results['config']['rate_mbit']:g} Mbit/s links")
+    ax.set_xticks(kk)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def plot_training(results: dict[str, Any], path: Path) -> None:
+    """Iterations/s per model and system, as grouped bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    training = results["training"]
+    labels = [run["label"] for run in training[0]["runs"]]
+    width = 0.8 / len(labels)
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for j, label in enumerate(labels):
+        xs = [i + (j - (len(labels) - 1) / 2) * width for i in range(len(training))]
+        ys = [
+            next(r["iterations_per_s"] for r in m["runs"] if r["label"] == label) for m in training
+        ]
+        ax.bar(xs, ys, width, label=label)
+    ax.set_xticks(range(len(training)))
+    ax.set_xticklabels([m["model"] for m in training])
+    ax.set_ylabel("iterations/s")
+    cfg = results["config"]
+    ax.set_title(f"training, {cfg['workers']} workers, {cfg['rate_mbit']:g} Mbit/s")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,555 @@
+"""Layer profiles (sumflow.profiles), the sleeping model built from them
+(sumflow.bench.model) and the training-benchmark worker (sumflow.bench.train_worker).
+
+The built-ins are checked against the real architectures built from torch.nn on the meta
+device (no memory, no arithmetic): the same tensor names, shapes and order, and the same
+FLOPs as torch's own FlopCounterMode counts. Only the last test starts processes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from jobs import script
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from sumflow import profiles
+from sumflow.bench import train_worker
+from sumflow.bench.model import build_model, expected_average, gradient_value
+from sumflow.profiles import LayerProfile, ModelProfile, ParamSpec, architectures
+
+# ---- the real architectures, as torchvision and torch.nn define them ---------------------
+
+
+class VGG16(nn.Module):
+    """torchvision.models.vgg16() without torchvision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        cin = 3
+        config = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", *[512, 512, 512, "M"] * 2]
+        for v in config:
+            if v == "M":
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                assert isinstance(v, int)
+                layers += [nn.Conv2d(cin, v, 3, padding=1), nn.ReLU()]
+                cin = v
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d((7, 7))
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096),
+            nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(4096, 4096),
+            nn.ReLU(),
+            nn.Dropout(),
+            nn.Linear(4096, 1000),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet v1.5 bottleneck."""
+
+    def __init__(self, cin: int, width: int, stride: int, downsample: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, width * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(width * 4)
+        self.relu = nn.ReLU()
+        self.downsample = (
+            nn.Sequential(
+                nn.Conv2d(cin, width * 4, 1, stride=stride, bias=False), nn.BatchNorm2d(width * 4)
+            )
+            if downsample
+            else None
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        identity = self.downsample(x) if self.downsample is not None else x
+        return self.relu(out + identity)
+
+
+class ResNet50(nn.Module):
+    """torchvision.models.resnet50() without torchvision."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU()
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        cin = 64
+        for stage, (blocks, width) in enumerate(((3, 64), (4, 128), (6, 256), (3, 512)), 1):
+            stride = 1 if stage == 1 else 2
+            seq = [Bottleneck(cin, width, stride, True)]
+            seq += [Bottleneck(width * 4, width, 1, False) for _ in range(blocks - 1)]
+            setattr(self, f"layer{stage}", nn.Sequential(*seq))
+            cin = width * 4
+        self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
+        self.fc = nn.Linear(2048, 1000)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        for stage in range(1, 5):
+            x = getattr(self, f"layer{stage}")(x)
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def forward_flops(module: Callable[..., Any], *inputs: torch.Tensor) -> int:
+    with FlopCounterMode(display=False) as counter:
+        module(*inputs)
+    return int(counter.get_total_flops())
+
+
+def shapes(profile: ModelProfile) -> list[tuple[str, tuple[int, ...]]]:
+    return [(p.name, p.shape) for p in profile.params()]
+
+
+# ---- built-ins against the real architectures --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "tensors"),
+    [("vgg16", 138_357_544, 32), ("resnet50", 25_557_032, 161), ("transformer", 63_082_496, 253)],
+)
+def test_builtin_parameter_counts_are_the_real_architectures(
+    name: str, params: int, tensors: int
+) -> None:
+    p = profiles.builtin(name)
+    assert p.num_params == params
+    assert p.num_tensors == tensors
+    assert p.param_bytes == 4 * params
+    assert profiles.load(name) is p
+
+
+@pytest.mark.parametrize(
+    ("name", "real", "macs_per_image"),
+    [("vgg16", VGG16, 15.47e9), ("resnet50", ResNet50, 4.09e9)],
+)
+def test_cnn_profiles_match_torchvision_tensors_and_flops(
+    name: str, real: Any, macs_per_image: float
+) -> None:
+    with torch.device("meta"):
+        model = real()
+        flops = forward_flops(model, torch.empty(1, 3, 224, 224))
+    assert shapes(profiles.builtin(name)) == [
+        (n, tuple(t.shape)) for n, t in model.named_parameters()
+    ]
+    arch = getattr(architectures, name)()
+    assert sum(layer.flops for layer in arch) == flops
+    # torchvision's published "GFLOPS" (15.47, 4.09) count multiply-adds: half our FLOPs.
+    assert flops / 2 == pytest.approx(macs_per_image, rel=0.005)
+
+
+def test_transformer_profile_matches_torch_transformer_layers() -> None:
+    arch = architectures.transformer_base()
+    by_name = {layer.name: layer for layer in arch}
+    with torch.device("meta"):
+        enc = nn.TransformerEncoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+        dec = nn.TransformerDecoderLayer(512, 8, 2048, dropout=0.0, batch_first=True)
+        embed = nn.Embedding(37000, 512)
+        x = torch.empty(1, 128, 512)
+        enc_flops = forward_flops(enc, x)
+        dec_flops = forward_flops(dec, x, x)
+        out_flops = forward_flops(lambda h: nn.functional.linear(h, embed.weight), x)
+
+    def count(layers: list[str]) -> tuple[int, int]:
+        ps = [p for n in layers for p in by_name[n].params]
+        return sum(p.numel for p in ps), sum(by_name[n].flops for n in layers)
+
+    for i in range(6):
+        e = f"encoder.layers.{i}"
+        d = f"decoder.layers.{i}"
+        assert count([f"{e}.self_attn", f"{e}.ffn"]) == (
+            sum(t.numel() for t in enc.parameters()),
+            enc_flops,
+        )
+        assert count([f"{d}.self_attn", f"{d}.encoder_attn", f"{d}.ffn"]) == (
+            sum(t.numel() for t in dec.parameters()),
+            dec_flops,
+        )
+    assert by_name["embed"].params[0].shape == tuple(embed.weight.shape)
+    assert by_name["decoder.output_projection"].params == ()
+    assert by_name["decoder.output_projection"].flops == out_flops
+    layers = [*[enc] * 6, *[dec] * 6]
+    total = sum(t.numel() for m in layers for t in m.parameters())
+    assert profiles.builtin("transformer").num_params == total + embed.weight.numel()
+    # The usual estimate: 2 FLOPs per weight-matrix element per token (source and target
+    # are both 128 tokens), the tied output projection included, plus QK^T and AV
+    # (4 * 128^2 * 512 per attention; 3 attentions per encoder + decoder layer pair).
+    tokens = 128
+    matrices = sum(t.numel() for m in layers for t in m.parameters() if t.dim() == 2)
+    dense = 2 * tokens * (matrices + embed.weight.numel())
+    attention = 6 * 3 * 4 * tokens * tokens * 512
+    assert sum(a.flops for a in arch) == dense + attention
+    assert sum(a.flops for a in arch) / 1e9 == pytest.approx(16.73, abs=0.01)
+
+
+ARCHITECTURES: dict[str, Callable[[], list[architectures.ArchLayer]]] = {
+    "vgg16": architectures.vgg16,
+    "resnet50": architectures.resnet50,
+    "transformer": architectures.transformer_base,
+}
+
+
+def test_builtin_times_follow_the_stated_flop_model() -> None:
+    from sumflow.profiles.builtin import V100
+
+    for name in profiles.names():
+        p = profiles.builtin(name)
+        arch = {a.name: a for a in ARCHITECTURES[name]()}
+        for layer in p.layers:
+            want = arch[layer.name].flops * p.batch_size / V100.effective_flops_per_s * 1e3
+            assert layer.forward_ms == pytest.approx(want, abs=1e-6)
+            assert layer.backward_ms == pytest.approx(2 * layer.forward_ms, abs=2e-6)
+        assert p.source
+        assert (p.device, p.batch_size) == (V100.name, 32)
+    # ResNet-50 at ~350 images/s on a V100 in FP32, the figure the efficiency is set from.
+    r = profiles.builtin("resnet50")
+    assert 300 < r.batch_size / (r.compute_ms / 1e3) < 450
+    assert profiles.builtin("vgg16").compute_ms == pytest.approx(344.0, rel=0.01)
+    assert profiles.builtin("transformer").compute_ms == pytest.approx(186.0, rel=0.01)
+
+
+# ---- the JSON format ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", profiles.names())
+def test_json_round_trip(tmp_path: Path, name: str) -> None:
+    p = profiles.builtin(name)
+    path = profiles.save(p, tmp_path / f"{name}.json")
+    back = profiles.load(str(path))
+    assert back == p
+    assert ModelProfile.from_json(p.to_json()) == p
+    assert json.loads(path.read_text())["version"] == profiles.FORMAT_VERSION
+
+
+def small() -> dict[str, Any]:
+    return {
+        "version": 1,
+        "name": "tiny",
+        "source": "hand-made",
+        "device": "none",
+        "batch_size": 4,
+        "sample": "a number",
+        "dtype": "float32",
+        "layers": [
+            {
+                "name": "a",
+                "forward_ms": 1.0,
+                "backward_ms": 2.0,
+                "params": [{"name": "a.w", "shape": [3, 2]}, {"name": "a.b", "shape": [3]}],
+            },
+            {"name": "b", "forward_ms": 0, "backward_ms": 0.5, "params": []},
+        ],
+    }
+
+
+def _set(path: tuple[Any, ...], value: Any) -> Any:
+    def edit(d: dict[str, Any]) -> None:
+        target: Any = d
+        for k in path[:-1]:
+            target = target[k]
+        if value is _DELETE:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value
+
+    return edit
+
+
+_DELETE = object()
+
+
+@pytest.mark.parametrize(
+    ("edit", "words"),
+    [
+        (_set(("name",), _DELETE), ["missing field 'name'"]),
+        (
+            _set(("layers", 0, "forward_ms"), _DELETE),
+            ["layer 0 ('a')", "missing field 'forward_ms'"],
+        ),
+        (
+            _set(("layers", 0, "params", 1, "shape"), _DELETE),
+            ["layer 0 ('a')", "parameter 1", "'shape'"],
+        ),
+        (_set(("layers", 1, "backward_ms"), -1.0), ["layer 1 ('b')", "'backward_ms'", ">= 0"]),
+        (_set(("layers", 1, "forward_ms"), float("nan")), ["layer 1 ('b')", "'forward_ms'"]),
+        (_set(("layers", 1, "forward_ms"), "1"), ["layer 1 ('b')", "'forward_ms'"]),
+        (
+            _set(("layers", 0, "params", 0, "shape"), [3, 2.5]),
+            ["layer 0 ('a')", "'a.w'", "'shape'"],
+        ),
+        (_set(("layers", 0, "params", 0, "shape"), [3, 0]), ["layer 0 ('a')", "'a.w'", "positive"]),
+        (_set(("layers", 0, "params", 0, "shape"), [True, 2]), ["'a.w'", "'shape'"]),
+        (
+            _set(("layers", 0, "params", 0, "shape"), "3x2"),
+            ["layer 0 ('a')", "'shape' must be a list"],
+        ),
+        (_set(("layers", 1, "name"), "a"), ["duplicate layer name 'a'"]),
+        (
+            _set(("layers", 1, "params"), [{"name": "a.b", "shape": [1]}]),
+            ["layer 'b'", "duplicate parameter name 'a.b'", "layer 'a'"],
+        ),
+        (
+            _set(("layers", 0, "params", 1, "name"), "a.w"),
+            ["layer 0 ('a')", "duplicate parameter name 'a.w'"],
+        ),
+        (_set(("extra",), 1), ["unknown field 'extra'"]),
+        (_set(("layers", 0, "flops"), 1), ["layer 0 ('a')", "unknown field 'flops'"]),
+        (
+            _set(("layers", 0, "params", 0, "dtype"), "float16"),
+            ["parameter 0", "unknown field 'dtype'"],
+        ),
+        (_set(("version",), 2), ["'version'", "version 1"]),
+        (_set(("version",), "1"), ["'version'"]),
+        (_set(("dtype",), "float16"), ["'dtype'", "float32"]),
+        (_set(("batch_size",), 0), ["'batch_size'", ">= 1"]),
+        (_set(("layers",), []), ["'layers'", "empty"]),
+        (_set(("layers",), {"a": 1}), ["'layers' must be a list"]),
+        (_set(("layers", 0), [1, 2]), ["layer 0", "JSON object"]),
+    ],
+)
+def test_validation_names_the_field_and_the_layer(edit: Any, words: list[str]) -> None:
+    data = small()
+    edit(data)
+    with pytest.raises(ValueError, match=re.escape(words[0])) as info:
+        ModelProfile.from_dict(data)
+    for w in words[1:]:
+        assert w in str(info.value), (w, str(info.value))
+
+
+def test_validation_of_files_and_names(tmp_path: Path) -> None:
+    assert ModelProfile.from_dict(small()).num_tensors == 2
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"bad\.json: profile is not valid JSON"):
+        profiles.load(bad)
+    with pytest.raises(ValueError, match="no built-in profile or file named 'nope'"):
+        profiles.load("nope")
+    with pytest.raises(ValueError, match="no built-in profile named 'nope'"):
+        profiles.builtin("nope")
+    with pytest.raises(ValueError, match="layer 'x': field 'forward_ms'"):
+        LayerProfile("x", (), -0.1, 0.0)
+    with pytest.raises(ValueError, match="'shape'"):
+        ParamSpec("w", [2, 2])  # type: ignore[arg-type]
+
+
+# ---- scaling ------------------------------------------------------------------------------
+
+
+def test_scale_keeps_tensors_and_order_and_scales_sizes_and_times() -> None:
+    p = profiles.builtin("resnet50")
+    s = profiles.scale(p, size_scale=0.01, time_scale=3.0)
+    assert [x.name for x in s.params()] == [x.name for x in p.params()]
+    assert [layer.name for layer in s.layers] == [layer.name for layer in p.layers]
+    for a, b in zip(p.params(), s.params()):
+        assert b.shape == (max(1, round(a.numel * 0.01)),)
+    assert s.num_params == pytest.approx(p.num_params * 0.01, rel=0.01)
+    assert s.forward_ms == pytest.approx(3 * p.forward_ms)
+    assert s.backward_ms == pytest.approx(3 * p.backward_ms)
+    assert (s.name, s.device, s.batch_size) == (p.name, p.device, p.batch_size)
+    assert "x0.01" in s.source
+    tiny = profiles.scale(p, size_scale=1e-9, time_scale=1)
+    assert tiny.num_params == tiny.num_tensors == 161
+    assert profiles.scale(p, size_scale=1, time_scale=0).compute_ms == 0
+    for bad in (0, -1, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="size_scale"):
+            profiles.scale(p, size_scale=bad, time_scale=1)
+        if bad != 0:
+            with pytest.raises(ValueError, match="time_scale"):
+                profiles.scale(p, size_scale=1, time_scale=bad)
+
+
+@pytest.mark.parametrize("name", profiles.names())
+@pytest.mark.parametrize(("reference", "emulated"), [(25.0, 1.0), (10.0, 0.25), (10.0, 2.0)])
+def test_scales_for_emulation_keep_the_comm_compute_ratio(
+    name: str, reference: float, emulated: float
+) -> None:
+    p = profiles.builtin(name)
+    s = profiles.scales_for_emulation(p, reference_gbps=reference, emulated_gbps=emulated)
+    assert s.size_scale / s.time_scale == pytest.approx(emulated / reference)
+    assert s.compute_s == pytest.approx(0.3)
+    scaled = profiles.scale(p, size_scale=s.size_scale, time_scale=s.time_scale)
+    assert scaled.compute_ms / 1e3 == pytest.approx(s.compute_s)
+    assert scaled.param_bytes == s.param_bytes
+    # Bandwidth-bound communication time over compute, real cluster vs emulated.
+    real = (p.param_bytes * 8 / (reference * 1e9)) / (p.compute_ms / 1e3)
+    emul = (scaled.param_bytes * 8 / (emulated * 1e9)) / (scaled.compute_ms / 1e3)
+    assert emul == pytest.approx(real, rel=0.01)
+    assert s.partition_bytes == pytest.approx((4 << 20) * s.size_scale, abs=64)
+    assert s.bucket_cap_mb == pytest.approx(25 * s.size_scale)
+    assert s.reason.startswith(f"{name}: ")
+
+
+def test_scales_for_emulation_cap_and_range() -> None:
+    p = profiles.builtin("resnet50")  # 91 ms of compute at reference
+    # Emulated as fast as real: 0.3 s of compute would need tensors x3.3; capped at 1.
+    s = profiles.scales_for_emulation(p, reference_gbps=10, emulated_gbps=10, target_s=(0.05, 1))
+    assert s.size_scale == 1.0
+    assert s.time_scale == pytest.approx(1.0)
+    assert "capped" in s.reason
+    with pytest.raises(ValueError, match=r"below 0\.1 s"):
+        profiles.scales_for_emulation(p, reference_gbps=10, emulated_gbps=10)
+    with pytest.raises(ValueError, match="outside target_s"):
+        profiles.scales_for_emulation(p, reference_gbps=10, emulated_gbps=1, aim_s=2.0)
+    s = profiles.scales_for_emulation(p, reference_gbps=10, emulated_gbps=1, aim_s=0.8)
+    assert s.compute_s == pytest.approx(0.8)
+
+
+# ---- the sleeping model ------------------------------------------------------------------
+
+
+def test_sleeping_model_backprops_in_reverse_with_every_gradient() -> None:
+    p = profiles.scale(profiles.builtin("resnet50"), size_scale=0.001, time_scale=0.01)
+    m = build_model(p, seed=2, record_order=True)
+    names = dict(m.named_parameters())
+    assert len(names) == p.num_tensors
+    for step in range(2):
+        m.zero_grad()
+        m().sum().backward()
+        assert m.trace == [layer.name for layer in reversed(p.layers)] * (step + 1)
+        for spec, param in zip(p.params(), m.parameters()):
+            assert param.shape == spec.shape
+            assert param.grad is not None
+            assert param.grad.shape == param.shape
+            assert bool((param.grad == gradient_value(step, 2)).all())
+    # Without zero_grad gradients accumulate, as with any model.
+    m().sum().backward()
+    for param in m.parameters():
+        assert param.grad is not None
+        assert bool((param.grad == gradient_value(1, 2) + gradient_value(2, 2)).all())
+    assert expected_average(0, range(3)) == gradient_value(0, 1)
+
+
+def test_sleeping_model_takes_the_profiles_time() -> None:
+    p = profiles.scale(profiles.builtin("transformer"), size_scale=0.001, time_scale=1.0)
+    m = build_model(p)
+    m().sum().backward()  # first touches of the gradient buffers
+    want = p.compute_ms / 1e3
+    walls = []
+    # The best of three: a loaded machine can only lengthen a pass, never shorten it.
+    for _ in range(3):
+        start, computed = time.perf_counter(), m.clock.total_s
+        m.zero_grad()
+        m().sum().backward()
+        walls.append(time.perf_counter() - start)
+        assert want * 0.95 <= m.clock.total_s - computed <= walls[-1]
+    assert min(walls) < want * 1.5, (walls, want)
+
+
+# ---- the worker --------------------------------------------------------------------------
+
+
+def test_train_worker_names_missing_rendezvous_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    for v in train_worker.GLOO_ENV:
+        monkeypatch.delenv(v, raising=False)
+    args = train_worker.parse_args(["--system", "ddp-gloo", "--profile", "resnet50"])
+    with pytest.raises(SystemExit, match="MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE not set"):
+        train_worker.DdpGloo(profiles.builtin("resnet50"), args)
+
+
+class FakeSystem(train_worker.System):
+    """Rank 1 of 2 whose 'rank 0' holds `root_offset` more in every parameter."""
+
+    def __init__(self, profile: ModelProfile, root_offset: float) -> None:
+        self.name, self.rank, self.size = "fake", 1, 2
+        self.model = self.net = build_model(profile, seed=1)
+        self.root_offset = root_offset
+
+    def broadcast_(self, t: torch.Tensor, name: str) -> None:
+        t.add_(self.root_offset)
+
+
+def test_first_step_check_names_the_tensor_that_is_wrong() -> None:
+    p = profiles.scale(profiles.builtin("vgg16"), size_scale=1e-4, time_scale=0.0)
+    system = FakeSystem(p, root_offset=0.0)
+    system.net().sum().backward()
+    # Rank 1's own gradients, never averaged with rank 0's.
+    with pytest.raises(train_worker.CheckFailed, match=r"rank 1: the gradient of layers\.0\."):
+        train_worker.check_first_step(system)
+    for param in system.model.parameters():
+        assert param.grad is not None
+        param.grad.fill_(expected_average(0, range(2)))
+    train_worker.check_first_step(system)
+    system.root_offset = 1.0
+    with pytest.raises(train_worker.CheckFailed, match="32 of 32 parameters differ from rank 0"):
+        train_worker.check_first_step(system)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_train_worker_runs_both_systems_under_sumflow_run(tmp_path: Path) -> None:
+    profile = profiles.scale(profiles.builtin("resnet50"), size_scale=1e-3, time_scale=0.05)
+    path = profiles.save(profile, tmp_path / "tiny.json")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    env.update(OMP_NUM_THREADS="1", RUST_LOG="warn")
+    worker = [sys.executable, "-m", "sumflow.bench.train_worker", "--warmup", "1"]
+    runs = {
+        "sumflow": [
+            "--servers", "1", "--",
+            *worker, "--system", "sumflow", "--profile", str(path), "--iterations", "3",
+        ],
+        "ddp-gloo": [
+            "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={_free_port()}",
+            "--shutdown-grace", "1", "--",
+            *worker, "--system", "ddp-gloo", "--profile", "resnet50",
+            "--size-scale", "0.001", "--time-scale", "0.05", "--iterations", "3",
+        ],
+    }  # fmt: skip
+    for system, argv in runs.items():
+        out = tmp_path / f"{system}.json"
+        proc = subprocess.run(
+            [script("sumflow-run"), "-np", "2", *argv, "--json", str(out)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "first step checked" in proc.stderr
+        r = json.loads(out.read_text())
+        assert (r["system"], r["profile"], r["workers"], r["iterations"]) == (
+            system,
+            "resnet50",
+            2,
+            3,
+        )
+        assert (r["tensors"], r["param_bytes"]) == (161, profile.param_bytes)
+        assert r["profile_compute_ms"] == pytest.approx(profile.compute_ms)
+        assert r["iterations_per_s"] == pytest.approx(3 / r["wall_s"])
+        assert len(r["iteration_s"]) == len(r["compute_s"]) == len(r["idle_s"]) == 3
+        for t, c, i in zip(r["iteration_s"], r["compute_s"], r["idle_s"]):
+            assert 0 < c <= t
+            assert i == pytest.approx(t - c)
+        assert r["iteration_median_s"] <= r["iteration_p90_s"]
+        assert [x["rank"] for x in r["per_rank"]] == [0, 1]
+        assert all(math.isfinite(x["iteration_median_s"]) for x in r["per_rank"])
+        assert r["checked"] is True
