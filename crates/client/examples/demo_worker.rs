@@ -164,7 +164,6 @@ fn run() -> Result<(), String> {
                                     return Err(format!("key {k} round {round} element {i} of {n}: got {got}, expected {want}"));
                                 }
                             }
-                            rx.recycle(p.data);
                         }
                         other => return Err(format!("unexpected {other:?}")),
                     }

@@ -8,4 +8,4 @@ pub mod server;
 
 pub use coordinator::CoordinatorClient;
 pub use error::{ClientError, Result};
-pub use server::{Pulled, Reply, ServerClient, ServerOptions};
+pub use server::{Pulled, Reply, ServerClient, ServerOptions, SumHeader};

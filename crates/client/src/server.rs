@@ -42,10 +42,22 @@ pub struct Pulled {
     pub data: Vec<u8>,
 }
 
-/// What the receiving half read.
+/// A round's sum whose payload (`len` bytes) is still on the socket: the caller reads it
+/// where it belongs with [`ServerReceiver::read_sum`], or drops it with
+/// [`ServerReceiver::skip_sum`], before receiving anything else.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SumHeader {
+    pub key: u64,
+    pub round: u64,
+    pub dtype: Dtype,
+    pub len: usize,
+}
+
+/// What the receiving half read: a sum (its payload read, [`Pulled`], or about to be,
+/// [`SumHeader`]) or an acknowledgement.
 #[derive(Debug, PartialEq, Eq)]
-pub enum Reply {
-    Sum(Pulled),
+pub enum Reply<S = Pulled> {
+    Sum(S),
     InitAck { key: u64 },
     HeartbeatAck { seq: u64 },
 }
@@ -63,12 +75,7 @@ pub struct ServerSender {
 pub struct ServerReceiver {
     reader: FrameReader<TcpStream>,
     peer: String,
-    /// Buffers handed back with `recycle`, reused for later sums.
-    spare: Vec<Vec<u8>>,
 }
-
-/// Recycled buffers kept at most; more are freed.
-const MAX_SPARE: usize = 16;
 
 impl ServerClient {
     /// Connects as worker `rank` and authenticates with the job token.
@@ -101,7 +108,6 @@ impl ServerClient {
             rx: ServerReceiver {
                 reader: FrameReader::new(read_half, opts.max_body),
                 peer,
-                spare: Vec::new(),
             },
         })
     }
@@ -212,9 +218,30 @@ impl ServerSender {
 }
 
 impl ServerReceiver {
-    /// Waits for the next reply. An `Error` frame from the server becomes
-    /// `ClientError::Remote` with the server's code and message.
+    /// Waits for the next reply, reading a sum's payload into a new buffer (tests and the
+    /// control path; the pipeline reads sums in place with [`Self::recv_header`]).
     pub fn recv(&mut self) -> Result<Reply> {
+        Ok(match self.recv_header()? {
+            Reply::Sum(head) => {
+                let mut data = vec![0; head.len];
+                self.read_sum(&mut data)?;
+                Reply::Sum(Pulled {
+                    key: head.key,
+                    round: head.round,
+                    dtype: head.dtype,
+                    data,
+                })
+            }
+            Reply::InitAck { key } => Reply::InitAck { key },
+            Reply::HeartbeatAck { seq } => Reply::HeartbeatAck { seq },
+        })
+    }
+
+    /// Waits for the next reply, leaving a sum's payload on the socket so that it can be
+    /// read straight into its destination: no intermediate buffer, no copy. An `Error`
+    /// frame from the server becomes `ClientError::Remote` with the server's code and
+    /// message.
+    pub fn recv_header(&mut self) -> Result<Reply<SumHeader>> {
         let started = Instant::now();
         let frame = self
             .reader
@@ -223,19 +250,12 @@ impl ServerReceiver {
         match frame.message {
             Message::PullReply {
                 key, round, dtype, ..
-            } => {
-                let mut data = self.spare.pop().unwrap_or_default();
-                data.resize(frame.payload_len, 0);
-                self.reader
-                    .read_payload(&mut data)
-                    .map_err(|e| self.read_error(e, started))?;
-                Ok(Reply::Sum(Pulled {
-                    key,
-                    round,
-                    dtype,
-                    data,
-                }))
-            }
+            } => Ok(Reply::Sum(SumHeader {
+                key,
+                round,
+                dtype,
+                len: frame.payload_len,
+            })),
             Message::InitAck { key } => Ok(Reply::InitAck { key }),
             Message::HeartbeatAck { seq } => Ok(Reply::HeartbeatAck { seq }),
             Message::Error(e) => Err(ClientError::Remote {
@@ -254,13 +274,29 @@ impl ServerReceiver {
         }
     }
 
-    /// Hands a received sum's buffer back for reuse, sparing an allocation (and its page
-    /// faults) per reply.
-    /// Its contents are overwritten by the next payload; only a length change costs a fill.
-    pub fn recycle(&mut self, data: Vec<u8>) {
-        if self.spare.len() < MAX_SPARE {
-            self.spare.push(data);
+    /// Reads the payload of the sum [`Self::recv_header`] just returned into `dst`, which
+    /// must be exactly as long; a sum of another length is a protocol error (and leaves
+    /// the stream unusable).
+    pub fn read_sum(&mut self, dst: &mut [u8]) -> Result<()> {
+        let pending = self.reader.pending_payload();
+        if dst.len() != pending {
+            return Err(ClientError::Protocol {
+                peer: self.peer.clone(),
+                what: format!("a sum of {pending} bytes where {} were expected", dst.len()),
+            });
         }
+        let started = Instant::now();
+        self.reader
+            .read_payload(dst)
+            .map_err(|e| self.read_error(e, started))
+    }
+
+    /// Discards the payload of the sum [`Self::recv_header`] just returned.
+    pub fn skip_sum(&mut self) -> Result<()> {
+        let started = Instant::now();
+        self.reader
+            .skip_payload()
+            .map_err(|e| self.read_error(e, started))
     }
 
     fn read_error(&self, e: WireError, started: Instant) -> ClientError {

@@ -209,6 +209,43 @@ fn an_early_pull_waits_for_the_last_push() {
     stop(h);
 }
 
+#[test]
+fn sums_are_read_in_place_skipped_or_refused_when_their_length_is_wrong() {
+    let (h, addr) = start(1, 1);
+    let mut a = worker(&addr, 0);
+    a.init_key(1, Dtype::I32, 8, None).unwrap();
+    let mut tensor = [0u8; 8];
+    for round in 1..=3u64 {
+        let pushed = encode(Dtype::I32, [round as i64, -1].into_iter());
+        a.tx.push(1, round, Dtype::I32, &pushed).unwrap();
+        a.tx.pull(1, round).unwrap();
+        let head = match a.rx.recv_header().unwrap() {
+            Reply::Sum(head) => head,
+            other => panic!("expected a sum, got {other:?}"),
+        };
+        assert_eq!((head.key, head.round, head.len), (1, round, 8));
+        match round {
+            1 => {
+                a.rx.read_sum(&mut tensor).unwrap();
+                assert_eq!(
+                    tensor[..],
+                    pushed[..],
+                    "read straight into the caller's bytes"
+                );
+            }
+            2 => a.rx.skip_sum().unwrap(),
+            _ => {
+                let e = a.rx.read_sum(&mut [0u8; 4]).unwrap_err();
+                assert!(
+                    matches!(&e, ClientError::Protocol { what, .. } if what.contains("8 bytes")),
+                    "{e}"
+                );
+            }
+        }
+    }
+    stop(h);
+}
+
 /// Each refusal: the culprit gets a typed error naming the problem and is disconnected.
 #[test]
 fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {

@@ -1,21 +1,19 @@
-//! Writing a pulled sum into the caller's tensor, optionally divided by the worker count.
+//! Averaging a pulled sum in place, in the caller's tensor, by the worker count.
 
 use half::{bf16, f16};
 use sumflow_wire::Dtype;
 
-/// Copies `sum` into `dst`, dividing each element by `divisor` when given. Integer sums are
+/// Divides each element of the sum in `data` by `divisor` when given. Integer sums are
 /// never divided (the service refuses to average integers before anything is sent).
-pub fn write_result(dtype: Dtype, dst: &mut [u8], sum: &[u8], divisor: Option<u32>) {
-    assert_eq!(dst.len(), sum.len(), "result length mismatch");
+pub fn scale_in_place(dtype: Dtype, data: &mut [u8], divisor: Option<u32>) {
     let Some(n) = divisor.filter(|n| *n > 1) else {
-        dst.copy_from_slice(sum);
         return;
     };
     macro_rules! scale {
         ($t:ty, $size:expr, $from:expr, $to:expr) => {
-            for (d, s) in dst.chunks_exact_mut($size).zip(sum.chunks_exact($size)) {
-                let v: $t = $from(s.try_into().expect("element"));
-                d.copy_from_slice(&$to(v));
+            for e in data.chunks_exact_mut($size) {
+                let v: $t = $from(e.as_ref().try_into().expect("element"));
+                e.copy_from_slice(&$to(v));
             }
         };
     }
@@ -48,7 +46,7 @@ pub fn write_result(dtype: Dtype, dst: &mut [u8], sum: &[u8], divisor: Option<u3
                 |v: bf16| v.to_le_bytes()
             );
         }
-        Dtype::I32 | Dtype::I64 => dst.copy_from_slice(sum),
+        Dtype::I32 | Dtype::I64 => {}
     }
 }
 
@@ -57,29 +55,29 @@ mod tests {
     use super::*;
 
     #[test]
-    fn averages_floats_and_copies_otherwise() {
+    fn averages_floats_and_leaves_the_rest() {
         let sum: Vec<u8> = [3.0f32, -6.0, 1.5]
             .iter()
             .flat_map(|v| v.to_le_bytes())
             .collect();
-        let mut dst = vec![0u8; sum.len()];
-        write_result(Dtype::F32, &mut dst, &sum, Some(3));
-        let got: Vec<f32> = dst
+        let mut data = sum.clone();
+        scale_in_place(Dtype::F32, &mut data, Some(3));
+        let got: Vec<f32> = data
             .chunks(4)
             .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
             .collect();
         assert_eq!(got, [1.0, -2.0, 0.5]);
-        write_result(Dtype::F32, &mut dst, &sum, None);
-        assert_eq!(dst, sum);
-        let h: Vec<u8> = [f16::from_f32(6.0)]
-            .iter()
-            .flat_map(|v| v.to_le_bytes())
-            .collect();
-        let mut d = vec![0u8; 2];
-        write_result(Dtype::F16, &mut d, &h, Some(4));
-        assert_eq!(f16::from_le_bytes([d[0], d[1]]).to_f32(), 1.5);
-        let b: Vec<u8> = bf16::from_f32(-8.0).to_le_bytes().to_vec();
-        write_result(Dtype::Bf16, &mut d, &b, Some(2));
-        assert_eq!(bf16::from_le_bytes([d[0], d[1]]).to_f32(), -4.0);
+        let mut data = sum.clone();
+        scale_in_place(Dtype::F32, &mut data, None);
+        assert_eq!(data, sum);
+        let mut ints: Vec<u8> = 6i32.to_le_bytes().to_vec();
+        scale_in_place(Dtype::I32, &mut ints, Some(2));
+        assert_eq!(ints, 6i32.to_le_bytes());
+        let mut h = f16::from_f32(6.0).to_le_bytes();
+        scale_in_place(Dtype::F16, &mut h, Some(4));
+        assert_eq!(f16::from_le_bytes(h).to_f32(), 1.5);
+        let mut b = bf16::from_f32(-8.0).to_le_bytes();
+        scale_in_place(Dtype::Bf16, &mut b, Some(2));
+        assert_eq!(bf16::from_le_bytes(b).to_f32(), -4.0);
     }
 }

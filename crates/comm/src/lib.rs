@@ -13,8 +13,8 @@
 //! 2. [`placement`] picks each key's summation server so that every server sums the share of
 //!    the model BytePS's Eq. 1 and 2 give it; from the same declaration and cluster map,
 //!    every worker picks the same servers.
-//! 3. The push and pull stages of the [`pipeline`] move each partition to its server and
-//!    back, in the order the scheduler admits them.
+//! 3. The [`pipeline`]'s push stage sends each partition to its server in priority order,
+//!    and that server's receiver reads the sum straight back into the tensor.
 //!
 //! Steps 1 and 2 are pure functions of the declaration, the partition size and the servers;
 //! they run once per declaration, not per iteration.

@@ -1,9 +1,10 @@
-//! The staged pipeline (BytePS §6.1): partitions flow through a push stage and a pull
-//! stage, each with priority queues, with one receiver thread per server in between.
+//! The staged pipeline (BytePS §6.1): partitions go out through a push stage, one thread
+//! and priority queue per server, and each server's sums come back through that server's
+//! receiver thread, which reads them straight into the tensors they belong to.
 //!
 //! ```text
-//!  enqueue --> [push queue s] --push thread s--> server s --receiver s--> [pull queue] --pull thread--> tensor
-//!              by priority, one per server                               by priority  (copy, average)
+//!  enqueue --> [push queue s] --push thread s--> server s --receiver s--> tensor
+//!              by priority                                  (read in place, then / n for Average)
 //! ```
 //!
 //! Pushes of later partitions go out while earlier ones are still being summed and pulled,
@@ -12,7 +13,9 @@
 //! one sending thread all workers would push to the same server at once while the links to
 //! the others idled (incast: that server's ingress at B shared by n-1 senders, each worker's
 //! egress at B/(n-1)). One sender per server keeps every link busy, as BytePS §4.1's
-//! analysis assumes, and each link still sends its most urgent partition first.
+//! analysis assumes, and each link still sends its most urgent partition first. A sum is read from the
+//! socket into the caller's memory directly: no intermediate buffer to allocate or fault
+//! in, and no second pass to copy it, so a sum is touched once (twice when averaged).
 //!
 //! Nothing here waits on other workers before sending: a round completes only once every
 //! worker pushed it, and workers may reach their partitions in different orders, so any
@@ -29,13 +32,12 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
-use sumflow_client::server::{Reply, ServerReceiver, ServerSender};
+use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
 use sumflow_wire::{Dtype, ErrorCode};
 use tracing::{debug, warn};
 
-use crate::average::write_result;
+use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::StageQueue;
@@ -45,7 +47,7 @@ const POLL: Duration = Duration::from_millis(100);
 
 /// A span of the caller's tensor memory.
 ///
-/// The push stage reads it and the pull stage later overwrites it with the result.
+/// The push stage reads it and its server's receiver later overwrites it with the result.
 #[derive(Clone, Copy, Debug)]
 pub struct HostSlice {
     ptr: NonNull<u8>,
@@ -55,7 +57,7 @@ pub struct HostSlice {
 // SAFETY: a HostSlice is only created by `HostSlice::new`, whose caller promises the memory
 // stays valid and untouched by others until the operation has been waited for; the stages
 // touch it only between `Handles::begin_access` and `end_access`, which `wait` outlasts,
-// and each slice from one thread at a time (push, then pull, ordered by the reply).
+// and each slice from one thread at a time (push, then receive, ordered by the reply).
 unsafe impl Send for HostSlice {}
 
 impl HostSlice {
@@ -84,8 +86,9 @@ impl HostSlice {
 
     #[allow(clippy::mut_from_ref)]
     fn bytes_mut(&self) -> &mut [u8] {
-        // SAFETY: see `new`; only the pull stage writes, after the push of this span has
-        // been fully sent (its reply cannot exist before).
+        // SAFETY: see `new`; only the receiver of this span's server writes, once its sum
+        // arrived: the server answers the Pull that the push thread sends after the whole
+        // push, so the push thread has stopped reading the span by then.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
     }
 }
@@ -111,7 +114,6 @@ struct Shared {
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     push_queues: Vec<StageQueue<PartTask>>,
-    pull_queue: StageQueue<(PartTask, Vec<u8>)>,
     stop: AtomicBool,
 }
 
@@ -141,7 +143,6 @@ impl Pipeline {
             server_names: names,
             in_flight: Mutex::new(HashMap::new()),
             handles,
-            pull_queue: StageQueue::default(),
             stop: AtomicBool::new(false),
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -151,14 +152,11 @@ impl Pipeline {
                 .map_err(|e| CommError::Invalid(format!("cannot start a pipeline thread: {e}")))
         };
         let mut threads = Vec::new();
-        let mut recyclers = Vec::new();
         for (s, rx) in receivers.into_iter().enumerate() {
-            let (give, take) = unbounded();
-            recyclers.push(give);
             let sh = Arc::clone(&shared);
             threads.push(spawn(
                 format!("sumflow-recv-{s}"),
-                Box::new(move || receive_loop(&sh, s, rx, take)),
+                Box::new(move || receive_loop(&sh, s, rx)),
             )?);
         }
         for s in 0..shared.senders.len() {
@@ -168,11 +166,6 @@ impl Pipeline {
                 Box::new(move || push_loop(&sh, s)),
             )?);
         }
-        let sh = Arc::clone(&shared);
-        threads.push(spawn(
-            "sumflow-pull".into(),
-            Box::new(move || pull_loop(&sh, recyclers)),
-        )?);
         Ok(Pipeline {
             shared,
             threads: Mutex::new(threads),
@@ -215,7 +208,6 @@ impl Pipeline {
         for q in &self.shared.push_queues {
             q.close();
         }
-        self.shared.pull_queue.close();
         for tx in &self.shared.senders {
             let _ = tx.lock().expect("sender lock").shutdown(reason);
         }
@@ -311,29 +303,11 @@ fn push_loop(sh: &Shared, server: usize) {
     }
 }
 
-fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver, recycled: Receiver<Vec<u8>>) {
+fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver) {
     loop {
-        for buf in recycled.try_iter() {
-            rx.recycle(buf);
-        }
-        match rx.recv() {
-            Ok(Reply::Sum(p)) => {
-                let task = sh.in_flight.lock().expect("in-flight lock").remove(&p.key);
-                match task {
-                    Some(task) if task.round == p.round => {
-                        sh.pull_queue.push(task.priority, (task, p.data));
-                    }
-                    other => {
-                        let why = format!(
-                            "sent the sum of key {} round {} that was not asked for ({other:?})",
-                            p.key, p.round
-                        );
-                        server_lost(sh, server, &why);
-                        return;
-                    }
-                }
-            }
-            Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => {}
+        let received = match rx.recv_header() {
+            Ok(Reply::Sum(head)) => receive_sum(sh, &mut rx, head),
+            Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => Ok(()),
             Err(ClientError::Remote {
                 key: Some(key),
                 code,
@@ -349,31 +323,48 @@ fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver, recycled: Re
                         message: format!("{server_name}: {message}"),
                     });
                 }
+                Ok(())
             }
-            Err(e) => {
-                if !sh.stop.load(Ordering::Acquire) {
-                    server_lost(sh, server, &e.to_string());
-                }
-                debug!(server, "receiver stopping");
-                return;
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(why) = received {
+            if !sh.stop.load(Ordering::Acquire) {
+                server_lost(sh, server, &why);
             }
+            debug!(server, "receiver stopping");
+            return;
         }
     }
 }
 
-fn pull_loop(sh: &Shared, recyclers: Vec<Sender<Vec<u8>>>) {
-    loop {
-        let Some((task, sum)) = sh.pull_queue.pop(POLL) else {
-            if sh.stop.load(Ordering::Acquire) {
-                return;
-            }
-            continue;
-        };
-        // A failed operation's buffer may already be gone: never write into it.
-        if sh.handles.begin_access(task.handle) {
-            write_result(task.dtype, task.data.bytes_mut(), &sum, task.divisor);
-            sh.handles.end_access(task.handle, Some(task.key));
+/// Reads a sum straight into its partition of the caller's tensor, averages it there if
+/// asked, and marks the partition done. An error is why the server must be given up.
+fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<(), String> {
+    let task = sh
+        .in_flight
+        .lock()
+        .expect("in-flight lock")
+        .remove(&head.key);
+    let task = match task {
+        Some(task) if task.round == head.round => task,
+        other => {
+            return Err(format!(
+                "sent the sum of key {} round {} that was not asked for ({other:?})",
+                head.key, head.round
+            ))
         }
-        let _ = recyclers[task.server].send(sum);
+    };
+    // A failed operation's buffer may already be gone: never write into it.
+    if !sh.handles.begin_access(task.handle) {
+        return rx.skip_sum().map_err(|e| e.to_string());
     }
+    let dst = task.data.bytes_mut();
+    let read = rx.read_sum(dst);
+    if read.is_ok() {
+        scale_in_place(task.dtype, dst, task.divisor);
+    }
+    // A partition left half-read is not done: losing the server fails its operation.
+    sh.handles
+        .end_access(task.handle, read.is_ok().then_some(task.key));
+    read.map_err(|e| format!("sum of key {}: {e}", head.key))
 }

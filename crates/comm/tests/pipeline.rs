@@ -189,3 +189,48 @@ fn a_stuck_round_times_out_naming_the_tensor_and_server() {
         s.wait();
     }
 }
+
+#[test]
+fn the_sum_of_a_failed_operation_is_skipped_and_its_tensor_left_alone() {
+    let srv = servers(2, 1);
+    let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
+    let wk = Worker::new(&addrs, 0, 1000);
+    let opts = ServerOptions {
+        reply_timeout: Some(Duration::from_secs(10)),
+        ..ServerOptions::default()
+    };
+    let mut other = ServerClient::connect(&addrs[0], &token(), 1, "w1", &opts).unwrap();
+    let twos: Vec<u8> = [2.0f32; 10].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let mut sum_with_other = |tensor: u64| {
+        other.init_key(tensor << 32, Dtype::F32, 40, None).unwrap();
+        other.push_pull(tensor << 32, 1, Dtype::F32, &twos).unwrap();
+    };
+    // Tensor 1 is more urgent than tensor 0, so once tensor 0's round completed,
+    // tensor 1's push has gone out too.
+    let mut failed = vec![1.0f32; 10];
+    let mut probe = vec![1.0f32; 10];
+    let h = wk.push_pull(1, &mut failed, 1, None);
+    let h0 = wk.push_pull(0, &mut probe, 1, None);
+    sum_with_other(0);
+    wk.wait(h0, Duration::from_secs(10)).unwrap();
+    wk.handles
+        .fail(h, |t| CommError::Invalid(format!("{t} given up")));
+    assert!(wk.wait(h, Duration::from_secs(10)).is_err());
+    // Tensor 1's sum arrives after its operation failed: it must not be written anywhere,
+    // and the receiver goes on to deliver later sums.
+    sum_with_other(1);
+    let mut later = vec![3.0f32; 10];
+    let h2 = wk.push_pull(2, &mut later, 1, None);
+    sum_with_other(2);
+    wk.wait(h2, Duration::from_secs(10)).unwrap();
+    assert_eq!(later, [5.0; 10]);
+    assert_eq!(
+        failed, [1.0; 10],
+        "a failed operation's tensor is never written"
+    );
+    wk.pipeline.shutdown("test done");
+    for s in srv {
+        s.shutdown();
+        s.wait();
+    }
+}

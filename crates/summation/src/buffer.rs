@@ -70,17 +70,18 @@ impl AlignedBuf {
         self.cap
     }
 
-    /// Set the length, reusing the allocation when capacity suffices (bytes
-    /// beyond the old length keep whatever they held, always initialised), else
-    /// reallocating zeroed. The first `min(old, new)` bytes are kept either way.
-    pub fn set_len(&mut self, len: usize) {
-        if len <= self.cap {
-            self.len = len;
-            return;
+    /// Readies the buffer to be overwritten with `len` bytes. The allocation is reused
+    /// when its capacity suffices; otherwise it is replaced by a fresh one of `len`
+    /// bytes, and the old bytes are not copied over: callers (receive buffers) overwrite
+    /// every byte anyway, so copying them would only fault in pages for nothing. Either
+    /// way the contents are unspecified afterwards (but initialised).
+    pub fn reuse_for(&mut self, len: usize) {
+        if len > self.cap {
+            // Freed before allocating, so peak memory is one buffer, not two.
+            drop(std::mem::take(self));
+            *self = AlignedBuf::zeroed(len);
         }
-        let mut grown = AlignedBuf::zeroed(len);
-        grown[..self.len].copy_from_slice(self);
-        *self = grown;
+        self.len = len;
     }
 }
 
@@ -163,33 +164,34 @@ mod tests {
         assert_eq!(b.capacity(), 0);
         assert_eq!(&*b, &[] as &[u8]);
         assert_eq!(b.as_ptr() as usize % PAGE, 0);
-        b.set_len(0);
+        b.reuse_for(0);
         assert!(b.is_empty());
-        b.set_len(10);
-        assert_eq!(&*b, &[0u8; 10]);
+        assert_eq!(b.capacity(), 0);
+        b.reuse_for(10);
+        assert_eq!(b.len(), 10);
     }
 
     #[test]
-    fn set_len_keeps_contents() {
-        let mut b = AlignedBuf::zeroed(100);
-        for (i, x) in b.iter_mut().enumerate() {
-            *x = i as u8;
+    fn reuse_within_capacity_keeps_the_allocation() {
+        let mut b = AlignedBuf::zeroed(3 * PAGE);
+        let (ptr, cap) = (b.as_ptr(), b.capacity());
+        for len in [10, 3 * PAGE, 1, 2 * PAGE + 7, 0, cap] {
+            b.reuse_for(len);
+            assert_eq!((b.len(), b.capacity(), b.as_ptr()), (len, cap, ptr));
         }
-        let cap = b.capacity();
+    }
 
-        // Shrinking and regrowing within capacity reuses the bytes as they were.
-        b.set_len(10);
-        assert_eq!(b.capacity(), cap);
-        assert_eq!(&*b, &(0..10).collect::<Vec<u8>>()[..]);
-        b.set_len(100);
-        assert_eq!(&*b, &(0..100).collect::<Vec<u8>>()[..]);
-
-        // Growing past capacity reallocates, keeps the prefix and zeroes the rest.
-        b.set_len(cap + 1);
-        assert!(b.capacity() > cap);
+    #[test]
+    fn reuse_beyond_capacity_reallocates_once() {
+        let mut b = AlignedBuf::zeroed(100);
+        b.reuse_for(5 * PAGE);
+        assert_eq!(b.len(), 5 * PAGE);
+        assert!(b.capacity() >= 5 * PAGE);
         assert_eq!(b.as_ptr() as usize % PAGE, 0);
-        assert_eq!(&b[..100], &(0..100).collect::<Vec<u8>>()[..]);
-        assert!(b[100..].iter().all(|&x| x == 0));
+        let ptr = b.as_ptr();
+        b.reuse_for(PAGE);
+        b.reuse_for(5 * PAGE);
+        assert_eq!(b.as_ptr(), ptr, "once sized, it never reallocates");
     }
 
     #[test]

@@ -7,7 +7,9 @@
 //! are rounded once, there); pushes still staged at the end of a batch are folded into the
 //! accumulator. Either way each pushed byte is read once, and the first push of a round is
 //! never added to zeros: it is copied, or, where its bytes already have the accumulator's
-//! layout, its receive buffer is adopted outright and the old buffer given to the pool.
+//! layout and the accumulator's allocation is at least as large as the receive buffer's,
+//! its receive buffer is adopted outright and the old buffer given to the pool (so pool
+//! buffers never shrink and never need regrowing: see `pool.rs`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -199,10 +201,13 @@ impl Engine {
                 continue; // the round completed within the batch
             }
             let same_width = k.meta.dtype.accumulator() == k.meta.dtype;
-            if !k.acc_live && k.staged.len() == 1 && same_width {
-                // The round's first push becomes the accumulator: zero-copy (PHub).
-                k.staged[0].swap_with(&mut k.acc);
-            } else {
+            // The round's first push becomes the accumulator: zero-copy (PHub), where the
+            // pool's buffer can be traded for the accumulator's without shrinking.
+            let adopted = !k.acc_live
+                && k.staged.len() == 1
+                && same_width
+                && k.staged[0].try_swap_with(&mut k.acc);
+            if !adopted {
                 let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
                 self.reducer
                     .accumulate(k.meta.dtype, &mut k.acc, !k.acc_live, &srcs);
@@ -220,10 +225,10 @@ fn complete_round(reducer: &Reducer, key: u64, k: &mut KeyState) {
     // reuse unless a connection writer is still sending it.
     let mut out =
         Arc::try_unwrap(previous).unwrap_or_else(|_| AlignedBuf::zeroed(k.meta.byte_len as usize));
-    if !k.acc_live && k.staged.len() == 1 {
-        // A round of one push (a single-worker job) is its own sum: adopt it, no copy.
-        k.staged[0].swap_with(&mut out);
-    } else {
+    // A round of one push (a single-worker job) is its own sum: adopt it, no copy, where
+    // the pool's buffer can be traded for the sum's without shrinking.
+    let adopted = !k.acc_live && k.staged.len() == 1 && k.staged[0].try_swap_with(&mut out);
+    if !adopted {
         let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
         let acc = k.acc_live.then_some(&k.acc[..]);
         reducer.reduce_into(k.meta.dtype, acc, &srcs, &mut out);
@@ -371,6 +376,31 @@ mod tests {
         }
         e.pull(1, 2, 2, tx.clone());
         assert_eq!(sum_of(&rx), vec![6, 0, 0]);
+    }
+
+    #[test]
+    fn small_keys_copy_rather_than_shrink_pool_buffers() {
+        let pool = BufferPool::new(1);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.init(2, meta(Dtype::I32, 2048), None);
+        let big: Vec<i32> = (0..2048).collect();
+        let home = |pool: &BufferPool| {
+            let b = pool.take(0, Duration::from_millis(1), || false).unwrap();
+            b.as_ptr()
+        };
+        e.push(2, 1, 0, data(&pool, &big), &tx);
+        e.fold_staged(); // adopted: the pool now holds key 2's old accumulator
+        let pooled = home(&pool);
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.fold_staged(); // copied: key 1's one-page accumulator stays with key 1
+        assert_eq!(home(&pool), pooled, "the pool kept its two-page buffer");
+        e.push(1, 1, 1, data(&pool, &[10, 20, 30]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![11, 22, 33]);
+        e.push(2, 1, 1, data(&pool, &big), &tx);
+        e.pull(2, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), big.iter().map(|v| 2 * v).collect::<Vec<_>>());
     }
 
     #[test]

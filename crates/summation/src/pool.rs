@@ -4,6 +4,11 @@
 //! once summed, which sends it home. With every buffer in flight the reader stops reading,
 //! and TCP flow control stalls the worker: server memory stays bounded whatever a worker
 //! sends.
+//!
+//! Buffers are sized on demand and never shrink: a buffer grows (once) to the largest push
+//! it has carried, and swaps with key buffers only ever hand it one at least as large. So
+//! once a connection has seen its largest partition, receiving allocates nothing and
+//! faults in no fresh pages.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -38,7 +43,7 @@ impl BufferPool {
         loop {
             match self.free.recv_timeout(poll) {
                 Ok(mut buf) => {
-                    buf.set_len(len);
+                    buf.reuse_for(len);
                     return Some(PooledBuf {
                         buf: Some(buf),
                         home: self.home.clone(),
@@ -58,16 +63,25 @@ pub struct PooledBuf {
 }
 
 impl PooledBuf {
-    /// Exchanges contents with `other` (of equal length) without copying: the received
-    /// push becomes the key's buffer, and the key's old buffer goes back to the pool.
-    pub fn swap_with(&mut self, other: &mut AlignedBuf) {
+    /// Exchanges contents with `other` (of equal length) without copying, when that keeps
+    /// the pool's buffer at least as large: the received push becomes the key's buffer,
+    /// and the key's old buffer goes back to the pool. Returns false, changing nothing,
+    /// when `other`'s allocation is smaller; the caller copies instead. (Trading a large
+    /// pool buffer for a small key buffer would make the pool regrow it, zeroed, for the
+    /// next large push: a copy is much cheaper than fresh pages.)
+    #[must_use]
+    pub fn try_swap_with(&mut self, other: &mut AlignedBuf) -> bool {
         let mine = self.buf.as_mut().expect("present until drop");
         assert_eq!(
             mine.len(),
             other.len(),
             "swapped buffers must be equally long"
         );
+        if other.capacity() < mine.capacity() {
+            return false;
+        }
         std::mem::swap(mine, other);
+        true
     }
 }
 
@@ -96,6 +110,7 @@ impl Drop for PooledBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::buffer::PAGE;
 
     #[test]
     fn buffers_come_home_when_dropped() {
@@ -116,10 +131,44 @@ mod tests {
         received.copy_from_slice(&[7; 8]);
         let mut kept = AlignedBuf::zeroed(8);
         kept.copy_from_slice(&[1; 8]);
-        received.swap_with(&mut kept);
+        assert!(received.try_swap_with(&mut kept));
         assert_eq!(&kept[..], &[7; 8]);
         drop(received);
         let back = pool.take(8, Duration::from_millis(1), || false).unwrap();
         assert_eq!(&back[..], &[1; 8], "the pool got the key's old buffer");
+    }
+
+    #[test]
+    fn a_smaller_key_buffer_is_not_swapped_in() {
+        let pool = BufferPool::new(1);
+        drop(
+            pool.take(4 * PAGE, Duration::from_millis(1), || false)
+                .unwrap(),
+        );
+        let mut received = pool.take(8, Duration::from_millis(1), || false).unwrap();
+        received.copy_from_slice(&[7; 8]);
+        let mut small = AlignedBuf::zeroed(8);
+        assert!(!received.try_swap_with(&mut small));
+        assert_eq!((&received[..], &small[..]), (&[7u8; 8][..], &[0u8; 8][..]));
+    }
+
+    #[test]
+    fn buffers_reused_across_sizes_never_reallocate_once_sized() {
+        let pool = BufferPool::new(1);
+        let first = pool
+            .take(3 * PAGE, Duration::from_millis(1), || false)
+            .unwrap();
+        let ptr = first.as_ptr();
+        drop(first);
+        for (i, len) in [1, 3 * PAGE, 2 * PAGE + 5, 100, 3 * PAGE - 1]
+            .into_iter()
+            .enumerate()
+        {
+            let mut b = pool.take(len, Duration::from_millis(1), || false).unwrap();
+            assert_eq!((b.len(), b.as_ptr()), (len, ptr), "take {i}");
+            let pattern: Vec<u8> = (0..len).map(|j| (i + j) as u8).collect();
+            b.copy_from_slice(&pattern);
+            assert_eq!(&b[..], &pattern[..], "exact contents at {len} bytes");
+        }
     }
 }

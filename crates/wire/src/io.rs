@@ -75,6 +75,11 @@ impl<R: Read> FrameReader<R> {
         })
     }
 
+    /// Payload bytes of the current frame not yet read or skipped.
+    pub fn pending_payload(&self) -> usize {
+        self.pending_payload
+    }
+
     /// Reads the current frame's payload into `buf`, whose length must equal it.
     pub fn read_payload(&mut self, buf: &mut [u8]) -> Result<(), WireError> {
         assert_eq!(buf.len(), self.pending_payload, "payload length mismatch");
