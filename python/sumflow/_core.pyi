@@ -65,6 +65,7 @@ class CommunicationService:
         rank: int | None = None,
         name: str | None = None,
         partition_bytes: int = 4194304,
+        push_window_bytes: int | None = None,
         join_timeout: float = 300.0,
         declare_timeout: float = 300.0,
         connect_timeout: float = 60.0,
@@ -77,7 +78,10 @@ class CommunicationService:
         ``host_id`` names this worker's machine: workers with the same one share its
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
         other nodes' error messages. Tensors are cut into partitions of at most
-        ``partition_bytes``.
+        ``partition_bytes``. At most ``push_window_bytes`` (default: 4 partitions; 0:
+        unbounded) may be pushed to one server before their sums come back, which keeps
+        the workers' pushes to a server in step so its sums stream back while pushes go
+        out.
         """
 
     @property

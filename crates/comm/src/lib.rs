@@ -28,6 +28,7 @@ pub mod placement;
 mod queue;
 mod scatter;
 pub mod service;
+mod window;
 
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, ReduceOp};

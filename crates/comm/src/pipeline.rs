@@ -30,7 +30,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
@@ -41,9 +41,14 @@ use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::StageQueue;
+use crate::window::PushWindow;
 
 /// How often idle stage threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
+
+/// How long a full push window waits without any sum coming back before it lets one more
+/// partition out (only workers that disagree on priorities ever need it).
+const WINDOW_STALL: Duration = Duration::from_millis(200);
 
 /// A span of the caller's tensor memory.
 ///
@@ -107,6 +112,13 @@ pub struct PartTask {
     pub divisor: Option<u32>,
 }
 
+impl PartTask {
+    /// Its place in the sending order, the same on every worker.
+    fn order(&self) -> (i64, u64) {
+        (self.priority, self.key)
+    }
+}
+
 struct Shared {
     senders: Vec<Mutex<ServerSender>>,
     server_names: Vec<String>,
@@ -114,6 +126,7 @@ struct Shared {
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     push_queues: Vec<StageQueue<PartTask>>,
+    windows: Vec<Mutex<PushWindow>>,
     stop: AtomicBool,
 }
 
@@ -123,10 +136,12 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts the stage threads over one connection per server.
+    /// Starts the stage threads over one connection per server; each server's push window
+    /// holds `window_bytes` (see [`crate::window`]; 0: unbounded).
     pub fn start(
         links: Vec<(String, ServerSender, ServerReceiver)>,
         handles: Arc<Handles>,
+        window_bytes: u64,
     ) -> Result<Pipeline, CommError> {
         let mut senders = Vec::new();
         let mut receivers = Vec::new();
@@ -139,6 +154,10 @@ impl Pipeline {
         let shared = Arc::new(Shared {
             dead: names.iter().map(|_| Mutex::new(None)).collect(),
             push_queues: names.iter().map(|_| StageQueue::default()).collect(),
+            windows: names
+                .iter()
+                .map(|_| Mutex::new(PushWindow::new(window_bytes, WINDOW_STALL, Instant::now())))
+                .collect(),
             senders,
             server_names: names,
             in_flight: Mutex::new(HashMap::new()),
@@ -191,7 +210,7 @@ impl Pipeline {
                 .fail(task.handle, |t| lost(t, &name, &why));
             return;
         }
-        self.shared.push_queues[task.server].push(task.priority, task);
+        self.shared.push_queues[task.server].push(task.order(), task);
     }
 
     /// The name of a server, for messages.
@@ -258,11 +277,25 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     sh.handles.fail_all(Some(server), |t| lost(t, name, why));
 }
 
-/// Sends the partitions queued for `server`, most urgent first.
+/// Sends the partitions queued for `server`, most urgent first, as its window allows.
 fn push_loop(sh: &Shared, server: usize) {
     let mut initialised: HashSet<u64> = HashSet::new();
+    let window = &sh.windows[server];
     while !sh.stop.load(Ordering::Acquire) {
-        let Some(task) = sh.push_queues[server].pop(POLL) else {
+        let wait = {
+            let w = window.lock().expect("window lock");
+            if w.bytes() == 0 {
+                POLL
+            } else {
+                w.until_stall(Instant::now())
+                    .clamp(Duration::from_millis(1), POLL)
+            }
+        };
+        let popped = sh.push_queues[server].pop_when(wait, |order, task| {
+            let w = window.lock().expect("window lock");
+            w.may_send(order, task.data.len as u64, Instant::now())
+        });
+        let Some(task) = popped else {
             continue;
         };
         // A failed operation's buffer may already be gone: drop its remaining partitions.
@@ -270,14 +303,14 @@ fn push_loop(sh: &Shared, server: usize) {
             continue;
         }
         debug_assert_eq!(task.server, server);
-        let (key, round, dtype, len, handle) = (
-            task.key,
-            task.round,
-            task.dtype,
-            task.data.len,
-            task.handle,
-        );
+        let (key, round, dtype, len, handle) =
+            (task.key, task.round, task.dtype, task.data.len, task.handle);
         let data = task.data;
+        let order = task.order();
+        window
+            .lock()
+            .expect("window lock")
+            .sent(order, len as u64, Instant::now());
         // Registered before the frames go out: the reply may beat this thread back.
         sh.in_flight
             .lock()
@@ -306,7 +339,7 @@ fn push_loop(sh: &Shared, server: usize) {
 fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver) {
     loop {
         let received = match rx.recv_header() {
-            Ok(Reply::Sum(head)) => receive_sum(sh, &mut rx, head),
+            Ok(Reply::Sum(head)) => receive_sum(sh, server, &mut rx, head),
             Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => Ok(()),
             Err(ClientError::Remote {
                 key: Some(key),
@@ -316,6 +349,7 @@ fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver) {
             }) => {
                 let task = sh.in_flight.lock().expect("in-flight lock").remove(&key);
                 if let Some(task) = task {
+                    window_freed(sh, server, &task);
                     let server_name = sh.server_names[server].clone();
                     sh.handles.fail(task.handle, |t| CommError::Failed {
                         tensor: t.to_string(),
@@ -337,9 +371,24 @@ fn receive_loop(sh: &Shared, server: usize, mut rx: ServerReceiver) {
     }
 }
 
+/// A partition's sum is back (or it failed): its bytes leave `server`'s window, which may
+/// let the push thread send the next one.
+fn window_freed(sh: &Shared, server: usize, task: &PartTask) {
+    sh.windows[server]
+        .lock()
+        .expect("window lock")
+        .finished(task.order(), Instant::now());
+    sh.push_queues[server].notify();
+}
+
 /// Reads a sum straight into its partition of the caller's tensor, averages it there if
 /// asked, and marks the partition done. An error is why the server must be given up.
-fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<(), String> {
+fn receive_sum(
+    sh: &Shared,
+    server: usize,
+    rx: &mut ServerReceiver,
+    head: SumHeader,
+) -> Result<(), String> {
     let task = sh
         .in_flight
         .lock()
@@ -354,6 +403,7 @@ fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<
             ))
         }
     };
+    window_freed(sh, server, &task);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
         return rx.skip_sum().map_err(|e| e.to_string());

@@ -23,6 +23,10 @@ const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
 /// How long a failed wait looks for a job-fatal error that may explain the failure.
 const JOB_ERROR_GRACE: Duration = Duration::from_millis(300);
 
+/// Partitions per server in flight by default: enough to cover a sum's round trip while
+/// keeping workers within a few partitions of each other.
+const DEFAULT_WINDOW_PARTITIONS: u64 = 4;
+
 /// How a worker joins its job.
 #[derive(Clone, Debug)]
 pub struct CommConfig {
@@ -36,6 +40,9 @@ pub struct CommConfig {
     /// Machine identity: workers with the same one share a machine and its colocated server.
     pub host_id: String,
     pub partition_bytes: u64,
+    /// Bytes a worker may have pushed to one server whose sums have not come back yet
+    /// (see the pipeline's push window); `None`: 4 partitions; 0: unbounded.
+    pub push_window_bytes: Option<u64>,
     pub join_timeout: Duration,
     /// Longest wait for the coordinator to answer a declaration.
     pub declare_timeout: Duration,
@@ -52,6 +59,7 @@ impl CommConfig {
             name: format!("worker pid {}", std::process::id()),
             host_id: host_id.to_string(),
             partition_bytes: DEFAULT_PARTITION_BYTES,
+            push_window_bytes: None,
             join_timeout: Duration::from_secs(300),
             declare_timeout: Duration::from_secs(300),
             coordinator_options: CoordinatorOptions::default(),
@@ -131,7 +139,11 @@ impl CommunicationService {
             links.push((format!("server {} ({})", s.rank, s.addr()), c.tx, c.rx));
         }
         let handles = Arc::new(Handles::default());
-        let pipeline = Pipeline::start(links, Arc::clone(&handles))?;
+        let window = cfg.push_window_bytes.unwrap_or(
+            cfg.partition_bytes
+                .saturating_mul(DEFAULT_WINDOW_PARTITIONS),
+        );
+        let pipeline = Pipeline::start(links, Arc::clone(&handles), window)?;
         let local = local_rank(&map, job.rank());
         info!(
             rank = job.rank(),

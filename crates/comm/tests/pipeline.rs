@@ -34,7 +34,9 @@ fn pipeline(servers: &[String], rank: u32, handles: Arc<Handles>) -> Pipeline {
             (format!("server at {addr}"), c.tx, c.rx)
         })
         .collect();
-    Pipeline::start(links, handles).unwrap()
+    // A one-byte window: one partition in flight per server unless a more urgent one comes,
+    // so every test also exercises the window.
+    Pipeline::start(links, handles, 1).unwrap()
 }
 
 /// A worker's view in these tests: its pipeline, and how tensors are cut and placed.

@@ -71,6 +71,13 @@ class Collective:
     def sum_small(self, tensor: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def describe(self) -> list[str]:
+        """Lines about how the work is spread (sumflow: bytes per server)."""
+        return []
+
+    def declare(self, tensors: list[torch.Tensor]) -> None:
+        """Announces the tensors before the first round (sumflow places them together)."""
+
     def close(self) -> None:
         pass
 
@@ -82,6 +89,16 @@ class SumflowCollective(Collective):
         self.sf = sf
         sf.init()
         self.rank, self.size = sf.rank(), sf.size()
+
+    def describe(self) -> list[str]:
+        from sumflow.torch import _runtime
+
+        return list(_runtime.current().service.placement_report())
+
+    def declare(self, tensors: list[torch.Tensor]) -> None:
+        self.sf.declare_tensors(
+            [(f"goodput.{i}", t) for i, t in enumerate(tensors)], api="push_pull"
+        )
 
     def sum_all(self, tensors: list[torch.Tensor]) -> None:
         handles = [
@@ -141,6 +158,7 @@ def make_tensors(megabytes: float, count: int) -> list[torch.Tensor]:
 def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, object] | None:
     coll = make()
     tensors = make_tensors(args.megabytes, args.tensors)
+    coll.declare(tensors)
     nbytes = sum(t.numel() * 4 for t in tensors)
     expected = coll.size * (coll.size + 1) / 2
     times: list[float] = []
@@ -156,6 +174,9 @@ def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, o
         coll.sum_all(tensors)
         elapsed = time.perf_counter() - start
         if r == 0:
+            if coll.rank == 0:
+                for line in coll.describe():
+                    print(f"{args.system}: {line}", file=sys.stderr, flush=True)
             for i, t in enumerate(tensors):
                 if not bool((t == expected).all()):
                     raise SystemExit(

@@ -246,6 +246,7 @@ def init() -> Runtime:
                 rank=rank,
                 name=os.environ.get("SUMFLOW_WORKER_NAME") or f"worker pid {os.getpid()}",
                 partition_bytes=_env_int("SUMFLOW_PARTITION_BYTES") or 4 << 20,
+                push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
                 join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),
                 heartbeat_timeout=_env_float("SUMFLOW_HEARTBEAT_TIMEOUT", 10.0),
             )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import itertools
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -128,6 +129,18 @@ def declare_group(named: list[tuple[str, torch.Tensor]]) -> list[int]:
             for (n, t), tid in zip(fresh, ids):
                 _declared[n] = (tid, t.dtype, t.numel())
     return [declare(n, t) for n, t in named]
+
+
+def declare_tensors(named: Sequence[tuple[str, torch.Tensor]], *, api: str = "allreduce") -> None:
+    """Declares tensors you will sum under these names with ``allreduce*`` (``api=
+    "allreduce"``) or ``push_pull*`` (``api="push_pull"``), all at once, so their
+    partitions are placed over the summation servers together by BytePS's Eq. 1 and 2, as
+    ``DistributedOptimizer`` does for a model. Tensors first seen by a sum one at a time
+    are placed one at a time, which balances the servers less well. Every worker must
+    declare the same tensors; names already declared keep their placement."""
+    if api not in ("allreduce", "push_pull"):
+        raise ValueError(f"api must be 'allreduce' or 'push_pull', not {api!r}")
+    declare_group([(_auto_name(api, name), tensor) for name, tensor in named])
 
 
 def _issue(
