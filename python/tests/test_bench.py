@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from sumflow.bench import cluster, cpu, netns, report, theory
+from sumflow.bench import cluster, cpu, jobs, netns, report, theory
 
 GB = 1e9
 
@@ -196,6 +196,23 @@ def test_plots_are_written(tmp_path: Path) -> None:
     report.plot_training(results, tmp_path / "t.png")
     for name in ("g.png", "t.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_jobs_fail_with_the_reason_and_the_last_lines(tmp_path: Path) -> None:
+    env = {"PATH": "/usr/bin:/bin"}
+    ok = jobs._run("ok", [("[a] ", ["sh", "-c", "echo fine"], env)], tmp_path / "ok.log", 10)
+    assert ok.seconds < 10
+    assert (tmp_path / "ok.log").read_text() == "[a] fine\n"
+    failing = [
+        ("[a] ", ["sh", "-c", "echo about to fail; exit 3"], env),
+        ("[b] ", ["sleep", "30"], env),
+    ]
+    with pytest.raises(jobs.JobFailed, match="exited with status 3") as e:
+        jobs._run("job x", failing, tmp_path / "x.log", 20)
+    assert "[a] about to fail" in str(e.value)
+    assert e.value.args[0].startswith("job x")
+    with pytest.raises(jobs.JobFailed, match=r"ran past its 0\.5 s limit"):
+        jobs._run("slow", [("", ["sleep", "30"], env)], tmp_path / "s.log", 0.5)
 
 
 # ----------------------------------------------------------------------------------------
