@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gp.add_argument(
         "--partition-bytes",
         type=int,
-        default=256 << 10,
+        default=128 << 10,
         help="sumflow's partition size for goodput (scaled down from BytePS's 4 MB with the "
         "link rate, see docs/benchmarks.md)",
     )
