@@ -41,7 +41,7 @@ impl BufferPool {
 
     /// Notes that pushes of `len` bytes may come (a key was declared), so that a buffer
     /// grows once to the largest size rather than once per larger size it meets.
-    pub fn expect(&mut self, len: usize) {
+    pub fn note_key(&mut self, len: usize) {
         self.largest = self.largest.max(len);
     }
 
@@ -147,8 +147,8 @@ mod tests {
     #[test]
     fn a_growing_buffer_grows_to_the_largest_expected_push_at_once() {
         let mut pool = BufferPool::new(1);
-        pool.expect(3 * PAGE);
-        pool.expect(PAGE);
+        pool.note_key(3 * PAGE);
+        pool.note_key(PAGE);
         let small = pool.take(10, Duration::from_millis(1), || false).unwrap();
         assert_eq!(small.len(), 10);
         let ptr = small.as_ptr();
@@ -159,7 +159,7 @@ mod tests {
         assert_eq!((b.len(), b.as_ptr()), (3 * PAGE, ptr), "no second growth");
         drop(b);
         // A key declared later: a buffer grows to it when next taken, even for a small push.
-        pool.expect(5 * PAGE);
+        pool.note_key(5 * PAGE);
         let b = pool.take(10, Duration::from_millis(1), || false).unwrap();
         let grown = b.as_ptr();
         drop(b);
