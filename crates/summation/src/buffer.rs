@@ -1,9 +1,10 @@
 //! Page-aligned, zero-initialised byte buffers for accumulators, results and
 //! receive buffers.
 //!
-//! Page alignment keeps every SIMD load of a key's data inside one page and lets
-//! large buffers come straight from the kernel's zero pages, so a fresh 64 MB
-//! accumulator costs no memset.
+//! Page alignment keeps every SIMD load of a key's data inside one page. Zeroing is
+//! not free: for an alignment above malloc's, `alloc_zeroed` is an aligned allocation
+//! plus a memset (not calloc), which also faults in every page at once. Buffers are
+//! therefore allocated once and reused (see [`AlignedBuf::reuse_for`]), not per round.
 
 use std::alloc::{self, Layout};
 use std::fmt;

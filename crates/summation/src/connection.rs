@@ -262,6 +262,7 @@ impl Connection<'_> {
         };
         match declared {
             Ok(_) => {
+                self.pool.note_key(byte_len as usize);
                 let _ = self.tx.send(Outgoing::Message(Message::InitAck { key }));
                 Ok(())
             }

@@ -5,10 +5,11 @@
 //! and TCP flow control stalls the worker: server memory stays bounded whatever a worker
 //! sends.
 //!
-//! Buffers are sized on demand and never shrink: a buffer grows (once) to the largest push
-//! it has carried, and swaps with key buffers only ever hand it one at least as large. So
-//! once a connection has seen its largest partition, receiving allocates nothing and
-//! faults in no fresh pages.
+//! Buffers are sized on demand and never shrink: a buffer smaller than the largest key its
+//! worker has declared grows to that size when next taken (not step by step through the
+//! sizes it meets), and swaps with key buffers only ever hand it one at least as large. So
+//! once a worker has declared its keys and each buffer has been taken once more, receiving
+//! its pushes allocates nothing and faults in no fresh pages.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -20,6 +21,8 @@ use crate::buffer::AlignedBuf;
 pub struct BufferPool {
     home: Sender<AlignedBuf>,
     free: Receiver<AlignedBuf>,
+    /// The largest payload expected: the size a buffer that must grow grows to.
+    largest: usize,
 }
 
 impl BufferPool {
@@ -29,7 +32,17 @@ impl BufferPool {
         for _ in 0..depth {
             home.send(AlignedBuf::zeroed(0)).expect("pool has room");
         }
-        BufferPool { home, free }
+        BufferPool {
+            home,
+            free,
+            largest: 0,
+        }
+    }
+
+    /// Notes that pushes of `len` bytes may come (a key was declared), so that a buffer
+    /// grows once to the largest size rather than once per larger size it meets.
+    pub fn note_key(&mut self, len: usize) {
+        self.largest = self.largest.max(len);
     }
 
     /// Takes a buffer of `len` bytes, waiting while all are in flight. Gives up (returns
@@ -43,6 +56,13 @@ impl BufferPool {
         loop {
             match self.free.recv_timeout(poll) {
                 Ok(mut buf) => {
+                    // Grown to the largest expected push at once, whatever this push's
+                    // size, so that each buffer is reallocated once after the keys are
+                    // declared, not whenever a large push first happens to land in it.
+                    let want = self.largest.max(len);
+                    if buf.capacity() < want {
+                        buf.reuse_for(want);
+                    }
                     buf.reuse_for(len);
                     return Some(PooledBuf {
                         buf: Some(buf),
@@ -122,6 +142,33 @@ mod tests {
         drop(a);
         let c = pool.take(30, Duration::from_millis(1), || false).unwrap();
         assert_eq!(c.len(), 30);
+    }
+
+    #[test]
+    fn a_growing_buffer_grows_to_the_largest_expected_push_at_once() {
+        let mut pool = BufferPool::new(1);
+        pool.note_key(3 * PAGE);
+        pool.note_key(PAGE);
+        let small = pool.take(10, Duration::from_millis(1), || false).unwrap();
+        assert_eq!(small.len(), 10);
+        let ptr = small.as_ptr();
+        drop(small);
+        let b = pool
+            .take(3 * PAGE, Duration::from_millis(1), || false)
+            .unwrap();
+        assert_eq!((b.len(), b.as_ptr()), (3 * PAGE, ptr), "no second growth");
+        drop(b);
+        // A key declared later: a buffer grows to it when next taken, even for a small push.
+        pool.note_key(5 * PAGE);
+        let b = pool.take(10, Duration::from_millis(1), || false).unwrap();
+        let grown = b.as_ptr();
+        drop(b);
+        let b = pool.take(5 * PAGE, Duration::from_millis(1), || false);
+        assert_eq!(
+            b.unwrap().as_ptr(),
+            grown,
+            "already sized for the largest key"
+        );
     }
 
     #[test]
