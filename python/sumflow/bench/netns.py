@@ -409,13 +409,6 @@ class EmulatedCluster:
         """``argv`` run inside the namespace named ``namespace``."""
         return ["ip", "netns", "exec", namespace, *argv]
 
-    def host_by_address(self, address: str) -> EmulatedHost:
-        """The host with ``address``; ClusterError if there is none."""
-        for host in self.hosts:
-            if host.address == address:
-                return host
-        raise ClusterError(f"{address} is not an emulated host")
-
     def ssh_command(self) -> str:
         """A stand-in for ssh for ``sumflow-run --ssh``: ``CMD HOST COMMAND`` runs
         COMMAND with ``sh -c`` inside the namespace of the host whose address is HOST,
@@ -435,23 +428,6 @@ class EmulatedCluster:
         )
         path.chmod(0o755)
         return str(path)
-
-    def link_counters(self) -> dict[str, tuple[int, int]]:
-        """Bytes each host sent and received on its link so far, by address."""
-        counters = {}
-        for host in self.hosts:
-            base = Path("/sys/class/net/eth0/statistics")
-            read = subprocess.run(
-                self.command(host, ["cat", str(base / "tx_bytes"), str(base / "rx_bytes")]),
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            words = read.stdout.split()
-            if read.returncode != 0 or len(words) != 2:
-                raise ClusterError(f"cannot read {host.address}'s link counters: {read.stderr}")
-            counters[host.address] = (int(words[0]), int(words[1]))
-        return counters
 
 
 @contextlib.contextmanager
