@@ -66,6 +66,7 @@ class CommunicationService:
         name: str | None = None,
         partition_bytes: int = 4194304,
         push_window_bytes: int | None = None,
+        connections_per_cpu_server: int | None = None,
         join_timeout: float = 300.0,
         declare_timeout: float = 300.0,
         connect_timeout: float = 60.0,
@@ -81,7 +82,11 @@ class CommunicationService:
         ``partition_bytes``. At most ``push_window_bytes`` (default: 4 partitions; 0:
         unbounded) may be pushed to one server before their sums come back, which keeps
         the workers' pushes to a server in step so its sums stream back while pushes go
-        out.
+        out. ``connections_per_cpu_server`` (1 to 16; default: round(c/g) of BytePS's
+        Eq. 1 and 2, at most 8) connections go to each CPU-only server, each partition
+        for it cut into one piece per connection (every worker must use the same value),
+        so that TCP's per-connection fairness gives it its share of
+        every link; colocated servers get one.
         """
 
     @property

@@ -7,6 +7,7 @@ import json
 import math
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,10 @@ def test_cpu_jiffies_and_window() -> None:
     assert sampler.utilisation(0.0, 3.0) == pytest.approx(160 / 300)
     assert sampler.utilisation(1.2, 1.8) is None
     with cpu.CpuSampler(interval=0.01) as live:
-        sum(range(200_000))
+        # Longer than a few jiffies (10 ms each), or /proc/stat may not have moved at all.
+        deadline = time.monotonic() + 0.05
+        while time.monotonic() < deadline:
+            sum(range(10_000))
     assert live.utilisation(0, 1e12) is not None
 
 

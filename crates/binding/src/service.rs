@@ -78,8 +78,8 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = 4 << 20, push_window_bytes = None, join_timeout = 300.0,
-        declare_timeout = 300.0,
+        partition_bytes = 4 << 20, push_window_bytes = None,
+        connections_per_cpu_server = None, join_timeout = 300.0, declare_timeout = 300.0,
         connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -92,6 +92,7 @@ impl PyCommunicationService {
         name: Option<String>,
         partition_bytes: u64,
         push_window_bytes: Option<u64>,
+        connections_per_cpu_server: Option<u32>,
         join_timeout: f64,
         declare_timeout: f64,
         connect_timeout: f64,
@@ -107,6 +108,7 @@ impl PyCommunicationService {
         }
         cfg.partition_bytes = partition_bytes;
         cfg.push_window_bytes = push_window_bytes;
+        cfg.connections_per_cpu_server = connections_per_cpu_server;
         cfg.join_timeout = seconds("join_timeout", join_timeout)?;
         cfg.declare_timeout = seconds("declare_timeout", declare_timeout)?;
         cfg.connect_timeout = seconds("connect_timeout", connect_timeout)?;

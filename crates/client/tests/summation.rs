@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use half::{bf16, f16};
 use sumflow_client::{ClientError, Pulled, Reply, ServerClient, ServerOptions};
-use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
+use sumflow_summation::{ServerConfig, ServerHandle, SummationService, MAX_CONNECTIONS_PER_WORKER};
 use sumflow_wire::frame::Header;
 use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Message, Op, PushMode};
 
@@ -459,6 +459,73 @@ fn a_worker_that_disappears_is_named_to_the_others() {
 }
 
 #[test]
+fn a_worker_may_split_its_keys_over_several_connections() {
+    let (h, addr) = start(2, 2);
+    let mut a = [worker(&addr, 0), worker(&addr, 0)];
+    let mut b = worker(&addr, 1);
+    for (key, c) in [1u64, 2].into_iter().zip(a.iter_mut()) {
+        c.init_key(key, Dtype::I32, 4, None).unwrap();
+        b.init_key(key, Dtype::I32, 4, None).unwrap();
+    }
+    for round in 1..=3 {
+        for (key, c) in [1u64, 2].into_iter().zip(a.iter_mut()) {
+            c.tx.push(key, round, Dtype::I32, &(key as i32).to_le_bytes())
+                .unwrap();
+            c.tx.pull(key, round).unwrap();
+            let mine = b
+                .push_pull(key, round, Dtype::I32, &10i32.to_le_bytes())
+                .unwrap();
+            assert_eq!(mine.data, (10 + key as i32).to_le_bytes());
+            // Each sum comes back on the connection that asked for it.
+            match c.rx.recv().unwrap() {
+                Reply::Sum(p) => assert_eq!((p.key, p.data), (key, mine.data)),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    // One connection leaving gracefully is not the worker leaving: the other goes on.
+    let [first, mut second] = a;
+    first.shutdown("lane done").unwrap();
+    thread::sleep(Duration::from_millis(100));
+    second
+        .tx
+        .push(2, 4, Dtype::I32, &2i32.to_le_bytes())
+        .unwrap();
+    second.tx.pull(2, 4).unwrap();
+    let sum = b.push_pull(2, 4, Dtype::I32, &10i32.to_le_bytes()).unwrap();
+    assert_eq!(sum.data, 12i32.to_le_bytes());
+    assert!(matches!(second.rx.recv().unwrap(), Reply::Sum(p) if p.data == sum.data));
+    stop(h);
+}
+
+#[test]
+fn losing_one_of_a_workers_connections_fails_the_worker() {
+    let (h, addr) = start(2, 1);
+    let mut a = vec![worker(&addr, 0), worker(&addr, 0)];
+    let mut b = worker(&addr, 1);
+    for c in [&mut a[0], &mut b] {
+        c.init_key(1, Dtype::I32, 4, None).unwrap();
+    }
+    b.tx.push(1, 1, Dtype::I32, &[0; 4]).unwrap();
+    b.tx.pull(1, 1).unwrap();
+    drop(a.pop()); // one of worker 0's connections vanishes without a shutdown
+    let err = b.rx.recv().unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NodeFailed, "{err}");
+    assert!(
+        err.to_string()
+            .contains("worker 0 (test worker 0) lost its connection"),
+        "{err}"
+    );
+    // The worker's other connection is closed with it, and it cannot come back.
+    expect_closed(&mut a[0]);
+    let err = ServerClient::connect(&addr, &token(), 0, "again", &opts())
+        .err()
+        .unwrap();
+    assert_eq!(err.code(), ErrorCode::NodeFailed, "{err}");
+    stop(h);
+}
+
+#[test]
 fn impostors_and_duplicates_are_refused() {
     let (h, addr) = start(2, 1);
     let wrong = JobToken::new("not-the-job-token-at-all").unwrap();
@@ -471,6 +538,9 @@ fn impostors_and_duplicates_are_refused() {
         .unwrap();
     assert_eq!(err.code(), ErrorCode::BadRank, "{err}");
     let mut first = worker(&addr, 0);
+    let _more: Vec<_> = (1..MAX_CONNECTIONS_PER_WORKER)
+        .map(|_| worker(&addr, 0))
+        .collect();
     let err = ServerClient::connect(&addr, &token(), 0, "twin", &opts())
         .err()
         .unwrap();

@@ -22,6 +22,7 @@
 mod average;
 pub mod error;
 pub mod handles;
+pub mod lanes;
 pub mod partition;
 pub mod pipeline;
 pub mod placement;

@@ -12,8 +12,9 @@ use tracing::info;
 
 use crate::error::CommError;
 use crate::handles::Handles;
+use crate::lanes;
 use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
-use crate::pipeline::{HostSlice, PartTask, Pipeline};
+use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
 
@@ -43,6 +44,12 @@ pub struct CommConfig {
     /// Bytes a worker may have pushed to one server whose sums have not come back yet
     /// (see the pipeline's push window); `None`: 4 partitions; 0: unbounded.
     pub push_window_bytes: Option<u64>,
+    /// Connections to each CPU server, each partition for it cut into one piece per
+    /// connection; colocated servers get one. `None`: round(c/g) of Eq. 1 and 2, so that
+    /// TCP's per-connection fairness gives each server its share of every link (see
+    /// [`crate::lanes`]); at most [`lanes::MAX`]. Pieces are keys, so every worker of a
+    /// job must use the same value, as it must the same partition size.
+    pub connections_per_cpu_server: Option<u32>,
     pub join_timeout: Duration,
     /// Longest wait for the coordinator to answer a declaration.
     pub declare_timeout: Duration,
@@ -60,6 +67,7 @@ impl CommConfig {
             host_id: host_id.to_string(),
             partition_bytes: DEFAULT_PARTITION_BYTES,
             push_window_bytes: None,
+            connections_per_cpu_server: None,
             join_timeout: Duration::from_secs(300),
             declare_timeout: Duration::from_secs(300),
             coordinator_options: CoordinatorOptions::default(),
@@ -96,6 +104,8 @@ pub struct CommunicationService {
     pipeline: Pipeline,
     handles: Arc<Handles>,
     tensors: Mutex<HashMap<u32, Tensor>>,
+    /// Lanes per server, by rank.
+    lanes: Vec<u32>,
     partition_bytes: u64,
     declare_timeout: Duration,
     local: (u32, u32),
@@ -108,6 +118,14 @@ impl CommunicationService {
             return Err(CommError::Invalid(
                 "the partition size must be positive".into(),
             ));
+        }
+        if let Some(c) = cfg.connections_per_cpu_server {
+            if !(1..=lanes::MAX).contains(&c) {
+                return Err(CommError::Invalid(format!(
+                    "connections per CPU server must be 1 to {}, not {c}",
+                    lanes::MAX
+                )));
+            }
         }
         let reg = Registration {
             role: Role::Worker,
@@ -133,10 +151,36 @@ impl CommunicationService {
             reply_timeout: None,
             ..ServerOptions::default()
         };
+        let cpu_lanes = cfg.connections_per_cpu_server.unwrap_or_else(|| {
+            // The non-colocated PS gives every server the same share: one lane each.
+            if servers.colocated().is_empty() {
+                1
+            } else {
+                lanes::per_cpu_server(servers.colocated().len() as u32, servers.cpu().len() as u32)
+            }
+        });
+        let lanes: Vec<u32> = map
+            .servers
+            .iter()
+            .map(|s| {
+                if servers.cpu().contains(&s.rank) {
+                    cpu_lanes
+                } else {
+                    1
+                }
+            })
+            .collect();
         let mut links = Vec::new();
-        for s in &map.servers {
-            let c = ServerClient::connect(&s.addr(), &cfg.token, job.rank(), &cfg.name, &opts)?;
-            links.push((format!("server {} ({})", s.rank, s.addr()), c.tx, c.rx));
+        for (s, &count) in map.servers.iter().zip(&lanes) {
+            let mut lanes = Vec::new();
+            for _ in 0..count {
+                let c = ServerClient::connect(&s.addr(), &cfg.token, job.rank(), &cfg.name, &opts)?;
+                lanes.push((c.tx, c.rx));
+            }
+            links.push(ServerLink {
+                name: format!("server {} ({})", s.rank, s.addr()),
+                lanes,
+            });
         }
         let handles = Arc::new(Handles::default());
         let window = cfg.push_window_bytes.unwrap_or(
@@ -149,6 +193,7 @@ impl CommunicationService {
             rank = job.rank(),
             workers = map.workers.len(),
             servers = map.servers.len(),
+            cpu_lanes,
             "joined job {}",
             map.job_id
         );
@@ -158,6 +203,7 @@ impl CommunicationService {
             pipeline,
             handles,
             tensors: Mutex::new(HashMap::new()),
+            lanes,
             partition_bytes: cfg.partition_bytes,
             declare_timeout: cfg.declare_timeout,
             local,
@@ -198,6 +244,7 @@ impl CommunicationService {
         for p in &mut parts {
             p.1 = scatter(p.0, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
         }
+        let parts = self.spread(dtype, parts)?;
         self.register(id, name, dtype, elements, parts);
         Ok(id)
     }
@@ -233,9 +280,27 @@ impl CommunicationService {
                     .server_of(p.0)
                     .expect("every partition was placed");
             }
+            let parts = self.spread(dtype, parts)?;
             self.register(id, name, dtype, elements, parts);
         }
         Ok(ids)
+    }
+
+    /// Cuts each placed partition bound for a server with several lanes into one piece per
+    /// lane (see [`crate::lanes`]).
+    fn spread(
+        &self,
+        dtype: Dtype,
+        parts: Vec<(u64, u32, usize, usize)>,
+    ) -> Result<Vec<(u64, u32, usize, usize)>, CommError> {
+        let mut out = Vec::with_capacity(parts.len());
+        for (key, server, offset, bytes) in parts {
+            let lanes = self.lanes[server as usize];
+            let pieces = lanes::pieces((key, offset, bytes), dtype.size(), lanes)
+                .map_err(|e| CommError::Invalid(e.to_string()))?;
+            out.extend(pieces.into_iter().map(|(k, o, b)| (k, server, o, b)));
+        }
+        Ok(out)
     }
 
     fn cut(

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_comm::handles::Handles;
-use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline};
+use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use sumflow_comm::CommError;
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
@@ -21,17 +21,23 @@ fn servers(workers: u32, count: usize) -> Vec<ServerHandle> {
         .collect()
 }
 
-fn pipeline(servers: &[String], rank: u32, handles: Arc<Handles>) -> Pipeline {
+/// A pipeline with `lanes` connections to each server.
+fn pipeline(servers: &[String], rank: u32, lanes: usize, handles: Arc<Handles>) -> Pipeline {
     let opts = ServerOptions {
         reply_timeout: None,
         ..ServerOptions::default()
     };
     let links = servers
         .iter()
-        .map(|addr| {
-            let c =
-                ServerClient::connect(addr, &token(), rank, &format!("w{rank}"), &opts).unwrap();
-            (format!("server at {addr}"), c.tx, c.rx)
+        .map(|addr| ServerLink {
+            name: format!("server at {addr}"),
+            lanes: (0..lanes)
+                .map(|_| {
+                    let c = ServerClient::connect(addr, &token(), rank, &format!("w{rank}"), &opts)
+                        .unwrap();
+                    (c.tx, c.rx)
+                })
+                .collect(),
         })
         .collect();
     // A one-byte window: one partition in flight per server unless a more urgent one comes,
@@ -48,10 +54,10 @@ struct Worker {
 }
 
 impl Worker {
-    fn new(addrs: &[String], rank: u32, part: usize) -> Worker {
+    fn new(addrs: &[String], rank: u32, part: usize, lanes: usize) -> Worker {
         let handles = Arc::new(Handles::default());
         Worker {
-            pipeline: pipeline(addrs, rank, Arc::clone(&handles)),
+            pipeline: pipeline(addrs, rank, lanes, Arc::clone(&handles)),
             handles,
             part,
             servers: addrs.len(),
@@ -94,7 +100,7 @@ impl Worker {
 }
 
 #[test]
-fn workers_average_and_sum_many_tensors_over_two_servers() {
+fn workers_average_and_sum_many_tensors_over_two_servers_and_several_lanes() {
     let workers = 3u32;
     let srv = servers(workers, 2);
     let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
@@ -103,7 +109,8 @@ fn workers_average_and_sum_many_tensors_over_two_servers() {
         .map(|w| {
             let addrs = addrs.clone();
             thread::spawn(move || {
-                let wk = Worker::new(&addrs, w, 1000);
+                // Workers need not agree on lanes: each key sticks to one of its own.
+                let wk = Worker::new(&addrs, w, 1000, 1 + w as usize);
                 for round in 1..=4u64 {
                     let mut tensors: Vec<Vec<f32>> = sizes
                         .iter()
@@ -152,7 +159,8 @@ fn workers_average_and_sum_many_tensors_over_two_servers() {
 fn a_lost_server_fails_the_waiting_handles_by_name() {
     let srv = servers(2, 2);
     let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
-    let wk = Worker::new(&addrs, 0, 1000);
+    // Losing a server loses all its lanes; the first to notice fails it.
+    let wk = Worker::new(&addrs, 0, 1000, 2);
     // Worker 1 never comes, so the round waits; then server 1 goes away.
     let mut data = vec![1.0f32; 5000];
     let h = wk.push_pull(0, &mut data, 1, None);
@@ -178,7 +186,7 @@ fn a_lost_server_fails_the_waiting_handles_by_name() {
 fn a_stuck_round_times_out_naming_the_tensor_and_server() {
     let srv = servers(2, 1);
     let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
-    let wk = Worker::new(&addrs, 0, 1000);
+    let wk = Worker::new(&addrs, 0, 1000, 1);
     let mut data = vec![0.5f32; 10];
     let h = wk.push_pull(9, &mut data, 1, None);
     let err = wk.wait(h, Duration::from_millis(300)).unwrap_err();
@@ -196,7 +204,7 @@ fn a_stuck_round_times_out_naming_the_tensor_and_server() {
 fn the_sum_of_a_failed_operation_is_skipped_and_its_tensor_left_alone() {
     let srv = servers(2, 1);
     let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
-    let wk = Worker::new(&addrs, 0, 1000);
+    let wk = Worker::new(&addrs, 0, 1000, 1);
     let opts = ServerOptions {
         reply_timeout: Some(Duration::from_secs(10)),
         ..ServerOptions::default()

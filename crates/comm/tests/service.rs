@@ -108,6 +108,7 @@ fn push_pull(
 
 #[test]
 fn workers_sum_and_average_through_colocated_and_cpu_servers() {
+    // n = 3, k = 1: two lanes to the CPU server, each of its partitions cut in two.
     let workers = 3;
     let job = job(workers, 1);
     let addr = job.addr.clone();

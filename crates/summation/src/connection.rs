@@ -4,6 +4,11 @@
 //! Stateless and key-level checks happen here, before a payload is read or an engine is
 //! involved; round-level checks happen in the engine. Any refusal is an `Error` frame
 //! naming the problem, after which the connection is closed and the worker counted gone.
+//!
+//! A worker may hold several connections (up to `MAX_CONNECTIONS_PER_WORKER`), each
+//! asking for its own keys: replies go back on the connection that asked, so the server
+//! needs no notion of which connection carries which key. Losing any of them fails the
+//! worker; it has left only once all of them said Shutdown.
 
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
@@ -51,7 +56,7 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
         .unwrap_or_else(|_| "unknown".into());
     let _ = stream.set_nodelay(true);
     let _ = stream.set_read_timeout(Some(shared.settings.handshake_timeout));
-    let (peer, rank) = match io::accept(
+    let (peer, (rank, id)) = match io::accept(
         &mut &stream,
         &shared.token,
         Service::Summation,
@@ -82,7 +87,7 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
                 }
             })
     };
-    shared.track(rank, &stream);
+    shared.track(id, rank, &stream);
     let mut conn = Connection {
         shared: Arc::clone(&shared),
         reader: FrameReader::new(&stream, shared.settings.max_body),
@@ -97,7 +102,7 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
         let _ = writer.join();
     }
     let _ = stream.shutdown(Shutdown::Both);
-    shared.untrack(rank);
+    let graceful = matches!(ending, Ending::Left(_));
     let reason = match ending {
         Ending::Left(why) => format!("left the job ({why})"),
         Ending::Refused(msg) => format!("was disconnected: {}", refusal_text(&msg)),
@@ -107,7 +112,7 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
         },
         Ending::Stopping => "server stopping".into(),
     };
-    shared.worker_gone(rank, &reason);
+    shared.detach(id, rank, graceful, &reason);
 }
 
 fn refusal_text(m: &Message) -> String {
@@ -117,8 +122,9 @@ fn refusal_text(m: &Message) -> String {
     }
 }
 
-/// Checks that the authenticated peer is a worker of this job, connected once.
-fn admit(shared: &Shared, peer: &Peer) -> Result<u32, ErrorReply> {
+/// Checks that the authenticated peer is a worker of this job, within its connection
+/// limit; returns its rank and the connection's id.
+fn admit(shared: &Shared, peer: &Peer) -> Result<(u32, u64), ErrorReply> {
     let refuse = |code, message: String| ErrorReply {
         code,
         key: None,
@@ -142,7 +148,7 @@ fn admit(shared: &Shared, peer: &Peer) -> Result<u32, ErrorReply> {
             ),
         ));
     };
-    shared.attach(rank, &peer.name).map(|()| rank)
+    shared.attach(rank, &peer.name).map(|id| (rank, id))
 }
 
 enum Ending {

@@ -20,4 +20,4 @@ pub use reduce::{Reducer, SimdLevel};
 pub use service::{
     CoordinatorLink, Membership, ServerConfig, ServerError, ServerHandle, SummationService,
 };
-pub use shared::Settings;
+pub use shared::{Settings, MAX_CONNECTIONS_PER_WORKER};

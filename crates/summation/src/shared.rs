@@ -25,13 +25,21 @@ pub struct Settings {
     pub write_timeout: Duration,
 }
 
+/// Connections one worker may hold at once. A worker opens several to a CPU server so that
+/// TCP's per-connection fairness gives that server's traffic its share of every link (see
+/// sumflow-comm's `lanes`); it asks for at most 8, and the headroom tolerates a newer worker.
+pub const MAX_CONNECTIONS_PER_WORKER: u32 = 16;
+
 #[derive(Default)]
 struct Registry {
     /// Names from the cluster map, else from each worker's hello.
     names: Vec<String>,
-    attached: Vec<bool>,
+    /// Open connections per worker rank.
+    attached: Vec<u32>,
     gone: Vec<Option<String>>,
-    streams: HashMap<u32, TcpStream>,
+    /// Every open connection by its id, with its worker's rank.
+    streams: HashMap<u64, (u32, TcpStream)>,
+    next_id: u64,
 }
 
 impl Registry {
@@ -70,9 +78,10 @@ impl Shared {
             engines,
             registry: Mutex::new(Registry {
                 names: worker_names,
-                attached: vec![false; workers as usize],
+                attached: vec![0; workers as usize],
                 gone: vec![None; workers as usize],
                 streams: HashMap::new(),
+                next_id: 0,
             }),
             stopping: AtomicBool::new(false),
         }
@@ -91,7 +100,9 @@ impl Shared {
         }
     }
 
-    pub fn attach(&self, rank: u32, hello_name: &str) -> Result<(), ErrorReply> {
+    /// Admits one more connection of worker `rank`; returns the connection's id, which
+    /// [`track`](Self::track) and [`detach`](Self::detach) take.
+    pub fn attach(&self, rank: u32, hello_name: &str) -> Result<u64, ErrorReply> {
         let mut reg = self.registry.lock().expect("registry lock");
         let r = rank as usize;
         let refuse = |code, message| ErrorReply {
@@ -108,23 +119,30 @@ impl Shared {
                 ),
             ));
         }
-        if reg.attached[r] {
+        if reg.attached[r] >= MAX_CONNECTIONS_PER_WORKER {
             return Err(refuse(
                 ErrorCode::DuplicateNode,
-                format!("{} is already connected", reg.label(rank)),
+                format!(
+                    "{} already holds {MAX_CONNECTIONS_PER_WORKER} connections, the most \
+                     one worker may",
+                    reg.label(rank)
+                ),
             ));
         }
-        reg.attached[r] = true;
+        reg.attached[r] += 1;
         if reg.names[r].is_empty() {
             reg.names[r] = hello_name.to_string();
         }
-        Ok(())
+        reg.next_id += 1;
+        Ok(reg.next_id)
     }
 
-    pub fn track(&self, rank: u32, stream: &TcpStream) {
+    /// Keeps a handle on connection `id` of worker `rank`, for [`stop`](Self::stop) and
+    /// [`detach`](Self::detach) to close it.
+    pub fn track(&self, id: u64, rank: u32, stream: &TcpStream) {
         if let Ok(clone) = stream.try_clone() {
             let mut reg = self.registry.lock().expect("registry lock");
-            reg.streams.insert(rank, clone);
+            reg.streams.insert(id, (rank, clone));
         }
         // A stop that raced with this connection's start must still close it.
         if self.is_stopping() {
@@ -132,12 +150,31 @@ impl Shared {
         }
     }
 
-    pub fn untrack(&self, rank: u32) {
-        self.registry
-            .lock()
-            .expect("registry lock")
-            .streams
-            .remove(&rank);
+    /// Connection `id` of worker `rank` ended. A graceful end (the worker said Shutdown)
+    /// means the worker left only once its last connection has; until then its other
+    /// connections carry on. Any other end means the worker failed, whatever its other
+    /// connections do: they are closed, and every engine is told at once.
+    pub fn detach(&self, id: u64, rank: u32, graceful: bool, reason: &str) {
+        let last = {
+            let mut reg = self.registry.lock().expect("registry lock");
+            reg.streams.remove(&id);
+            let open = &mut reg.attached[rank as usize];
+            *open = open.saturating_sub(1);
+            *open == 0
+        };
+        if graceful && !last {
+            return;
+        }
+        // Recorded before the other connections close, so that this is the reason given.
+        self.worker_gone(rank, reason);
+        if !graceful {
+            let reg = self.registry.lock().expect("registry lock");
+            for (r, s) in reg.streams.values() {
+                if *r == rank {
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+            }
+        }
     }
 
     /// Records that a worker left or failed and tells every engine, once.
@@ -149,7 +186,6 @@ impl Shared {
                 return;
             }
             reg.gone[r] = Some(reason.to_string());
-            reg.attached[r] = false;
             format!("{} {reason}", reg.label(rank))
         };
         info!("{text}");
@@ -170,7 +206,7 @@ impl Shared {
     pub fn stop(&self) {
         self.stopping.store(true, Ordering::Release);
         let reg = self.registry.lock().expect("registry lock");
-        for s in reg.streams.values() {
+        for (_, s) in reg.streams.values() {
             let _ = s.shutdown(Shutdown::Both);
         }
     }

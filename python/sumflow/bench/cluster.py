@@ -77,6 +77,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sumflow's partition size for goodput (scaled down from BytePS's 4 MB with the "
         "link rate, see docs/benchmarks.md)",
     )
+    gp.add_argument(
+        "-x",
+        "--worker-env",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="set a variable for sumflow's workers (repeatable), e.g. "
+        "SUMFLOW_CPU_SERVER_CONNECTIONS=1 to compare with one connection per server",
+    )
     tr = p.add_argument_group("training")
     tr.add_argument(
         "--models", default="vgg16,resnet50,transformer", help="layer profiles ('' skips)"
@@ -226,7 +235,10 @@ def goodput_runs(
             what=f"goodput sumflow k={k}",
             log_path=logs / f"goodput-sumflow-k{k}.log",
             timeout=args.job_timeout,
-            launcher_args=["--partition-bytes", str(args.partition_bytes)],
+            launcher_args=[
+                *("--partition-bytes", str(args.partition_bytes)),
+                *(a for item in args.worker_env for a in ("-x", item)),
+            ],
         )
         run = _with_cpu(_read_json(out, f"goodput sumflow k={k}"), sampler)
         run["k"] = k
@@ -267,6 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "rounds": args.rounds,
             "warmup": args.warmup,
             "partition_bytes": args.partition_bytes,
+            "worker_env": args.worker_env,
             "reference_gbit": args.reference_gbit,
             "cpu_flag": args.cpu_flag,
             "command": " ".join(sys.argv),

@@ -247,6 +247,7 @@ def init() -> Runtime:
                 name=os.environ.get("SUMFLOW_WORKER_NAME") or f"worker pid {os.getpid()}",
                 partition_bytes=_env_int("SUMFLOW_PARTITION_BYTES") or 4 << 20,
                 push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
+                connections_per_cpu_server=_env_int("SUMFLOW_CPU_SERVER_CONNECTIONS"),
                 join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),
                 heartbeat_timeout=_env_float("SUMFLOW_HEARTBEAT_TIMEOUT", 10.0),
             )
