@@ -41,6 +41,7 @@ from sumflow.bench.netns import (
     LinkShape,
     started,
 )
+from sumflow.bench.training import training_runs
 
 GBIT = 1e9 / 8
 IPERF_PORT = 5201
@@ -95,6 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         type=float,
         default=10.0,
         help="bandwidth of the real cluster whose communication/computation ratio is kept",
+    )
+    tr.add_argument(
+        "--train-partition-bytes",
+        type=int,
+        help="sumflow's partition size for training [default: 4 MiB scaled like the tensors]",
     )
     tr.add_argument("--iterations", type=int, default=15, help="measured iterations per run")
     tr.add_argument("--warmup-iterations", type=int, default=3)
@@ -306,9 +312,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.skip_goodput:
                 results["goodput"] = goodput_runs(args, cluster, sampler, b, tmp, progress)
             if args.models:
-                from sumflow.bench.training import training_runs
-
-                results["training"] = training_runs(args, cluster, sampler, tmp, progress)
+                results["training"] = []
+                training_runs(args, cluster, sampler, tmp, progress, results["training"])
     except (ClusterUnavailable, ClusterError) as e:
         print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
         return 2

@@ -145,6 +145,8 @@ class GlooCollective(Collective):
         self.dist.all_reduce(tensor)
 
     def close(self) -> None:
+        # Every rank is done with the group before any tears it down.
+        self.dist.barrier()
         self.dist.destroy_process_group()
 
 

@@ -217,6 +217,12 @@ class DdpGloo(System):
         self.dist.all_reduce(t)
 
     def close(self) -> None:
+        # Every rank is done with the group before any tears it down, and DDP's reducer
+        # (which owns gloo work and threads) goes before the group does: tearing down in
+        # another order aborted a rank now and then ("terminate called without an active
+        # exception").
+        self.dist.barrier()
+        del self.net
         self.dist.destroy_process_group()
 
 

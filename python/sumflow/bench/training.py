@@ -10,6 +10,7 @@ with k = n CPU-server hosts added.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Any, Protocol
@@ -30,15 +31,14 @@ def training_runs(
     sampler: CpuSampler,
     tmp: Path,
     progress: _Progress,
-) -> list[dict[str, Any]]:
-    """Every profile in ``args.models``, three systems each."""
-    import json
-
+    models: list[dict[str, Any]],
+) -> None:
+    """Every profile in ``args.models``, three systems each, appended to ``models`` as each
+    profile finishes (so a failure later keeps what was measured)."""
     n = args.workers
     workers, spare = cluster.hosts[:n], cluster.hosts[n:]
     k_extra = min(n, len(spare))
     logs = args.out / "logs"
-    models = []
     for name in args.models:
         profile = profiles.load(name)
         scales = profiles.scales_for_emulation(
@@ -47,6 +47,7 @@ def training_runs(
             emulated_gbps=args.rate_mbit / 1e3,
         )
         print(f"    {scales.reason}", file=sys.stderr, flush=True)
+        partition_bytes = args.train_partition_bytes or scales.partition_bytes
         worker = [
             *(sys.executable, "-m", "sumflow.bench.train_worker", "--profile", name),
             *("--size-scale", repr(scales.size_scale), "--time-scale", repr(scales.time_scale)),
@@ -79,7 +80,7 @@ def training_runs(
                     "--system",
                     system,
                     "--partition-bytes",
-                    str(scales.partition_bytes),
+                    str(partition_bytes),
                 ]
                 run_sumflow_job(
                     cluster,
@@ -112,10 +113,9 @@ def training_runs(
                 "megabytes": scales.param_bytes / 1e6,
                 "size_scale": scales.size_scale,
                 "time_scale": scales.time_scale,
-                "partition_bytes": scales.partition_bytes,
+                "partition_bytes": partition_bytes,
                 "bucket_cap_mb": scales.bucket_cap_mb,
                 "scaling": scales.reason,
                 "runs": runs,
             }
         )
-    return models
