@@ -100,10 +100,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     tr.add_argument(
         "--train-partition-bytes",
         type=int,
-        help="sumflow's partition size for training [default: 4 MiB scaled like the tensors]",
+        help="sumflow's partition size for training (None: 4 MiB scaled like the tensors)",
     )
     tr.add_argument("--iterations", type=int, default=15, help="measured iterations per run")
-    tr.add_argument("--warmup-iterations", type=int, default=3)
+    tr.add_argument("--warmup-iterations", type=int, default=3, help="iterations before measuring")
     out = p.add_argument_group("output")
     out.add_argument(
         "--out", type=Path, default=Path("bench/results/cluster"), help="output folder"
@@ -112,7 +112,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--cpu-flag", type=float, default=0.8, help="flag runs above this CPU utilisation"
     )
     out.add_argument("--job-timeout", type=float, default=300.0, help="seconds one job may take")
-    out.add_argument("--skip-goodput", action="store_true")
+    out.add_argument("--skip-goodput", action="store_true", help="run only the training part")
     out.add_argument("--link-seconds", type=float, default=3.0, help="iperf3 duration")
     args = p.parse_args(argv)
     try:
