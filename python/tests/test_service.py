@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -141,6 +142,42 @@ def test_declaration_mismatch_names_the_tensor_and_reaches_every_worker(tmp_path
     for m in messages:
         for part in ("layer1.weight", "100", "101", "worker 0", "worker 1"):
             assert part in m, m
+
+
+def test_workers_with_different_partition_sizes_fail_at_once_naming_it(tmp_path: Path) -> None:
+    """Workers that would cut tensors differently fail (the one declaring second already
+    while joining, the other at its next operation) instead of waiting for keys that never
+    come."""
+
+    def sum_once(svc: sumflow._core.CommunicationService) -> None:
+        tid = svc.declare("w", "f32", 1000)
+        t = torch.zeros(1000)
+        svc.wait(svc.push_pull(tid, t, t.data_ptr(), t.numel() * 4), WAIT)
+        svc.barrier(WAIT)
+
+    messages: list[str] = ["", ""]
+    with local_job(tmp_path, 2, 0) as job:
+
+        def worker(i: int) -> None:
+            try:
+                svc = job.service(i, partition_bytes=4096 if i == 0 else 8192)
+                try:
+                    sum_once(svc)
+                finally:
+                    svc.shutdown("test done")
+            except sumflow.DeclarationMismatchError as e:
+                messages[i] = str(e)
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert time.monotonic() - started < WAIT / 2, "it failed by timing out"
+    for m in messages:
+        for part in ("SUMFLOW_PARTITION_BYTES", "4096", "8192", "worker 0", "worker 1"):
+            assert part in m, messages
 
 
 def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:

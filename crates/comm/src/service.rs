@@ -24,6 +24,12 @@ const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
 /// How long a failed wait looks for a job-fatal error that may explain the failure.
 const JOB_ERROR_GRACE: Duration = Duration::from_millis(300);
 
+/// Names under which a worker declares its layout settings (their values as the element
+/// count), so that workers set up differently fail with a clear mismatch.
+const LAYOUT_PARTITION_BYTES: &str = "sumflow.setting.partition_bytes (SUMFLOW_PARTITION_BYTES)";
+const LAYOUT_CPU_SERVER_LANES: &str =
+    "sumflow.setting.cpu_server_connections (SUMFLOW_CPU_SERVER_CONNECTIONS)";
+
 /// Partitions per server in flight by default: enough to cover a sum's round trip while
 /// keeping workers within a few partitions of each other.
 const DEFAULT_WINDOW_PARTITIONS: u64 = 4;
@@ -181,6 +187,16 @@ impl CommunicationService {
                 name: format!("server {} ({})", s.rank, s.addr()),
                 lanes,
             });
+        }
+        // Every worker must cut tensors into the same partitions and pieces, or the servers
+        // wait for keys the others never send. Declared as tensors, the layout is compared
+        // by the coordinator like any declaration: a worker that differs fails every
+        // worker at once with a DeclarationMismatchError naming the setting and both values.
+        for (name, value) in [
+            (LAYOUT_PARTITION_BYTES, cfg.partition_bytes),
+            (LAYOUT_CPU_SERVER_LANES, u64::from(cpu_lanes)),
+        ] {
+            job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
         let handles = Arc::new(Handles::default());
         let window = cfg.push_window_bytes.unwrap_or(
