@@ -303,10 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     life.add_argument(
         "--shutdown-grace",
         type=float,
-        default=30.0,
+        default=5.0,
         metavar="SECS",
         help="after every worker exited 0, how long the coordinator and servers get to stop "
-        "by themselves before they are terminated [default: 30]",
+        "by themselves before they are terminated (SIGTERM, which they also handle "
+        "gracefully) [default: 5]",
     )
     life.add_argument(
         "--kill-timeout",

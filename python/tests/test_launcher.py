@@ -393,6 +393,16 @@ def test_every_output_line_is_prefixed_with_its_process(tmp_path: Path) -> None:
         assert re.match(r"(\[(worker \d|server \d|coordinator)\]|sumflow-run:) ", line), line
 
 
+def test_workers_that_never_join_end_the_job_after_the_default_grace() -> None:
+    # Workers that use only torch.distributed exit 0 without joining; the coordinator and
+    # servers, still waiting for them, are stopped after the grace, not after a join timeout.
+    started = time.monotonic()
+    out = run(["-np", "2", "--", sys.executable, "-c", "pass"])
+    assert out.returncode == 0, out
+    assert "still running 5 s later (--shutdown-grace)" in out.stderr, out.stderr
+    assert time.monotonic() - started < 30
+
+
 def test_worker_environment(tmp_path: Path) -> None:
     worker = script(tmp_path, "w.py", ENV_WORKER)
     out = run(
