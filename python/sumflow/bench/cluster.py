@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -32,7 +33,7 @@ from typing import Any
 
 from sumflow.bench import report, theory
 from sumflow.bench.cpu import CpuSampler
-from sumflow.bench.jobs import JobFailed, run_sumflow_job, run_torch_job
+from sumflow.bench.jobs import JobFailed, read_result, run_sumflow_job, run_torch_job
 from sumflow.bench.netns import (
     DEFAULT_SUBNET,
     ClusterError,
@@ -143,8 +144,6 @@ class Progress:
 
 def link_check(cluster: EmulatedCluster, seconds: float) -> dict[str, Any]:
     """iperf3 between hosts 1 and 2, both directions at once."""
-    import shutil
-
     if shutil.which("iperf3") is None:
         raise ClusterUnavailable("the link check needs iperf3: apt install iperf3")
     a, b = cluster.hosts[0], cluster.hosts[1]
@@ -186,13 +185,6 @@ def parse_iperf(data: dict[str, Any], rate_mbit: float, seconds: float) -> dict[
     }
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise JobFailed(f"{what} left no readable result in {path}: {e}") from None
-
-
 def _with_cpu(result: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
     start, end = result["window"]
     result["cpu"] = sampler.utilisation(start, end)
@@ -226,7 +218,7 @@ def goodput_runs(
         log_path=logs / "goodput-gloo.log",
         timeout=args.job_timeout,
     )
-    gloo = _with_cpu(_read_json(out, "goodput gloo"), sampler)
+    gloo = _with_cpu(read_result(out, "goodput gloo"), sampler)
     gloo["goodput_gbit"] = gloo["goodput_bytes_per_s"] / GBIT
     m = gloo["bytes"]
     runs = []
@@ -246,7 +238,7 @@ def goodput_runs(
                 *(a for item in args.worker_env for a in ("-x", item)),
             ],
         )
-        run = _with_cpu(_read_json(out, f"goodput sumflow k={k}"), sampler)
+        run = _with_cpu(read_result(out, f"goodput sumflow k={k}"), sampler)
         run["k"] = k
         run["goodput_gbit"] = run["goodput_bytes_per_s"] / GBIT
         run["optimum_gbit"] = theory.goodput(m, theory.optimal_time(n, k, m, b)) / GBIT

@@ -13,6 +13,7 @@ all its processes are killed and the error says which job it was.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -23,7 +24,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from sumflow.bench.netns import EmulatedCluster, EmulatedHost
 from sumflow.launcher import program
@@ -39,6 +40,14 @@ class JobFailed(RuntimeError):
 @dataclass(frozen=True)
 class JobResult:
     seconds: float
+
+
+def read_result(path: Path, what: str) -> dict[str, Any]:
+    """The JSON result a job's rank 0 wrote to `path`; JobFailed if there is none."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"{what} left no readable result in {path}: {e}") from None
 
 
 def _echo(line: str) -> bool:

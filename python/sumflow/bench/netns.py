@@ -105,36 +105,41 @@ def unavailable_reason() -> str | None:
     for tool, package in (("ip", "iproute2"), ("tc", "iproute2")):
         if shutil.which(tool) is None:
             return f"the emulated cluster needs {tool!r}: install {package} (apt install {package})"
-    probe = f"{PREFIX}-probe-{os.getpid()}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace here: {made.stderr.strip()}"
-    try:
-        veth = _run_quiet(
-            ["ip", "-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "b0"]
-        )
-        if veth:
-            return f"cannot create a veth pair here: {veth}"
-        htb = _run_quiet(["tc", "-n", probe, "qdisc", "add", "dev", "a0", "root", "htb"])
-        if htb:
-            return f"tc cannot attach an HTB qdisc here: {htb}"
-    finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    failed = _probe_qdisc(["htb"])
+    if failed is not None:
+        step, err = failed
+        return f"cannot {step} here: {err}"
     return None
 
 
 def netem_available() -> bool:
     """Whether tc's netem (needed for a link delay) works on this kernel."""
-    probe = f"{PREFIX}-netem-{os.getpid()}"
-    if _run_quiet(["ip", "netns", "add", probe]):
-        return False
+    return _probe_qdisc(["netem", "delay", "1ms"]) is None
+
+
+def _probe_qdisc(qdisc: Sequence[str]) -> tuple[str, str] | None:
+    """Tries, in a throwaway namespace, what the cluster needs: the namespace, a veth pair
+    and the root qdisc `qdisc` on it. None when all worked, else the failed step and why."""
+    probe = f"{PREFIX}-probe-{os.getpid()}"
+    steps = [
+        ("create a network namespace", ["ip", "netns", "add", probe]),
+        (
+            "create a veth pair",
+            ["ip", "-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "b0"],
+        ),
+        (
+            f"attach a {qdisc[0]} qdisc with tc",
+            ["tc", "-n", probe, "qdisc", "add", "dev", "a0", "root", *qdisc],
+        ),
+    ]
     try:
-        _run_quiet(["ip", "-n", probe, "link", "add", "a0", "type", "veth", "peer", "name", "b0"])
-        return not _run_quiet(
-            ["tc", "-n", probe, "qdisc", "add", "dev", "a0", "root", "netem", "delay", "1ms"]
-        )
+        for step, argv in steps:
+            err = _run_quiet(argv)
+            if err:
+                return step, err
+        return None
     finally:
-        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True, check=False)
 
 
 def _run_quiet(argv: Sequence[str]) -> str:

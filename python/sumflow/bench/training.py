@@ -10,14 +10,13 @@ with k = n CPU-server hosts added.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any, Protocol
 
 from sumflow import profiles
 from sumflow.bench.cpu import CpuSampler
-from sumflow.bench.jobs import JobFailed, run_sumflow_job, run_torch_job
+from sumflow.bench.jobs import read_result, run_sumflow_job, run_torch_job
 from sumflow.bench.netns import EmulatedCluster
 
 
@@ -91,10 +90,7 @@ def training_runs(
                     log_path=logs / f"{tag}.log",
                     timeout=args.job_timeout,
                 )
-            try:
-                run = json.loads(out.read_text())
-            except (OSError, ValueError) as e:
-                raise JobFailed(f"training {name} {label} left no readable result: {e}") from None
+            run = read_result(out, f"training {name} {label}")
             run["label"] = label
             run["k"] = k
             run["cpu"] = sampler.utilisation(*run["window"])
