@@ -29,7 +29,9 @@ pub mod placement;
 mod queue;
 mod scatter;
 pub mod service;
+pub mod trace;
 mod window;
 
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, ReduceOp};
+pub use trace::{TraceConfig, TraceError, TraceFile, Tracer, Track};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::CommError;
 use crate::handles::Handles;
@@ -17,6 +17,7 @@ use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
+use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
 const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
@@ -61,6 +62,8 @@ pub struct CommConfig {
     pub declare_timeout: Duration,
     pub coordinator_options: CoordinatorOptions,
     pub connect_timeout: Duration,
+    /// Record a Chrome trace of a window of steps (see [`crate::trace`]); `None`: off.
+    pub trace: Option<TraceConfig>,
 }
 
 impl CommConfig {
@@ -78,6 +81,7 @@ impl CommConfig {
             declare_timeout: Duration::from_secs(300),
             coordinator_options: CoordinatorOptions::default(),
             connect_timeout: Duration::from_secs(60),
+            trace: None,
         }
     }
 }
@@ -115,6 +119,7 @@ pub struct CommunicationService {
     partition_bytes: u64,
     declare_timeout: Duration,
     local: (u32, u32),
+    tracer: Arc<Tracer>,
 }
 
 impl CommunicationService {
@@ -132,6 +137,11 @@ impl CommunicationService {
                     lanes::MAX
                 )));
             }
+        }
+        if let Some(trace) = &cfg.trace {
+            trace
+                .prepare()
+                .map_err(|e| CommError::Invalid(e.to_string()))?;
         }
         let reg = Registration {
             role: Role::Worker,
@@ -198,6 +208,11 @@ impl CommunicationService {
         ] {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
+        let tracer = Arc::new(match cfg.trace {
+            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)
+                .map_err(|e| CommError::Invalid(e.to_string()))?,
+            None => Tracer::disabled(),
+        });
         let handles = Arc::new(Handles::default());
         let window = cfg.push_window_bytes.unwrap_or(
             cfg.partition_bytes
@@ -223,6 +238,7 @@ impl CommunicationService {
             partition_bytes: cfg.partition_bytes,
             declare_timeout: cfg.declare_timeout,
             local,
+            tracer,
         })
     }
 
@@ -524,11 +540,27 @@ impl CommunicationService {
             .collect()
     }
 
+    /// This worker's trace recorder, for the pipeline's stages and the scheduler.
+    pub fn tracer(&self) -> Arc<Tracer> {
+        Arc::clone(&self.tracer)
+    }
+
+    /// Marks the end of a training step and the beginning of the next: the trace window
+    /// counts these. Returns the trace file when this step ended the window and it was
+    /// written.
+    pub fn mark_step(&self) -> Result<Option<TraceFile>, TraceError> {
+        self.tracer.mark_step()
+    }
+
     /// Leaves the job gracefully; operations still in flight fail with
-    /// [`CommError::Shutdown`], and so does every later one. Calls after the first do
-    /// nothing.
+    /// [`CommError::Shutdown`], and so does every later one. A trace window cut short is
+    /// written first ([`Tracer::flush`]). Calls after the first do nothing.
     pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
+        // A trace that cannot be written must not fail leaving the job: it is logged.
+        if let Err(e) = self.tracer.flush() {
+            warn!("{e}");
+        }
         Ok(self.job.leave(reason)?)
     }
 }
