@@ -18,6 +18,7 @@ import torch
 
 from sumflow.torch import ops
 from sumflow.torch.compression import Compression, Compressor
+from sumflow.tune import plugin as autotune
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -164,7 +165,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.synchronize()
         self._sf_synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        autotune.after_step(self)  # SUMFLOW_AUTOTUNE: docs/autotune.md
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; refuses while a push_pull still writes into them."""

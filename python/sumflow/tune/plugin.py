@@ -1,0 +1,127 @@
+"""Online tuning for ``sumflow.torch.DistributedOptimizer``.
+
+``DistributedOptimizer.step()`` calls :func:`after_step` once per step. With
+``SUMFLOW_AUTOTUNE=1`` in every worker's environment (or after :func:`attach`), the first
+call builds the worker's :class:`~sumflow.tune.online.OnlineTuner`; without either it
+remembers that tuning is off and every later call returns at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import weakref
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sumflow.torch import _runtime, ops
+from sumflow.tune import settings as tune_settings
+from sumflow.tune.online import OnlineTuner
+from sumflow.tune.search import make_searcher
+from sumflow.tune.session import TuningSession
+from sumflow.tune.settings import TuneSettings
+from sumflow.tune.space import Configuration
+from sumflow.tune.store import TuningKey, TuningStore
+from sumflow.tune.trial_log import TrialLog
+
+#: Each optimizer's tuner; None once tuning was found to be off for it.
+_tuners: weakref.WeakKeyDictionary[torch.optim.Optimizer, OnlineTuner | None] = (
+    weakref.WeakKeyDictionary()
+)
+
+#: The name of the decision broadcast (ops adds its own prefix).
+BROADCAST_NAME = "sumflow.autotune.decision"
+
+
+def attach(optimizer: torch.optim.Optimizer, settings: TuneSettings | None = None) -> None:
+    """Tunes partition size and credit while `optimizer` (a ``DistributedOptimizer``)
+    trains, with `settings` (default: the ``SUMFLOW_AUTOTUNE*`` variables, whatever
+    ``SUMFLOW_AUTOTUNE`` itself says). Every worker must call it, before the first
+    ``step()``; only rank 0's settings are used."""
+    if not hasattr(optimizer, "_sf_names"):
+        raise TypeError(
+            f"attach() needs a sumflow.torch.DistributedOptimizer, not {type(optimizer).__name__}"
+        )
+    if optimizer in _tuners:
+        raise RuntimeError("this optimizer already has a tuner (attach() twice, or after step())")
+    _tuners[optimizer] = _build(optimizer, settings or tune_settings.from_env())
+
+
+def after_step(optimizer: torch.optim.Optimizer) -> None:
+    """Called by ``DistributedOptimizer.step()`` after each step, on every worker."""
+    try:
+        tuner = _tuners[optimizer]
+    except KeyError:
+        tuner = (
+            _build(optimizer, tune_settings.from_env()) if tune_settings.enabled_in_env() else None
+        )
+        _tuners[optimizer] = tuner
+    if tuner is not None:
+        tuner.after_step()
+
+
+def _tensors(optimizer: Any) -> list[tuple[str, str, int]]:
+    """(name, wire dtype, bytes) of every gradient the optimizer sums, in priority order."""
+    out = []
+    for p in sorted(optimizer._sf_priority, key=optimizer._sf_priority.__getitem__):
+        if p.requires_grad:
+            wire = optimizer._sf_wire_like(p)
+            out.append(
+                (optimizer._sf_names[p], ops.DTYPES[wire.dtype], wire.numel() * wire.element_size())
+            )
+    return out
+
+
+def _start(schedule: dict[str, Any]) -> Configuration | None:
+    """The configuration the job runs now, if its credit is a credit (a scheduler without
+    one reports none, or less than a partition)."""
+    try:
+        return Configuration(int(schedule["partition_bytes"]), int(schedule["credit_bytes"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
+    service = _runtime.current().service
+
+    def drain() -> None:
+        # A push_pull still in flight (step() returned before its sums did) must finish
+        # before the service may switch.
+        if optimizer._sf_handles:
+            optimizer.synchronize()
+
+    def broadcast(obj: Any) -> Any:
+        return ops.broadcast_object(obj, root_rank=0, name=BROADCAST_NAME)
+
+    session = None
+    if service.rank == 0:
+        schedule = service.schedule()
+        tensors = _tensors(optimizer)
+        key = TuningKey(
+            tensors=tuple(tensors),
+            workers=service.size,
+            worker_machines=service.size // service.local_size,
+            servers=service.num_servers,
+            scheduler=str(schedule["scheduler"]),
+        )
+        settings = dataclasses.replace(
+            settings, space=settings.space.capped(max((b for _, _, b in tensors), default=0) or 1)
+        )
+        store = TuningStore(settings.resolved_store_path())
+        log_path = settings.log_path or _default_log_path(store.path, key.digest())
+        session = TuningSession(
+            settings,
+            make_searcher(settings.method, settings.space, settings.seed),
+            key,
+            store,
+            TrialLog(log_path),
+            _start(schedule),
+        )
+    return OnlineTuner(service, broadcast, drain, session)
+
+
+def _default_log_path(store_path: Path, digest: str) -> Path:
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return store_path.parent / "trials" / f"{digest}-{stamp}.jsonl"
