@@ -1,6 +1,7 @@
 """Typed stub of ``sumflow._core``, the Rust extension module (crates/binding)."""
 
 from collections.abc import Sequence
+from typing import Any
 
 __version__: str
 """The version of the core: the Cargo workspace's."""
@@ -65,6 +66,8 @@ class CommunicationService:
         rank: int | None = None,
         name: str | None = None,
         partition_bytes: int = 4194304,
+        scheduler: str = "bytescheduler",
+        credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
         connections_per_cpu_server: int | None = None,
         join_timeout: float = 300.0,
@@ -79,7 +82,11 @@ class CommunicationService:
         ``host_id`` names this worker's machine: workers with the same one share its
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
         other nodes' error messages. Tensors are cut into partitions of at most
-        ``partition_bytes``. At most ``push_window_bytes`` (default: 4 partitions; 0:
+        ``partition_bytes``. ``scheduler`` decides when partitions go out: ``"fifo"``,
+        ``"p3"``, ``"bytescheduler"`` or ``"prophet"`` (docs/scheduling.md);
+        ``credit_bytes`` (default: 2 partitions; 0: unbounded) is the credit of
+        ByteScheduler and Prophet, the bytes pushed to one server that it has not
+        acknowledged yet. At most ``push_window_bytes`` (default: 4 partitions; 0:
         unbounded) may be pushed to one server before their sums come back, which keeps
         the workers' pushes to a server in step so its sums stream back while pushes go
         out. ``connections_per_cpu_server`` (1 to 16; default: round(c/g) of BytePS's
@@ -89,6 +96,20 @@ class CommunicationService:
         every link; colocated servers get one.
         """
 
+    def mark_step(self) -> None:
+        """Marks the end of an iteration's backward pass (the plugin calls it at each
+        optimizer step); Prophet profiles iterations by it."""
+    def reconfigure(
+        self, partition_bytes: int | None = None, credit_bytes: int | None = None
+    ) -> None:
+        """Changes the partition size and/or the credit per server. Every worker must
+        make the same call between the same two steps, with no operation in flight
+        (raises ``ValueError`` otherwise). A new partition size re-cuts every declared
+        tensor under keys of its own; a size used before gets its old keys back."""
+    def schedule(self) -> dict[str, Any]:
+        """The schedule in use: ``scheduler`` (name), ``partition_bytes``,
+        ``credit_bytes``, and ``bandwidth`` (bytes/s at which partitions complete) once
+        measured."""
     @property
     def rank(self) -> int:
         """This worker's rank, 0 to size - 1."""

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
@@ -78,7 +79,8 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = 4 << 20, push_window_bytes = None,
+        partition_bytes = 4 << 20, scheduler = "bytescheduler", credit_bytes = None,
+        push_window_bytes = None,
         connections_per_cpu_server = None, join_timeout = 300.0, declare_timeout = 300.0,
         connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
     ))]
@@ -91,6 +93,8 @@ impl PyCommunicationService {
         rank: Option<u32>,
         name: Option<String>,
         partition_bytes: u64,
+        scheduler: &str,
+        credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
         connections_per_cpu_server: Option<u32>,
         join_timeout: f64,
@@ -107,6 +111,8 @@ impl PyCommunicationService {
             cfg.name = name;
         }
         cfg.partition_bytes = partition_bytes;
+        cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
+        cfg.credit_bytes = credit_bytes;
         cfg.push_window_bytes = push_window_bytes;
         cfg.connections_per_cpu_server = connections_per_cpu_server;
         cfg.join_timeout = seconds("join_timeout", join_timeout)?;
@@ -155,6 +161,41 @@ impl PyCommunicationService {
     #[getter]
     fn num_servers(&self) -> usize {
         self.svc.cluster_map().servers.len()
+    }
+
+    /// Marks the end of an iteration's backward pass (the plugin calls it at each
+    /// optimizer step): Prophet profiles iterations by it.
+    fn mark_step(&self, py: Python<'_>) {
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.mark_step());
+    }
+
+    /// Changes the partition size and/or the credit per server. Every worker must make
+    /// the same call between the same two steps, with no operation in flight.
+    #[pyo3(signature = (partition_bytes = None, credit_bytes = None))]
+    fn reconfigure(
+        &self,
+        py: Python<'_>,
+        partition_bytes: Option<u64>,
+        credit_bytes: Option<u64>,
+    ) -> PyResult<()> {
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.reconfigure(partition_bytes, credit_bytes))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// The schedule in use: ``{"scheduler", "partition_bytes", "credit_bytes"}``, plus
+    /// ``"bandwidth"`` (bytes/s at which partitions complete) once measured.
+    fn schedule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (kind, partition, credit) = self.svc.schedule();
+        let d = PyDict::new(py);
+        d.set_item("scheduler", kind.name())?;
+        d.set_item("partition_bytes", partition)?;
+        d.set_item("credit_bytes", credit)?;
+        if let Some(rate) = self.svc.bandwidth() {
+            d.set_item("bandwidth", rate)?;
+        }
+        Ok(d)
     }
 
     /// Declares a tensor by name; returns its id. Every worker must declare it with the

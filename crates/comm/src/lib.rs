@@ -28,8 +28,8 @@ pub mod pipeline;
 pub mod placement;
 mod queue;
 mod scatter;
+pub mod scheduler;
 pub mod service;
-mod window;
 
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, ReduceOp};

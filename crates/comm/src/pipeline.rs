@@ -1,37 +1,34 @@
-//! The staged pipeline (BytePS §6.1): partitions go out through a push stage, one thread
-//! and priority queue per lane, and each lane's sums come back through that lane's
-//! receiver thread, which reads them straight into the tensors they belong to. A lane is
-//! one connection to a server; a server has one or more (see [`crate::lanes`]), and each
-//! of its keys always travels on the same one, `key % lanes`, so a key's push, pull and
-//! sum stay in order on one connection.
+//! The staged pipeline (BytePS §6.1) under a scheduler: partitions become ready, the
+//! [`Scheduler`] decides when each starts, a push thread per lane sends what started, and
+//! each lane's receiver thread reads the sums straight into the tensors they belong to.
+//! A lane is one connection to a server; a server has one or more (see [`crate::lanes`]),
+//! and each of its keys always travels on the same one, `key % lanes`, so a key's push,
+//! pull and sum stay in order on one connection.
 //!
 //! ```text
-//!  enqueue --> [push queue l] --push thread l--> server s --receiver l--> tensor
-//!              by priority      (lane l of s)               (read in place, then / n for Average)
+//!  enqueue --> scheduler --started--> [lane queue l] --push thread l--> server s --receiver l--> tensor
+//!              (order, credit,         FIFO                                        (read in place,
+//!               Prophet's blocks)                                                   / n for Average)
+//!                   ^------------------------------- finished ----------------------------'
 //! ```
 //!
 //! Pushes of later partitions go out while earlier ones are still being summed and pulled,
-//! and partitions of different tensors interleave by priority. Each lane has its own push
-//! queue and thread: every worker sends partitions in the same priority order, so with one
-//! sending thread all workers would push to the same server at once while the links to the
-//! others idled (incast: that server's ingress at B shared by n-1 senders, each worker's
-//! egress at B/(n-1)). One sender per lane keeps every link busy, as BytePS §4.1's
-//! analysis assumes, and each lane still sends its most urgent partition first. A sum is
-//! read from the socket into the caller's memory directly: no intermediate buffer to allocate or fault
-//! in, and no second pass to copy it, so a sum is touched once (twice when averaged).
+//! and partitions of different tensors interleave as the scheduler orders them. Each lane
+//! has its own send queue and thread: every worker sends partitions in the same order, so
+//! with one sending thread all workers would push to the same server at once while the
+//! links to the others idled (incast). One sender per lane keeps every link busy, as
+//! BytePS §4.1's analysis assumes. A sum is read from the socket into the caller's memory
+//! directly: no intermediate buffer to allocate or fault in, and no second pass to copy
+//! it, so a sum is touched once (twice when averaged).
 //!
-//! Nothing here waits on other workers before sending: a round completes only once every
-//! worker pushed it, and workers may reach their partitions in different orders, so any
-//! window counting bytes until their sums return could fill up with partitions the others
-//! have not pushed yet and stall the job. Bytes in flight are bounded by the push thread's
-//! blocking writes and the server's receive buffers instead. (ByteScheduler's credit,
-//! which counts until the server has *received* a push, needs push acknowledgements the
-//! protocol does not have yet.)
+//! The scheduler is driven inline by the events (a push_pull call, a sum arriving) and by
+//! one timer thread for what happens without an event (a credit's stall rule, Prophet's
+//! deadline).
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -43,15 +40,11 @@ use tracing::{debug, warn};
 use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
-use crate::queue::StageQueue;
-use crate::window::PushWindow;
+use crate::queue::LaneQueue;
+use crate::scheduler::{Order, Part, Schedule, Scheduler, Started};
 
-/// How often idle stage threads check for shutdown.
+/// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
-
-/// How long a full push window waits without any sum coming back before it lets one more
-/// partition out (only workers that disagree on priorities ever need it).
-const WINDOW_STALL: Duration = Duration::from_millis(200);
 
 /// A span of the caller's tensor memory.
 ///
@@ -110,17 +103,9 @@ pub struct PartTask {
     pub round: u64,
     pub server: usize,
     pub dtype: Dtype,
-    pub priority: i64,
     pub data: HostSlice,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
-}
-
-impl PartTask {
-    /// Its place in the sending order, the same on every worker.
-    fn order(&self) -> (i64, u64) {
-        (self.priority, self.key)
-    }
 }
 
 /// One server's connections, as [`Pipeline::start`] takes them.
@@ -131,12 +116,11 @@ pub struct ServerLink {
     pub lanes: Vec<(ServerSender, ServerReceiver)>,
 }
 
-/// One connection to a server, with its own push queue, push window and threads.
+/// One connection to a server, with its send queue.
 struct Lane {
     server: usize,
     sender: Mutex<ServerSender>,
-    queue: StageQueue<PartTask>,
-    window: Mutex<PushWindow>,
+    queue: LaneQueue<(Order, PartTask)>,
 }
 
 struct Shared {
@@ -144,7 +128,11 @@ struct Shared {
     /// Per server: (its first lane, how many).
     server_lanes: Vec<(usize, usize)>,
     server_names: Vec<String>,
-    in_flight: Mutex<HashMap<u64, PartTask>>,
+    scheduler: Mutex<Scheduler<PartTask>>,
+    /// Wakes the timer thread when the scheduler's next deadline may have moved.
+    timer: Condvar,
+    /// Started partitions by key: (their order, the task).
+    in_flight: Mutex<HashMap<u64, (Order, PartTask)>>,
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     stop: AtomicBool,
@@ -161,6 +149,24 @@ impl Shared {
         let (first, count) = self.server_lanes[server];
         &self.lanes[first..first + count]
     }
+
+    fn scheduler(&self) -> MutexGuard<'_, Scheduler<PartTask>> {
+        self.scheduler.lock().expect("scheduler lock")
+    }
+
+    /// Hands what the scheduler started to the lanes. Called with the scheduler locked, so
+    /// lanes receive partitions in the order they started.
+    fn dispatch(&self, started: Vec<Started<PartTask>>) {
+        for Started {
+            server,
+            order,
+            item,
+        } in started
+        {
+            let lane = self.lane_of(server, item.key);
+            self.lanes[lane].queue.push((order, item));
+        }
+    }
 }
 
 pub struct Pipeline {
@@ -169,16 +175,12 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts the stage threads over each server's lanes. A server's push window of
-    /// `window_bytes` (see [`crate::window`]; 0: unbounded) is split evenly over its lanes:
-    /// a lane carries pieces of 1/lanes of a partition, and holds as many in flight as a
-    /// single connection holds partitions. More would let workers drift further apart on
-    /// that server (measured at n = 4, k = 2: 0.84 of Eq. 6 with a whole window per lane,
-    /// 0.94 split).
+    /// Starts the lanes' threads and the scheduler's timer over each server's lanes.
     pub fn start(
         links: Vec<ServerLink>,
         handles: Arc<Handles>,
-        window_bytes: u64,
+        schedule: Schedule,
+        partition_bytes: u64,
     ) -> Result<Pipeline, CommError> {
         let mut lanes = Vec::new();
         let mut receivers = Vec::new();
@@ -193,25 +195,23 @@ impl Pipeline {
             }
             server_lanes.push((lanes.len(), link.lanes.len()));
             names.push(link.name);
-            let lane_window = match window_bytes {
-                0 => 0,
-                w => (w / link.lanes.len() as u64).max(1),
-            };
             for (tx, rx) in link.lanes {
                 lanes.push(Lane {
                     server,
                     sender: Mutex::new(tx),
-                    queue: StageQueue::default(),
-                    window: Mutex::new(PushWindow::new(lane_window, WINDOW_STALL, Instant::now())),
+                    queue: LaneQueue::default(),
                 });
                 receivers.push(rx);
             }
         }
+        let scheduler = Scheduler::new(schedule, partition_bytes, names.len(), Instant::now());
         let shared = Arc::new(Shared {
             dead: names.iter().map(|_| Mutex::new(None)).collect(),
             lanes,
             server_lanes,
             server_names: names,
+            scheduler: Mutex::new(scheduler),
+            timer: Condvar::new(),
             in_flight: Mutex::new(HashMap::new()),
             handles,
             stop: AtomicBool::new(false),
@@ -235,33 +235,70 @@ impl Pipeline {
                 Box::new(move || push_loop(&sh, l)),
             )?);
         }
+        let sh = Arc::clone(&shared);
+        threads.push(spawn(
+            "sumflow-scheduler".into(),
+            Box::new(move || timer_loop(&sh)),
+        )?);
         Ok(Pipeline {
             shared,
             threads: Mutex::new(threads),
         })
     }
 
-    /// Queues a partition for the push stage.
-    pub fn enqueue(&self, task: PartTask) {
-        if self.shared.stop.load(Ordering::Acquire) {
-            self.shared
-                .handles
-                .fail(task.handle, |_| CommError::Shutdown);
-            return;
+    /// Hands the partitions of one push_pull of `tensor` to the scheduler, as ready now.
+    pub fn enqueue(&self, tensor: u32, priority: i64, tasks: Vec<PartTask>) {
+        let sh = &self.shared;
+        let mut parts = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            if sh.stop.load(Ordering::Acquire) {
+                sh.handles.fail(task.handle, |_| CommError::Shutdown);
+                continue;
+            }
+            if let Some(why) = sh.dead[task.server].lock().expect("dead lock").clone() {
+                let name = sh.server_names[task.server].clone();
+                sh.handles.fail(task.handle, |t| lost(t, &name, &why));
+                continue;
+            }
+            parts.push(Part {
+                key: task.key,
+                server: task.server,
+                bytes: task.data.len as u64,
+                item: task,
+            });
         }
-        if let Some(why) = self.shared.dead[task.server]
-            .lock()
-            .expect("dead lock")
-            .clone()
-        {
-            let name = self.shared.server_names[task.server].clone();
-            self.shared
-                .handles
-                .fail(task.handle, |t| lost(t, &name, &why));
-            return;
-        }
-        let lane = self.shared.lane_of(task.server, task.key);
-        self.shared.lanes[lane].queue.push(task.order(), task);
+        let now = Instant::now();
+        let mut s = sh.scheduler();
+        s.ready(tensor, priority, parts, now);
+        sh.dispatch(s.poll(now));
+        drop(s);
+        sh.timer.notify_one();
+    }
+
+    /// Marks the end of an iteration's backward pass (the plugin's optimizer step).
+    pub fn mark_step(&self) {
+        let sh = &self.shared;
+        let mut s = sh.scheduler();
+        s.mark_step();
+        sh.dispatch(s.poll(Instant::now()));
+    }
+
+    /// Changes the credit per server (and the partition size P3's credit follows).
+    pub fn set_credit(&self, credit_bytes: u64, partition_bytes: u64) {
+        let sh = &self.shared;
+        let mut s = sh.scheduler();
+        s.set_credit(credit_bytes, partition_bytes);
+        sh.dispatch(s.poll(Instant::now()));
+    }
+
+    /// The scheduler's knobs now.
+    pub fn schedule(&self) -> Schedule {
+        self.shared.scheduler().schedule().clone()
+    }
+
+    /// The measured rate at which partitions complete, in bytes per second.
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.shared.scheduler().bandwidth()
     }
 
     /// The name of a server, for messages.
@@ -275,6 +312,8 @@ impl Pipeline {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
         }
+        drop(self.shared.scheduler().drain_where(|_, _| true));
+        self.shared.timer.notify_all();
         for lane in &self.shared.lanes {
             lane.queue.close();
         }
@@ -315,67 +354,74 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     }
     let name = &sh.server_names[server];
     warn!(server = %name, reason = %why, "lost a summation server");
-    let stranded: Vec<PartTask> = {
+    let stranded: Vec<(Order, PartTask)> = {
         let mut inf = sh.in_flight.lock().expect("in-flight lock");
         let keys: Vec<u64> = inf
             .iter()
-            .filter(|(_, t)| t.server == server)
+            .filter(|(_, t)| t.1.server == server)
             .map(|(k, _)| *k)
             .collect();
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
     };
-    drop(stranded);
-    for lane in sh.lanes_of(server) {
-        lane.queue.drain_where(|_| true);
+    {
+        let now = Instant::now();
+        let mut s = sh.scheduler();
+        for (order, _) in &stranded {
+            s.abandoned(*order, now);
+        }
+        drop(s.drain_where(|s, _| s == server));
+        for lane in sh.lanes_of(server) {
+            for (order, _) in lane.queue.drain() {
+                s.abandoned(order, now);
+            }
+        }
+        sh.dispatch(s.poll(now));
     }
     sh.handles.fail_all(Some(server), |t| lost(t, name, why));
 }
 
-/// Sends the partitions queued for `lane`, most urgent first, as its window allows.
+/// Runs the scheduler's time-driven decisions: a full credit's stall rule, Prophet's
+/// deadline for held partitions.
+fn timer_loop(sh: &Shared) {
+    let mut s = sh.scheduler();
+    while !sh.stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        sh.dispatch(s.poll(now));
+        let wait = s.next_deadline(now).map_or(POLL, |d| {
+            d.saturating_duration_since(now)
+                .clamp(Duration::from_millis(1), POLL)
+        });
+        s = sh.timer.wait_timeout(s, wait).expect("scheduler lock").0;
+    }
+}
+
+/// Sends the partitions started for `lane`, in the order they started.
 fn push_loop(sh: &Shared, lane: usize) {
     let mut initialised: HashSet<u64> = HashSet::new();
     let Lane {
         server,
         sender,
         queue,
-        window,
     } = &sh.lanes[lane];
     let server = *server;
     while !sh.stop.load(Ordering::Acquire) {
-        let wait = {
-            let w = window.lock().expect("window lock");
-            if w.bytes() == 0 {
-                POLL
-            } else {
-                w.until_stall(Instant::now())
-                    .clamp(Duration::from_millis(1), POLL)
-            }
-        };
-        let popped = queue.pop_when(wait, |order, task| {
-            let w = window.lock().expect("window lock");
-            w.may_send(order, task.data.len as u64, Instant::now())
-        });
-        let Some(task) = popped else {
+        let Some((order, task)) = queue.pop(POLL) else {
             continue;
         };
         // A failed operation's buffer may already be gone: drop its remaining partitions.
         if !sh.handles.begin_access(task.handle) {
+            sh.scheduler().abandoned(order, Instant::now());
             continue;
         }
         debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
         let (key, round, dtype, len, handle) =
             (task.key, task.round, task.dtype, task.data.len, task.handle);
         let data = task.data;
-        let order = task.order();
-        window
-            .lock()
-            .expect("window lock")
-            .sent(order, len as u64, Instant::now());
         // Registered before the frames go out: the reply may beat this thread back.
         sh.in_flight
             .lock()
             .expect("in-flight lock")
-            .insert(key, task);
+            .insert(key, (order, task));
         let sent = {
             let mut tx = sender.lock().expect("sender lock");
             let init = if initialised.insert(key) {
@@ -400,7 +446,11 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     let server = sh.lanes[lane].server;
     loop {
         let received = match rx.recv_header() {
-            Ok(Reply::Sum(head)) => receive_sum(sh, lane, &mut rx, head),
+            Ok(Reply::Sum(head)) => receive_sum(sh, &mut rx, head),
+            Ok(Reply::PushAck { key, round }) => {
+                acknowledged(sh, key, round);
+                Ok(())
+            }
             Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => Ok(()),
             Err(ClientError::Remote {
                 key: Some(key),
@@ -409,8 +459,8 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 ..
             }) => {
                 let task = sh.in_flight.lock().expect("in-flight lock").remove(&key);
-                if let Some(task) = task {
-                    window_freed(sh, lane, &task);
+                if let Some((order, task)) = task {
+                    finished(sh, order, false);
                     let server_name = sh.server_names[server].clone();
                     sh.handles.fail(task.handle, |t| CommError::Failed {
                         tensor: t.to_string(),
@@ -432,32 +482,40 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     }
 }
 
-/// A partition's sum is back (or it failed): its bytes leave `lane`'s window, which may
-/// let the push thread send the next one.
-fn window_freed(sh: &Shared, lane: usize, task: &PartTask) {
-    let lane = &sh.lanes[lane];
-    lane.window
-        .lock()
-        .expect("window lock")
-        .finished(task.order(), Instant::now());
-    lane.queue.notify();
+/// The server has read a push: its credit returns, which may start the next ones.
+fn acknowledged(sh: &Shared, key: u64, round: u64) {
+    let order = match sh.in_flight.lock().expect("in-flight lock").get(&key) {
+        Some((order, task)) if task.round == round => *order,
+        _ => return,
+    };
+    let mut s = sh.scheduler();
+    s.acknowledged(order);
+    sh.dispatch(s.poll(Instant::now()));
+}
+
+/// A partition's sum is back (or it failed): its credit returns, which may start the
+/// next ones.
+fn finished(sh: &Shared, order: Order, ok: bool) {
+    let now = Instant::now();
+    let mut s = sh.scheduler();
+    if ok {
+        s.finished(order, now);
+    } else {
+        s.abandoned(order, now);
+    }
+    sh.dispatch(s.poll(now));
 }
 
 /// Reads a sum straight into its partition of the caller's tensor, averages it there if
 /// asked, and marks the partition done. An error is why the server must be given up.
-fn receive_sum(
-    sh: &Shared,
-    lane: usize,
-    rx: &mut ServerReceiver,
-    head: SumHeader,
-) -> Result<(), String> {
+fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<(), String> {
     let task = sh
         .in_flight
         .lock()
         .expect("in-flight lock")
         .remove(&head.key);
-    let task = match task {
-        Some(task) if task.round == head.round => task,
+    let (order, task) = match task {
+        Some((order, task)) if task.round == head.round => (order, task),
         other => {
             return Err(format!(
                 "sent the sum of key {} round {} that was not asked for ({other:?})",
@@ -465,7 +523,8 @@ fn receive_sum(
             ))
         }
     };
-    window_freed(sh, lane, &task);
+    // The credit returns before the sum is read: the next push overlaps the read.
+    finished(sh, order, true);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
         return rx.skip_sum().map_err(|e| e.to_string());

@@ -246,6 +246,8 @@ def init() -> Runtime:
                 rank=rank,
                 name=os.environ.get("SUMFLOW_WORKER_NAME") or f"worker pid {os.getpid()}",
                 partition_bytes=_env_int("SUMFLOW_PARTITION_BYTES") or 4 << 20,
+                scheduler=os.environ.get("SUMFLOW_SCHEDULER") or "bytescheduler",
+                credit_bytes=_env_int("SUMFLOW_CREDIT_BYTES"),
                 push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
                 connections_per_cpu_server=_env_int("SUMFLOW_CPU_SERVER_CONNECTIONS"),
                 join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),

@@ -156,6 +156,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Synchronizes gradients (unless inside ``skip_synchronize()``) and steps."""
+        # The backward pass is over: the scheduler closes its view of the iteration.
+        ops._runtime.current().service.mark_step()
         if self._sf_skip:
             if not self._sf_synchronized and self._sf_handles:
                 raise RuntimeError(
