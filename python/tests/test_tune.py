@@ -564,3 +564,85 @@ def test_compare_names_what_is_wrong_with_a_grid_file(
     with pytest.raises(ValueError, match=match):
         compare.load_grid(path)
     assert compare.main([str(path)]) == 2
+
+
+# --- a real job -------------------------------------------------------------------------
+
+TUNE_WORKER = str(Path(__file__).with_name("tune_worker.py"))
+
+
+def tuned_job(tmp_path: Path, out: Path, mode: str = "1") -> list[dict[str, Any]]:
+    """Two workers training tune_worker's model under SUMFLOW_AUTOTUNE=`mode` with a grid
+    over partitions of 4 to 32 KiB: 4 trials of 1 warm-up + 2 measured steps."""
+    import torch
+    from jobs import run_worker_processes
+
+    out.mkdir()
+    env = {
+        "SUMFLOW_AUTOTUNE": mode,
+        "SUMFLOW_AUTOTUNE_METHOD": "grid",
+        "SUMFLOW_AUTOTUNE_TRIALS": "4",
+        "SUMFLOW_AUTOTUNE_WARMUP_STEPS": "1",
+        "SUMFLOW_AUTOTUNE_MEASURE_STEPS": "2",
+        "SUMFLOW_AUTOTUNE_PARTITION_BYTES": "4096:32768",
+        "SUMFLOW_AUTOTUNE_FILE": str(tmp_path / "autotune.json"),
+        "SUMFLOW_AUTOTUNE_LOG": str(out / "trials.jsonl"),
+        "SUMFLOW_PARTITION_BYTES": "16384",
+        "SUMFLOW_CREDIT_BYTES": "32768",
+    }
+    outcomes = run_worker_processes(out, 2, [TUNE_WORKER, str(out)], 1, env=env)
+    for o in outcomes:
+        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
+    assert "sumflow autotune: " in outcomes[0].stderr
+    assert "sumflow autotune: " not in outcomes[1].stderr  # only rank 0 explains itself
+    return [torch.load(out / f"rank{o.rank}.pt", weights_only=False) for o in outcomes]
+
+
+def one_process_reference() -> dict[str, Any]:
+    import torch
+    from tune_worker import STEPS, batch, make_optimizer, model
+
+    m = model()
+    opt = make_optimizer(m.parameters())
+    for step in range(STEPS):
+        opt.zero_grad()
+        xs, ys = zip(*(batch(step, r, 2) for r in range(2)))
+        torch.nn.functional.cross_entropy(m(torch.cat(xs)), torch.cat(ys)).backward()
+        opt.step()
+    return m.state_dict()
+
+
+def test_a_tuned_job_switches_every_worker_at_the_same_step_and_sums_right(
+    tmp_path: Path,
+) -> None:
+    import torch
+
+    got = tuned_job(tmp_path, tmp_path / "first")
+    schedules = [r["schedules"] for r in got]
+    assert schedules[0] == schedules[1]
+    # After step k (1-based) the schedule is what boundary k applied: the start until the
+    # first proposal at step 4, then one grid point per trial, then the best from step 13.
+    changes = [k + 1 for k in range(1, len(schedules[0])) if schedules[0][k] != schedules[0][k - 1]]
+    assert schedules[0][0] == (16384, 32768)
+    assert set(changes) <= {4, 7, 10, 13}
+    assert len(changes) >= 2  # the grid's first points differ from the start
+    events = [json.loads(x) for x in (tmp_path / "first" / "trials.jsonl").read_text().splitlines()]
+    trials = [e for e in events if e["event"] == "trial"]
+    assert len(trials) == 4
+    assert events[-1]["event"] == "finish"
+    best = Configuration.from_json(events[-1]["best"]["config"])
+    assert schedules[0][-1] == (best.partition_bytes, best.credit_bytes)
+    for t in trials[1:]:
+        assert 4096 <= t["config"]["partition_bytes"] <= 32768
+    # Re-partitioning mid-training changes nothing in the sums.
+    want = one_process_reference()
+    for r in got:
+        for k, v in want.items():
+            assert torch.allclose(r["state"][k], v, rtol=0, atol=1e-10), k
+
+    # A second run of the same job applies the stored best at the first step, untuned.
+    again = tuned_job(tmp_path, tmp_path / "again")
+    assert again[0]["schedules"] == again[1]["schedules"]
+    assert set(again[0]["schedules"]) == {(best.partition_bytes, best.credit_bytes)}
+    events = [json.loads(x) for x in (tmp_path / "again" / "trials.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events] == ["start", "reuse"]

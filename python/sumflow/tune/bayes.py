@@ -133,8 +133,7 @@ class BayesianSearch:
                 f"{high * 1e3:.1f} ms); its expected improvement, "
                 f"{detail['expected_improvement'] * 100:.2g}% over the best "
                 f"{math.exp(min(seen)) * 1e3:.1f} ms, is the largest in the space "
-                f"(length scales: {detail['length_scales']['partition_octaves']:.2g} octaves "
-                f"of partition size, {detail['length_scales']['credit_octaves']:.2g} of credit)"
+                f"(length scales: {_describe_scales(detail['length_scales'])})"
             )
         return Proposal(config, reason, detail, trial.number)
 
@@ -151,12 +150,16 @@ class BayesianSearch:
             log_ei = float(acqf.eval_acqf(xt))
         log_t = mean - float(m) * std
         sd = math.sqrt(max(float(var), 0.0)) * std
-        # The GP's length scales are in the unit cube optuna normalises log values to.
-        scales = acqf.length_scales
-        octaves = (
+        # The GP's length scales are in the unit cube optuna normalises log values to;
+        # a knob whose range is a single value is not modelled at all.
+        octaves = [
             math.log2(self._space.max_partition_bytes / self._space.min_partition_bytes),
             math.log2(self._space.max_credit_partitions),
-        )
+        ]
+        modelled = [
+            (name, o) for name, o in zip(("partition_octaves", "credit_octaves"), octaves) if o > 0
+        ]
+        scales = {name: float(ls) * o for (name, o), ls in zip(modelled, acqf.length_scales)}
         return {
             "kind": "gp-expected-improvement",
             "observations": len(seen),
@@ -165,10 +168,7 @@ class BayesianSearch:
             # EI of the log step time; exp(-EI) is the step time it expects as a fraction
             # of the best one.
             "expected_improvement": 1 - math.exp(-math.exp(log_ei) * std),
-            "length_scales": {
-                "partition_octaves": float(scales[0]) * octaves[0],
-                "credit_octaves": float(scales[-1]) * octaves[1],
-            },
+            "length_scales": scales,
         }
 
     def tell(self, proposal: Proposal, score: float) -> None:
@@ -200,3 +200,10 @@ class BayesianSearch:
                     value=math.log(score),
                 )
             )
+
+
+def _describe_scales(scales: dict[str, float]) -> str:
+    """``'3.4 octaves of partition size, 1.2 octaves of credit'``: how far apart two
+    configurations may be and still, to the model, perform alike."""
+    knob = {"partition_octaves": "partition size", "credit_octaves": "credit"}
+    return ", ".join(f"{v:.2g} octaves of {knob[k]}" for k, v in scales.items())

@@ -31,6 +31,10 @@ _tuners: weakref.WeakKeyDictionary[torch.optim.Optimizer, OnlineTuner | None] = 
     weakref.WeakKeyDictionary()
 )
 
+#: The schedulers that use the credit (docs/scheduling.md); for the others only the
+#: partition size is tuned.
+CREDIT_SCHEDULERS = ("bytescheduler", "prophet")
+
 #: The name of the decision broadcast (ops adds its own prefix).
 BROADCAST_NAME = "sumflow.autotune.decision"
 
@@ -75,11 +79,14 @@ def _tensors(optimizer: Any) -> list[tuple[str, str, int]]:
 
 
 def _start(schedule: dict[str, Any]) -> Configuration | None:
-    """The configuration the job runs now, if its credit is a credit (a scheduler without
-    one reports none, or less than a partition)."""
+    """The configuration the job runs now; None when its credit is not one the search can
+    express (0, unbounded)."""
+    partition = int(schedule["partition_bytes"])
+    if schedule["scheduler"] not in CREDIT_SCHEDULERS:
+        return Configuration(partition, partition)
     try:
-        return Configuration(int(schedule["partition_bytes"]), int(schedule["credit_bytes"]))
-    except (KeyError, TypeError, ValueError):
+        return Configuration(partition, int(schedule["credit_bytes"]))
+    except ValueError:
         return None
 
 
@@ -106,9 +113,12 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
             servers=service.num_servers,
             scheduler=str(schedule["scheduler"]),
         )
-        settings = dataclasses.replace(
-            settings, space=settings.space.capped(max((b for _, _, b in tensors), default=0) or 1)
-        )
+        space = settings.space.capped(max((b for _, _, b in tensors), default=0) or 1)
+        if key.scheduler not in CREDIT_SCHEDULERS:
+            # fifo sends everything, p3 one partition per server: the credit is not theirs
+            # to use, and trials spent on it would measure noise.
+            space = dataclasses.replace(space, max_credit_partitions=1.0)
+        settings = dataclasses.replace(settings, space=space)
         store = TuningStore(settings.resolved_store_path())
         log_path = settings.log_path or _default_log_path(store.path, key.digest())
         session = TuningSession(

@@ -21,6 +21,8 @@ from sumflow.tune.space import Configuration
 from sumflow.tune.store import TunedResult, TuningKey, TuningStore
 from sumflow.tune.trial_log import TrialLog, faster_than, ms
 
+_NO_START = "a credit the search space cannot express (unbounded?), not measured"
+
 
 @dataclass(frozen=True)
 class Decision:
@@ -95,9 +97,9 @@ class TuningSession:
         )
         self._log.record(
             "start",
-            f"tuning partition size and credit with {s.method} for at most {budget}; each "
-            f"trial runs {s.warmup_steps} warm-up + {s.measure_steps} measured steps; "
-            f"started with {self._start.describe() if self._start else 'no known credit'}; "
+            f"tuning with {s.method} over {s.space.describe()}, for at most {budget}; each "
+            f"trial runs {s.warmup_steps} warm-up + {s.measure_steps} measured steps; the job "
+            f"started with {self._start.describe() if self._start else _NO_START}; "
             f"trial log: {self._log.path}",
             key=self._key.to_json(),
             key_digest=self._key.digest(),

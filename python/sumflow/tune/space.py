@@ -173,6 +173,18 @@ class SearchSpace:
                     out.append(config)
         return out
 
+    def describe(self) -> str:
+        """``'partitions of 64 KiB to 32 MiB, credits of 1 to 16 partitions'``."""
+        credit = (
+            "credit fixed at one partition"
+            if self.max_credit_partitions == 1
+            else f"credits of 1 to {self.max_credit_partitions:g} partitions"
+        )
+        return (
+            f"partitions of {format_bytes(self.min_partition_bytes)} to "
+            f"{format_bytes(self.max_partition_bytes)}, {credit}"
+        )
+
     def to_json(self) -> dict[str, float]:
         return {
             "min_partition_bytes": self.min_partition_bytes,
