@@ -2,6 +2,7 @@
 
 from collections.abc import Sequence
 from typing import Any
+from os import PathLike
 
 __version__: str
 """The version of the core: the Cargo workspace's."""
@@ -75,6 +76,10 @@ class CommunicationService:
         connect_timeout: float = 60.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
+        trace_dir: str | PathLike[str] | None = None,
+        trace_start_step: int | None = None,
+        trace_steps: int | None = None,
+        trace_max_events: int | None = None,
     ) -> None:
         """Joins the job at ``coordinator`` (host:port) with the job ``token`` and blocks
         (GIL released) until every node has joined, at most ``join_timeout`` seconds.
@@ -94,11 +99,14 @@ class CommunicationService:
         for it cut into one piece per connection (every worker must use the same value),
         so that TCP's per-connection fairness gives it its share of
         every link; colocated servers get one.
+
+        With ``trace_dir`` the worker records a Chrome trace of steps ``trace_start_step``
+        (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most
+        ``trace_max_events`` events (default 500000), into
+        ``trace_dir/sumflow-trace-rank{rank}.json`` (see ``docs/tracing.md``); the
+        directory is created now.
         """
 
-    def mark_step(self) -> None:
-        """Marks the end of an iteration's backward pass (the plugin calls it at each
-        optimizer step); Prophet profiles iterations by it."""
     def reconfigure(
         self, partition_bytes: int | None = None, credit_bytes: int | None = None
     ) -> None:
@@ -156,6 +164,40 @@ class CommunicationService:
         """Waits (GIL released) until every worker reaches this barrier."""
     def placement_report(self) -> list[str]:
         """One line per summation server: the bytes of declared tensors it sums."""
+    def mark_step(self) -> tuple[str, str] | None:
+        """Ends the current training step (the end of its backward pass): Prophet profiles
+        iterations by it, and the trace window counts it. Returns (path, which steps
+        it holds) when this step closed the window and the trace was written; raises
+        ``OSError`` if it could not be."""
+    def trace_flush(self) -> tuple[str, str] | None:
+        """Writes the trace now unless it was written already or tracing is off: what the
+        window holds so far, or a file saying why it holds nothing. Returns (path, which
+        steps it holds or why none). ``shutdown`` does this too, without returning it."""
+    @property
+    def tracing(self) -> bool:
+        """Whether trace events are being recorded now."""
+    def trace_now(self) -> int:
+        """The trace clock: nanoseconds since this worker's start, for ``trace_span``."""
+    def trace_span(
+        self,
+        track: str,
+        name: str,
+        start: int,
+        end: int,
+        args: dict[str, object] | None = None,
+    ) -> None:
+        """Records the slice ``name`` from ``start`` to ``end`` (``trace_now()`` readings)
+        on the Python track ``track``, with ``args`` (ints, floats and strings; anything
+        else as its ``str()``) shown when it is selected. Nothing unless recording."""
+    def trace_instant(
+        self,
+        track: str,
+        name: str,
+        at: int | None = None,
+        args: dict[str, object] | None = None,
+    ) -> None:
+        """Records the moment ``name`` at ``at`` (a ``trace_now()`` reading; now if None)
+        on the Python track ``track``. Nothing unless recording."""
     def shutdown(self, reason: str = "shutdown") -> None:
-        """Leaves the job gracefully. Operations in flight fail, and so does any later
-        call."""
+        """Leaves the job gracefully, writing a trace window cut short first. Operations
+        in flight fail, and so does any later call."""

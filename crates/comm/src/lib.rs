@@ -30,6 +30,8 @@ mod queue;
 mod scatter;
 pub mod scheduler;
 pub mod service;
+pub mod trace;
 
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, ReduceOp};
+pub use trace::{TraceConfig, TraceError, TraceFile, Tracer, Track};

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::CommError;
 use crate::handles::Handles;
@@ -18,6 +18,7 @@ use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
 use crate::scheduler::{Schedule, SchedulerKind};
+use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
 const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
@@ -71,6 +72,8 @@ pub struct CommConfig {
     pub declare_timeout: Duration,
     pub coordinator_options: CoordinatorOptions,
     pub connect_timeout: Duration,
+    /// Record a Chrome trace of a window of steps (see [`crate::trace`]); `None`: off.
+    pub trace: Option<TraceConfig>,
 }
 
 impl CommConfig {
@@ -90,6 +93,7 @@ impl CommConfig {
             declare_timeout: Duration::from_secs(300),
             coordinator_options: CoordinatorOptions::default(),
             connect_timeout: Duration::from_secs(60),
+            trace: None,
         }
     }
 }
@@ -148,6 +152,7 @@ pub struct CommunicationService {
     lanes: Vec<u32>,
     declare_timeout: Duration,
     local: (u32, u32),
+    tracer: Arc<Tracer>,
 }
 
 impl CommunicationService {
@@ -165,6 +170,11 @@ impl CommunicationService {
                     lanes::MAX
                 )));
             }
+        }
+        if let Some(trace) = &cfg.trace {
+            trace
+                .prepare()
+                .map_err(|e| CommError::Invalid(e.to_string()))?;
         }
         let reg = Registration {
             role: Role::Worker,
@@ -231,6 +241,11 @@ impl CommunicationService {
         ] {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
+        let tracer = Arc::new(match cfg.trace {
+            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)
+                .map_err(|e| CommError::Invalid(e.to_string()))?,
+            None => Tracer::disabled(),
+        });
         let handles = Arc::new(Handles::default());
         let mut schedule = Schedule::new(cfg.scheduler, cfg.partition_bytes);
         if let Some(credit) = cfg.credit_bytes {
@@ -264,6 +279,7 @@ impl CommunicationService {
             lanes,
             declare_timeout: cfg.declare_timeout,
             local,
+            tracer,
         })
     }
 
@@ -415,11 +431,7 @@ impl CommunicationService {
 
     /// Cuts each placed partition bound for a server with several lanes into one piece per
     /// lane (see [`crate::lanes`]).
-    fn spread(
-        &self,
-        dtype: Dtype,
-        parts: Parts,
-    ) -> Result<Parts, CommError> {
+    fn spread(&self, dtype: Dtype, parts: Parts) -> Result<Parts, CommError> {
         let mut out = Vec::with_capacity(parts.len());
         for (key, server, offset, bytes) in parts {
             let lanes = self.lanes[server as usize];
@@ -551,12 +563,6 @@ impl CommunicationService {
     /// The measured rate at which partitions complete (bytes per second), once measured.
     pub fn bandwidth(&self) -> Option<f64> {
         self.pipeline.bandwidth()
-    }
-
-    /// Marks the end of an iteration's backward pass: the plugin calls it at each optimizer
-    /// step. Prophet closes its profile of the iteration and lets out what it held.
-    pub fn mark_step(&self) {
-        self.pipeline.mark_step();
     }
 
     /// Starts summing the tensor `id` across workers, in place in `ptr..ptr+len`.
@@ -730,11 +736,29 @@ impl CommunicationService {
             .collect()
     }
 
+    /// This worker's trace recorder, for the pipeline's stages and the scheduler.
+    pub fn tracer(&self) -> Arc<Tracer> {
+        Arc::clone(&self.tracer)
+    }
+
+    /// Marks the end of a training step's backward pass (the plugin calls it at each
+    /// optimizer step): Prophet closes its profile of the iteration and lets out what it
+    /// held, and the trace window counts steps by it. Returns the trace file when this step
+    /// ended the window and it was written.
+    pub fn mark_step(&self) -> Result<Option<TraceFile>, TraceError> {
+        self.pipeline.mark_step();
+        self.tracer.mark_step()
+    }
+
     /// Leaves the job gracefully; operations still in flight fail with
-    /// [`CommError::Shutdown`], and so does every later one. Calls after the first do
-    /// nothing.
+    /// [`CommError::Shutdown`], and so does every later one. A trace window cut short is
+    /// written first ([`Tracer::flush`]). Calls after the first do nothing.
     pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
+        // A trace that cannot be written must not fail leaving the job: it is logged.
+        if let Err(e) = self.tracer.flush() {
+            warn!("{e}");
+        }
         Ok(self.job.leave(reason)?)
     }
 }

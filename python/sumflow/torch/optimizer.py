@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import ops
+from sumflow.torch import ops, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.tune import plugin as autotune
 
@@ -156,8 +156,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Any = None) -> Any:
         """Synchronizes gradients (unless inside ``skip_synchronize()``) and steps."""
-        # The backward pass is over: the scheduler closes its view of the iteration.
-        ops._runtime.current().service.mark_step()
+        # The backward pass is over: the scheduler closes its view of the iteration, and
+        # the trace window counts the step.
+        trace.mark_step()
         if self._sf_skip:
             if not self._sf_synchronized and self._sf_handles:
                 raise RuntimeError(
