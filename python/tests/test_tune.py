@@ -366,6 +366,22 @@ def test_a_later_run_reuses_the_stored_result_unless_told_to_retune(tmp_path: Pa
     assert retune.begin() == Decision(None, 4)
 
 
+def test_a_store_that_cannot_be_written_loses_the_result_not_the_job(tmp_path: Path) -> None:
+    lines: list[str] = []
+    (tmp_path / "file").write_text("")
+    s = TuningSession(
+        TuneSettings(method="grid", max_trials=1, warmup_steps=0, measure_steps=1, retune=True),
+        GridSearch.of_space(SearchSpace(), 2, 2),
+        key(),
+        TuningStore(tmp_path / "file" / "autotune.json"),
+        TrialLog(None, lines.append),
+        Configuration(4 * MIB, 16 * MIB),
+    )
+    s.begin()
+    assert s.end_trial([0.1]) == Decision(Configuration(4 * MIB, 16 * MIB), None)
+    assert "NOT stored" in lines[-1]
+
+
 def test_the_time_budget_stops_before_a_trial_would_pass_it(tmp_path: Path) -> None:
     lines: list[str] = []
     s = session(tmp_path, lines, None, max_trials=10, max_seconds=25.0)
@@ -417,24 +433,31 @@ class FakeBroadcast:
 
 
 def run_ranks(
-    tmp_path: Path, ranks: int, steps: int, tune: TuneSettings, lines: list[str]
+    tmp_path: Path,
+    ranks: int,
+    steps: int,
+    tune: TuneSettings,
+    lines: list[str],
+    errors: list[BaseException] | None = None,
 ) -> list[FakeService]:
     """`ranks` workers training `steps` steps on the synthetic cluster, each rank's clock
-    advancing by its configuration's step time."""
+    advancing by its configuration's step time. Workers' exceptions go to `errors` when
+    given, else the first is raised."""
     cluster = SyntheticCluster()
     start = Configuration(4 * MIB, 16 * MIB)
     broadcast = FakeBroadcast(ranks)
     services = [FakeService(start) for _ in range(ranks)]
     drains = [0] * ranks
-    errors: list[BaseException] = []
+    raise_first = errors is None
+    errors = [] if errors is None else errors
 
     def worker(rank: int) -> None:
         try:
             clock = Clock()
             svc = services[rank]
-            sess = None
-            if rank == 0:
-                sess = TuningSession(
+
+            def open_session() -> TuningSession:
+                return TuningSession(
                     tune,
                     make_searcher(tune.method, tune.space, tune.seed),
                     key(),
@@ -447,7 +470,13 @@ def run_ranks(
             def drain() -> None:
                 drains[rank] += 1
 
-            tuner = OnlineTuner(svc, lambda obj: broadcast(rank, obj), drain, sess, clock)
+            tuner = OnlineTuner(
+                svc,
+                lambda obj: broadcast(rank, obj),
+                drain,
+                open_session if rank == 0 else None,
+                clock,
+            )
             rng = random.Random(rank)
             for _ in range(steps):
                 clock.now += cluster.sample(svc.config, rng)
@@ -456,17 +485,31 @@ def run_ranks(
             assert tuner.done
         except BaseException as e:
             errors.append(e)
-            broadcast._barrier.abort()
 
     threads = [threading.Thread(target=worker, args=(r,)) for r in range(ranks)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a rank is stuck"
     if errors:
-        raise errors[0]
+        if raise_first:
+            raise errors[0]
+        return services
     assert drains == [tune.max_trials + 1] * ranks
     return services
+
+
+def test_a_failure_on_rank_0_fails_every_rank_at_once_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "autotune.json").write_text("{not json")
+    errors: list[BaseException] = []
+    tune = TuneSettings(method="random", max_trials=3, warmup_steps=1, measure_steps=2)
+    run_ranks(tmp_path, 3, 10, tune, [], errors)
+    assert len(errors) == 3
+    assert sum(isinstance(e, ValueError) and "not JSON" in str(e) for e in errors) == 1
+    others = [str(e) for e in errors if isinstance(e, RuntimeError)]
+    assert len(others) == 2
+    assert all(m.startswith("auto-tuning failed on rank 0: ValueError:") for m in others)
 
 
 def test_every_rank_switches_at_the_same_steps_to_rank_0s_choices(tmp_path: Path) -> None:

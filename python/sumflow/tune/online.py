@@ -31,7 +31,8 @@ class Reconfigurable(Protocol):
 
 
 class OnlineTuner:
-    """One worker's part. `session` is rank 0's decision maker (None on other ranks);
+    """One worker's part. `open_session` makes rank 0's decision maker (None on other
+    ranks), at the first boundary, so that a failure to set it up reaches every worker;
     `broadcast(obj)` returns rank 0's `obj` on every worker; `drain()` returns once no
     communication is in flight."""
 
@@ -40,17 +41,17 @@ class OnlineTuner:
         service: Reconfigurable,
         broadcast: Callable[[Any], Any],
         drain: Callable[[], None],
-        session: TuningSession | None,
+        open_session: Callable[[], TuningSession] | None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._service = service
         self._broadcast = broadcast
         self._drain = drain
-        self._session = session
+        self._open_session = open_session
+        self._session: TuningSession | None = None
         self._clock = clock
         self._step = 0
         self._next_boundary: int | None = 1
-        self._began = False
         self._last = clock()
         self._step_times: list[float] = []
 
@@ -65,7 +66,7 @@ class OnlineTuner:
             return
         self._step += 1
         now = self._clock()
-        if self._session is not None:
+        if self._open_session is not None:
             self._step_times.append(now - self._last)
         self._last = now
         if self._step == self._next_boundary:
@@ -73,14 +74,27 @@ class OnlineTuner:
 
     def _boundary(self, started: float) -> None:
         self._drain()
-        decision: Decision | None = None
-        if self._session is not None:
-            if self._began:
-                decision = self._session.end_trial(self._step_times)
-            else:
-                decision = self._session.begin()
-        self._began = True
-        wire = self._broadcast(decision.to_wire() if decision is not None else None)
+        wire: dict[str, Any] | None = None
+        failure: Exception | None = None
+        if self._open_session is not None:
+            try:
+                if self._session is None:
+                    self._session = self._open_session()
+                    decision = self._session.begin()
+                else:
+                    decision = self._session.end_trial(self._step_times)
+                wire = decision.to_wire()
+            except Exception as e:
+                # The others are already waiting in the broadcast: tell them, so that
+                # every worker fails now, naming the cause, instead of timing out.
+                failure = e
+                wire = {"error": f"{type(e).__name__}: {e}"}
+        wire = self._broadcast(wire)
+        if "error" in wire:
+            self._next_boundary = None
+            if failure is not None:
+                raise failure
+            raise RuntimeError(f"auto-tuning failed on rank 0: {wire['error']}")
         decision = Decision.from_wire(wire)
         if decision.apply is not None:
             self._service.reconfigure(

@@ -102,8 +102,7 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
     def broadcast(obj: Any) -> Any:
         return ops.broadcast_object(obj, root_rank=0, name=BROADCAST_NAME)
 
-    session = None
-    if service.rank == 0:
+    def open_session() -> TuningSession:
         schedule = service.schedule()
         tensors = _tensors(optimizer)
         key = TuningKey(
@@ -118,18 +117,19 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
             # fifo sends everything, p3 one partition per server: the credit is not theirs
             # to use, and trials spent on it would measure noise.
             space = dataclasses.replace(space, max_credit_partitions=1.0)
-        settings = dataclasses.replace(settings, space=space)
-        store = TuningStore(settings.resolved_store_path())
-        log_path = settings.log_path or _default_log_path(store.path, key.digest())
-        session = TuningSession(
-            settings,
-            make_searcher(settings.method, settings.space, settings.seed),
+        tuned = dataclasses.replace(settings, space=space)
+        store = TuningStore(tuned.resolved_store_path())
+        log_path = tuned.log_path or _default_log_path(store.path, key.digest())
+        return TuningSession(
+            tuned,
+            make_searcher(tuned.method, tuned.space, tuned.seed),
             key,
             store,
             TrialLog(log_path),
             _start(schedule),
         )
-    return OnlineTuner(service, broadcast, drain, session)
+
+    return OnlineTuner(service, broadcast, drain, open_session if service.rank == 0 else None)
 
 
 def _default_log_path(store_path: Path, digest: str) -> Path:

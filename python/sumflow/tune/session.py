@@ -227,12 +227,17 @@ class TuningSession:
             baseline_score_s=self._baseline_score,
             trial_log=str(self._log.path or ""),
         )
-        self._store.save(self._key, result)
+        try:
+            self._store.save(self._key, result)
+            stored = f"stored in {self._store.path}"
+        except (OSError, ValueError) as e:
+            # The job has its configuration either way; only later runs lose it.
+            stored = f"NOT stored ({e})"
         self._log.record(
             "finish",
             f"done ({why}): applying trial {best.number}, {best.config.describe()}, "
             f"{ms(best.score_s)}/step{faster_than(best.score_s, self._baseline_score)}; "
-            f"stored in {self._store.path}; tuning took {elapsed:.1f} s, "
+            f"{stored}; tuning took {elapsed:.1f} s, "
             f"{self._overhead:.2f} s of it switching and deciding",
             why=why,
             best={"trial": best.number, "config": best.config, "score_s": best.score_s},
@@ -241,5 +246,6 @@ class TuningSession:
             elapsed_s=elapsed,
             overhead_s=self._overhead,
             store=str(self._store.path),
+            stored=stored.startswith("stored"),
         )
         return Decision(best.config, None)

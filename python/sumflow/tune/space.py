@@ -60,9 +60,10 @@ class Configuration:
 
     def describe(self) -> str:
         """``'partition 1 MiB, credit 4 MiB (4 partitions)'``."""
+        k = self.credit_partitions
         return (
             f"partition {format_bytes(self.partition_bytes)}, credit "
-            f"{format_bytes(self.credit_bytes)} ({self.credit_partitions:.3g} partitions)"
+            f"{format_bytes(self.credit_bytes)} ({k:.3g} partition{'' if k == 1 else 's'})"
         )
 
     def to_json(self) -> dict[str, int]:

@@ -60,8 +60,9 @@ def _jsonable(value: object) -> object:
 
 
 def faster_than(score: float, reference: float | None) -> str:
-    """``', 12.0% faster than at the start'`` (or slower), or nothing without a reference."""
-    if reference is None or reference <= 0:
+    """``', 12.0% faster than at the start'`` (or slower); nothing without a reference,
+    or for the start itself."""
+    if reference is None or reference <= 0 or score == reference:
         return ""
     change = 1 - score / reference
     word = "faster" if change >= 0 else "slower"
