@@ -1,8 +1,8 @@
 """Typed stub of ``sumflow._core``, the Rust extension module (crates/binding)."""
 
 from collections.abc import Sequence
-from typing import Any
 from os import PathLike
+from typing import Any
 
 __version__: str
 """The version of the core: the Cargo workspace's."""

@@ -102,10 +102,25 @@ def test_a_traced_job_writes_each_workers_window_and_merges(tmp_path: Path) -> N
             assert forward["ts"] <= layer["ts"]
             assert layer["ts"] + layer["dur"] <= forward["ts"] + forward["dur"]
             assert layer["dur"] >= 2000.0, "the layer slept 2 ms"
-        decisions = by_phase(trace, "i")
+        names = thread_names(trace)
+        decisions = [e for e in by_phase(trace, "i") if names[e["tid"]] == "tuner"]
         assert [e["args"] for e in decisions] == [
             {"step": s, "better": "True", "score": 0.5} for s in (2, 3, 4)
         ]
+        # The communication service's own events: the scheduler's decision for each
+        # push_pull of "x", and each partition's push and sum on its lane's tracks.
+        ready = [
+            e
+            for e in by_phase(trace, "i")
+            if names[e["tid"]] == "scheduler" and e["name"] == "allreduce.x"
+        ]
+        assert len(ready) == 3, ready
+        assert all(e["args"]["released"] == 1 for e in ready), ready
+        pushes = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("push → server")]
+        sums = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("receive ← server")]
+        assert [e["name"] for e in pushes] == ["allreduce.x [0]"] * 3, pushes
+        assert [e["name"] for e in sums] == ["allreduce.x [0]"] * 3, sums
+        assert all(e["args"]["started to sum ms"] >= 0 for e in sums), sums
 
     # The workers' windows overlap on the common clock.
     first = [min(e["ts"] for e in by_phase(t, "X")) for t in traces.values()]

@@ -157,9 +157,8 @@ def test_bo_explains_its_choices() -> None:
         assert p is not None
         bo.tell(p, objective.sample(p.config, rng))
         proposals.append(p)
-    assert [p.detail["kind"] for p in proposals] == ["initial-design"] * 4 + [
-        "gp-expected-improvement"
-    ] * 2
+    kinds = [p.detail["kind"] for p in proposals]
+    assert kinds == ["initial-design"] * 3 + ["gp-expected-improvement"] * 3
     gp = proposals[-1].detail
     low, high = gp["predicted_range_s"]
     assert 0 < low <= gp["predicted_step_s"] <= high
@@ -168,7 +167,7 @@ def test_bo_explains_its_choices() -> None:
     assert "Gaussian process over 5 measured trials predicts" in proposals[-1].reason
     # What the tuner measured itself counts towards the initial design.
     bo2 = make_searcher("bo", objective.space, seed=0)
-    for k in range(4):
+    for k in range(3):
         bo2.observe(objective.space.from_unit(k / 4, 0.5), 0.2 + k / 100)
     assert bo2.ask().detail["kind"] == "gp-expected-improvement"  # type: ignore[union-attr]
 
@@ -614,15 +613,16 @@ def test_compare_names_what_is_wrong_with_a_grid_file(
 TUNE_WORKER = str(Path(__file__).with_name("tune_worker.py"))
 
 
-def tuned_job(tmp_path: Path, out: Path, mode: str = "1") -> list[dict[str, Any]]:
-    """Two workers training tune_worker's model under SUMFLOW_AUTOTUNE=`mode` with a grid
-    over partitions of 4 to 32 KiB: 4 trials of 1 warm-up + 2 measured steps."""
+def tuned_job(tmp_path: Path, out: Path, optimizer: str = "sync") -> list[dict[str, Any]]:
+    """Two workers training tune_worker's model (`optimizer`: sync, or cross the barrier)
+    under SUMFLOW_AUTOTUNE=1 with a grid over partitions of 4 to 32 KiB: 4 trials of 1
+    warm-up + 2 measured steps."""
     import torch
     from jobs import run_worker_processes
 
     out.mkdir()
     env = {
-        "SUMFLOW_AUTOTUNE": mode,
+        "SUMFLOW_AUTOTUNE": "1",
         "SUMFLOW_AUTOTUNE_METHOD": "grid",
         "SUMFLOW_AUTOTUNE_TRIALS": "4",
         "SUMFLOW_AUTOTUNE_WARMUP_STEPS": "1",
@@ -633,7 +633,7 @@ def tuned_job(tmp_path: Path, out: Path, mode: str = "1") -> list[dict[str, Any]
         "SUMFLOW_PARTITION_BYTES": "16384",
         "SUMFLOW_CREDIT_BYTES": "32768",
     }
-    outcomes = run_worker_processes(out, 2, [TUNE_WORKER, str(out)], 1, env=env)
+    outcomes = run_worker_processes(out, 2, [TUNE_WORKER, str(out), optimizer], 1, env=env)
     for o in outcomes:
         assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
     assert "sumflow autotune: " in outcomes[0].stderr
@@ -655,12 +655,13 @@ def one_process_reference() -> dict[str, Any]:
     return m.state_dict()
 
 
+@pytest.mark.parametrize("optimizer", ["sync", "cross"])
 def test_a_tuned_job_switches_every_worker_at_the_same_step_and_sums_right(
-    tmp_path: Path,
+    tmp_path: Path, optimizer: str
 ) -> None:
     import torch
 
-    got = tuned_job(tmp_path, tmp_path / "first")
+    got = tuned_job(tmp_path, tmp_path / "first", optimizer)
     schedules = [r["schedules"] for r in got]
     assert schedules[0] == schedules[1]
     # After step k (1-based) the schedule is what boundary k applied: the start until the
@@ -684,7 +685,7 @@ def test_a_tuned_job_switches_every_worker_at_the_same_step_and_sums_right(
             assert torch.allclose(r["state"][k], v, rtol=0, atol=1e-10), k
 
     # A second run of the same job applies the stored best at the first step, untuned.
-    again = tuned_job(tmp_path, tmp_path / "again")
+    again = tuned_job(tmp_path, tmp_path / "again", optimizer)
     assert again[0]["schedules"] == again[1]["schedules"]
     assert set(again[0]["schedules"]) == {(best.partition_bytes, best.credit_bytes)}
     events = [json.loads(x) for x in (tmp_path / "again" / "trials.jsonl").read_text().splitlines()]

@@ -1,8 +1,8 @@
-"""A worker process for test_tune.py: `python tune_worker.py OUTDIR`.
+"""A worker process for test_tune.py: `python tune_worker.py OUTDIR [sync|cross]`.
 
-Trains a small float64 model with DistributedOptimizer while the environment's
-SUMFLOW_AUTOTUNE* settings tune it, and saves the final parameters and the schedule the
-service ran after every step to OUTDIR/rank<r>.pt.
+Trains a small float64 model with DistributedOptimizer (across the global barrier with
+`cross`) while the environment's SUMFLOW_AUTOTUNE* settings tune it, and saves the final
+parameters and the schedule the service ran after every step to OUTDIR/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -40,12 +40,15 @@ def make_optimizer(params: object) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    outdir = Path(sys.argv[1])
+    outdir, cross = Path(sys.argv[1]), sys.argv[2:] == ["cross"]
     hvd.init()
     service = _runtime.current().service
     m = model()
     opt = hvd.DistributedOptimizer(
-        make_optimizer(m.parameters()), named_parameters=m.named_parameters()
+        make_optimizer(m.parameters()),
+        named_parameters=m.named_parameters(),
+        cross_barrier=cross,
+        model=m if cross else None,
     )
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     schedules = []
@@ -56,6 +59,7 @@ def main() -> None:
         opt.step()
         s = service.schedule()
         schedules.append((s["partition_bytes"], s["credit_bytes"]))
+    opt.synchronize()  # the last updates, across the barrier
     result = {"state": {k: v.detach().clone() for k, v in m.state_dict().items()}}
     result["schedules"] = schedules
     torch.save(result, outdir / f"rank{hvd.rank()}.pt")

@@ -41,7 +41,8 @@ use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
-use crate::scheduler::{Order, Part, Schedule, Scheduler, Started};
+use crate::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
+use crate::trace::{Arg, Tracer, Track};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
@@ -106,6 +107,19 @@ pub struct PartTask {
     pub data: HostSlice,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
+    /// The tensor's name and the partition's index in it, for the trace.
+    pub tensor: Arc<str>,
+    pub index: u32,
+}
+
+/// A started partition until its sum is back.
+struct Flight {
+    order: Order,
+    task: PartTask,
+    /// When the scheduler started it, its push was written, and the server acknowledged it.
+    started: Instant,
+    pushed: Instant,
+    acknowledged: Option<Instant>,
 }
 
 /// One server's connections, as [`Pipeline::start`] takes them.
@@ -120,7 +134,9 @@ pub struct ServerLink {
 struct Lane {
     server: usize,
     sender: Mutex<ServerSender>,
-    queue: LaneQueue<(Order, PartTask)>,
+    queue: LaneQueue<(Order, Instant, PartTask)>,
+    /// Its index among its server's lanes, for the trace.
+    index: usize,
 }
 
 struct Shared {
@@ -131,8 +147,9 @@ struct Shared {
     scheduler: Mutex<Scheduler<PartTask>>,
     /// Wakes the timer thread when the scheduler's next deadline may have moved.
     timer: Condvar,
-    /// Started partitions by key: (their order, the task).
-    in_flight: Mutex<HashMap<u64, (Order, PartTask)>>,
+    /// Started partitions whose push went out, by key.
+    in_flight: Mutex<HashMap<u64, Flight>>,
+    tracer: Arc<Tracer>,
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     stop: AtomicBool,
@@ -157,6 +174,7 @@ impl Shared {
     /// Hands what the scheduler started to the lanes. Called with the scheduler locked, so
     /// lanes receive partitions in the order they started.
     fn dispatch(&self, started: Vec<Started<PartTask>>) {
+        let now = Instant::now();
         for Started {
             server,
             order,
@@ -164,8 +182,35 @@ impl Shared {
         } in started
         {
             let lane = self.lane_of(server, item.key);
-            self.lanes[lane].queue.push((order, item));
+            self.lanes[lane].queue.push((order, now, item));
         }
+    }
+
+    /// Records a scheduler decision and the scheduler's load on the trace.
+    fn trace_decision(&self, s: &Scheduler<PartTask>, what: &str, priority: i64, d: &Decision) {
+        if !self.tracer.active() {
+            return;
+        }
+        let now = Instant::now();
+        let why = d.why.as_ref().map(|w| w.describe());
+        let mut args = vec![
+            ("priority", Arg::Int(priority)),
+            ("released", Arg::Uint(d.released as u64)),
+        ];
+        if let Some(why) = &why {
+            args.push(("prophet", Arg::Str(why)));
+        }
+        self.tracer
+            .instant(Track::Scheduler, what.to_string(), now, &args);
+        let mut values = vec![
+            ("outstanding MB", s.outstanding() as f64 / 1e6),
+            ("waiting", s.waiting() as f64),
+            ("in flight", s.in_flight() as f64),
+        ];
+        if let Some(rate) = s.bandwidth() {
+            values.push(("bandwidth MB/s", rate / 1e6));
+        }
+        self.tracer.counter("scheduler", now, &values);
     }
 }
 
@@ -181,6 +226,7 @@ impl Pipeline {
         handles: Arc<Handles>,
         schedule: Schedule,
         partition_bytes: u64,
+        tracer: Arc<Tracer>,
     ) -> Result<Pipeline, CommError> {
         let mut lanes = Vec::new();
         let mut receivers = Vec::new();
@@ -195,11 +241,12 @@ impl Pipeline {
             }
             server_lanes.push((lanes.len(), link.lanes.len()));
             names.push(link.name);
-            for (tx, rx) in link.lanes {
+            for (index, (tx, rx)) in link.lanes.into_iter().enumerate() {
                 lanes.push(Lane {
                     server,
                     sender: Mutex::new(tx),
                     queue: LaneQueue::default(),
+                    index,
                 });
                 receivers.push(rx);
             }
@@ -213,6 +260,7 @@ impl Pipeline {
             scheduler: Mutex::new(scheduler),
             timer: Condvar::new(),
             in_flight: Mutex::new(HashMap::new()),
+            tracer,
             handles,
             stop: AtomicBool::new(false),
         });
@@ -246,8 +294,9 @@ impl Pipeline {
         })
     }
 
-    /// Hands the partitions of one push_pull of `tensor` to the scheduler, as ready now.
-    pub fn enqueue(&self, tensor: u32, priority: i64, tasks: Vec<PartTask>) {
+    /// Hands the partitions of one push_pull of `tensor` (`name`) to the scheduler, as
+    /// ready now.
+    pub fn enqueue(&self, tensor: u32, name: &str, priority: i64, tasks: Vec<PartTask>) {
         let sh = &self.shared;
         let mut parts = Vec::with_capacity(tasks.len());
         for task in tasks {
@@ -269,8 +318,9 @@ impl Pipeline {
         }
         let now = Instant::now();
         let mut s = sh.scheduler();
-        s.ready(tensor, priority, parts, now);
+        let decision = s.ready(tensor, priority, parts, now);
         sh.dispatch(s.poll(now));
+        sh.trace_decision(&s, name, priority, &decision);
         drop(s);
         sh.timer.notify_one();
     }
@@ -279,8 +329,9 @@ impl Pipeline {
     pub fn mark_step(&self) {
         let sh = &self.shared;
         let mut s = sh.scheduler();
-        s.mark_step();
+        let decision = s.mark_step();
         sh.dispatch(s.poll(Instant::now()));
+        sh.trace_decision(&s, "step", 0, &decision);
     }
 
     /// Changes the credit per server (and the partition size P3's credit follows).
@@ -354,11 +405,11 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     }
     let name = &sh.server_names[server];
     warn!(server = %name, reason = %why, "lost a summation server");
-    let stranded: Vec<(Order, PartTask)> = {
+    let stranded: Vec<Flight> = {
         let mut inf = sh.in_flight.lock().expect("in-flight lock");
         let keys: Vec<u64> = inf
             .iter()
-            .filter(|(_, t)| t.1.server == server)
+            .filter(|(_, f)| f.task.server == server)
             .map(|(k, _)| *k)
             .collect();
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
@@ -366,12 +417,12 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     {
         let now = Instant::now();
         let mut s = sh.scheduler();
-        for (order, _) in &stranded {
-            s.abandoned(*order, now);
+        for f in &stranded {
+            s.abandoned(f.order, now);
         }
         drop(s.drain_where(|s, _| s == server));
         for lane in sh.lanes_of(server) {
-            for (order, _) in lane.queue.drain() {
+            for (order, _, _) in lane.queue.drain() {
                 s.abandoned(order, now);
             }
         }
@@ -402,12 +453,14 @@ fn push_loop(sh: &Shared, lane: usize) {
         server,
         sender,
         queue,
+        index,
     } = &sh.lanes[lane];
-    let server = *server;
+    let (server, index) = (*server, *index);
     while !sh.stop.load(Ordering::Acquire) {
-        let Some((order, task)) = queue.pop(POLL) else {
+        let Some((order, started, task)) = queue.pop(POLL) else {
             continue;
         };
+        let popped = Instant::now();
         // A failed operation's buffer may already be gone: drop its remaining partitions.
         if !sh.handles.begin_access(task.handle) {
             sh.scheduler().abandoned(order, Instant::now());
@@ -417,11 +470,22 @@ fn push_loop(sh: &Shared, lane: usize) {
         let (key, round, dtype, len, handle) =
             (task.key, task.round, task.dtype, task.data.len, task.handle);
         let data = task.data;
-        // Registered before the frames go out: the reply may beat this thread back.
-        sh.in_flight
-            .lock()
-            .expect("in-flight lock")
-            .insert(key, (order, task));
+        let label = sh
+            .tracer
+            .active()
+            .then(|| (Arc::clone(&task.tensor), task.index));
+        // Registered before the frames go out: the reply may beat this thread back (so
+        // `pushed` is corrected below, which only the trace reads).
+        sh.in_flight.lock().expect("in-flight lock").insert(
+            key,
+            Flight {
+                order,
+                task,
+                started,
+                pushed: popped,
+                acknowledged: None,
+            },
+        );
         let sent = {
             let mut tx = sender.lock().expect("sender lock");
             let init = if initialised.insert(key) {
@@ -433,6 +497,30 @@ fn push_loop(sh: &Shared, lane: usize) {
                 .and_then(|()| tx.pull(key, round))
         };
         sh.handles.end_access(handle, None);
+        if let Some((tensor, part)) = label {
+            let pushed = Instant::now();
+            if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+                f.pushed = pushed;
+            }
+            sh.tracer.span(
+                Track::Push {
+                    server: server as u32,
+                    lane: index as u32,
+                },
+                format!("{tensor} [{part}]"),
+                popped,
+                pushed,
+                &[
+                    ("bytes", Arg::Uint(len as u64)),
+                    ("round", Arg::Uint(round)),
+                    ("key", Arg::Uint(key)),
+                    (
+                        "queued in lane ms",
+                        Arg::Float(popped.duration_since(started).as_secs_f64() * 1e3),
+                    ),
+                ],
+            );
+        }
         if let Err(e) = sent {
             if sh.stop.load(Ordering::Acquire) {
                 break;
@@ -446,7 +534,7 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     let server = sh.lanes[lane].server;
     loop {
         let received = match rx.recv_header() {
-            Ok(Reply::Sum(head)) => receive_sum(sh, &mut rx, head),
+            Ok(Reply::Sum(head)) => receive_sum(sh, lane, &mut rx, head),
             Ok(Reply::PushAck { key, round }) => {
                 acknowledged(sh, key, round);
                 Ok(())
@@ -458,8 +546,8 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 message,
                 ..
             }) => {
-                let task = sh.in_flight.lock().expect("in-flight lock").remove(&key);
-                if let Some((order, task)) = task {
+                let flight = sh.in_flight.lock().expect("in-flight lock").remove(&key);
+                if let Some(Flight { order, task, .. }) = flight {
                     finished(sh, order, false);
                     let server_name = sh.server_names[server].clone();
                     sh.handles.fail(task.handle, |t| CommError::Failed {
@@ -484,8 +572,11 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
 
 /// The server has read a push: its credit returns, which may start the next ones.
 fn acknowledged(sh: &Shared, key: u64, round: u64) {
-    let order = match sh.in_flight.lock().expect("in-flight lock").get(&key) {
-        Some((order, task)) if task.round == round => *order,
+    let order = match sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+        Some(f) if f.task.round == round => {
+            f.acknowledged = Some(Instant::now());
+            f.order
+        }
         _ => return,
     };
     let mut s = sh.scheduler();
@@ -508,18 +599,28 @@ fn finished(sh: &Shared, order: Order, ok: bool) {
 
 /// Reads a sum straight into its partition of the caller's tensor, averages it there if
 /// asked, and marks the partition done. An error is why the server must be given up.
-fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<(), String> {
-    let task = sh
+fn receive_sum(
+    sh: &Shared,
+    lane: usize,
+    rx: &mut ServerReceiver,
+    head: SumHeader,
+) -> Result<(), String> {
+    let arrived = Instant::now();
+    let flight = sh
         .in_flight
         .lock()
         .expect("in-flight lock")
         .remove(&head.key);
-    let (order, task) = match task {
-        Some((order, task)) if task.round == head.round => (order, task),
+    let (order, task, times) = match flight {
+        Some(f) if f.task.round == head.round => {
+            (f.order, f.task, (f.started, f.pushed, f.acknowledged))
+        }
         other => {
             return Err(format!(
-                "sent the sum of key {} round {} that was not asked for ({other:?})",
-                head.key, head.round
+                "sent the sum of key {} round {} that was not asked for ({:?})",
+                head.key,
+                head.round,
+                other.map(|f| f.task)
             ))
         }
     };
@@ -533,6 +634,30 @@ fn receive_sum(sh: &Shared, rx: &mut ServerReceiver, head: SumHeader) -> Result<
     let read = rx.read_sum(dst);
     if read.is_ok() {
         scale_in_place(task.dtype, dst, task.divisor);
+    }
+    if sh.tracer.active() {
+        let (started, pushed, acknowledged) = times;
+        let ms =
+            |a: Instant, b: Instant| Arg::Float(b.saturating_duration_since(a).as_secs_f64() * 1e3);
+        let mut args = vec![
+            ("bytes", Arg::Uint(dst.len() as u64)),
+            ("round", Arg::Uint(head.round)),
+            ("started to sum ms", ms(started, arrived)),
+            ("pushed to sum ms", ms(pushed, arrived)),
+        ];
+        if let Some(ack) = acknowledged {
+            args.push(("pushed to acknowledged ms", ms(pushed, ack)));
+        }
+        sh.tracer.span(
+            Track::Receive {
+                server: task.server as u32,
+                lane: sh.lanes[lane].index as u32,
+            },
+            format!("{} [{}]", task.tensor, task.index),
+            arrived,
+            Instant::now(),
+            &args,
+        );
     }
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles

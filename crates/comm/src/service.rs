@@ -110,7 +110,7 @@ pub enum ReduceOp {
 #[derive(Debug)]
 struct Tensor {
     id: u32,
-    name: String,
+    name: Arc<str>,
     dtype: Dtype,
     elements: u64,
     /// The group it was declared and placed with, if any.
@@ -254,7 +254,13 @@ impl CommunicationService {
         if let Some(window) = cfg.push_window_bytes {
             schedule.window_bytes = window;
         }
-        let pipeline = Pipeline::start(links, Arc::clone(&handles), schedule, cfg.partition_bytes)?;
+        let pipeline = Pipeline::start(
+            links,
+            Arc::clone(&handles),
+            schedule,
+            cfg.partition_bytes,
+            Arc::clone(&tracer),
+        )?;
         let local = local_rank(&map, job.rank());
         info!(
             rank = job.rank(),
@@ -318,7 +324,7 @@ impl CommunicationService {
                 id,
                 Tensor {
                     id,
-                    name: name.to_string(),
+                    name: Arc::from(name),
                     dtype,
                     elements,
                     group: None,
@@ -357,7 +363,7 @@ impl CommunicationService {
                 id,
                 Tensor {
                     id,
-                    name: name.to_string(),
+                    name: Arc::from(name),
                     dtype,
                     elements,
                     group: Some(group),
@@ -526,7 +532,7 @@ impl CommunicationService {
                     .iter()
                     .map(|id| {
                         let t = &table.tensors[id];
-                        (t.id, t.name.as_str(), t.dtype, t.elements)
+                        (t.id, &*t.name, t.dtype, t.elements)
                     })
                     .collect();
                 for (id, laid) in ids.iter().zip(self.lay_out_group(&next, &members)?) {
@@ -621,7 +627,10 @@ impl CommunicationService {
         let tasks = t
             .parts
             .iter()
-            .map(|&(key, server, offset, bytes)| PartTask {
+            .enumerate()
+            .map(|(index, &(key, server, offset, bytes))| PartTask {
+                tensor: Arc::clone(&t.name),
+                index: index as u32,
                 handle,
                 key,
                 round,
@@ -631,7 +640,7 @@ impl CommunicationService {
                 divisor,
             })
             .collect();
-        self.pipeline.enqueue(id, priority, tasks);
+        self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
     }
 

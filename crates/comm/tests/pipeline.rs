@@ -8,6 +8,7 @@ use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_comm::handles::Handles;
 use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use sumflow_comm::scheduler::{Schedule, SchedulerKind};
+use sumflow_comm::trace::Tracer;
 use sumflow_comm::CommError;
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
@@ -54,7 +55,7 @@ fn pipeline(
         window_bytes: 1,
         ..Schedule::new(kind, 1000)
     };
-    Pipeline::start(links, handles, schedule, 1000).unwrap()
+    Pipeline::start(links, handles, schedule, 1000, Arc::new(Tracer::disabled())).unwrap()
 }
 
 /// A worker's view in these tests: its pipeline, and how tensors are cut and placed.
@@ -105,11 +106,14 @@ impl Worker {
                     dtype: Dtype::F32,
                     data: whole.sub(start * 4, len * 4),
                     divisor,
+                    tensor: Arc::from(format!("tensor{tensor}")),
+                    index: i as u32,
                 }
             })
             .collect();
         // Later tensors are more urgent, as the first layers' gradients come last.
-        self.pipeline.enqueue(tensor, -(tensor as i64), tasks);
+        self.pipeline
+            .enqueue(tensor, &format!("tensor{tensor}"), -(tensor as i64), tasks);
         h
     }
 

@@ -94,10 +94,10 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
     service = _runtime.current().service
 
     def drain() -> None:
-        # A push_pull still in flight (step() returned before its sums did) must finish
-        # before the service may switch.
-        if optimizer._sf_handles:
-            optimizer.synchronize()
+        # The service may not switch under a push_pull in flight. After a synchronous
+        # step() none is; across the global barrier, step() returned before its sums did.
+        if optimizer._sf_overlap is not None:
+            optimizer._sf_overlap.wait_all("auto-tuning's trial boundary")
 
     def broadcast(obj: Any) -> Any:
         return ops.broadcast_object(obj, root_rank=0, name=BROADCAST_NAME)

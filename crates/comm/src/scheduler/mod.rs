@@ -421,6 +421,11 @@ impl<T> Scheduler<T> {
         out
     }
 
+    /// Bytes let out (eligible or started) whose sums have not come back.
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding
+    }
+
     /// Partitions not started yet.
     pub fn waiting(&self) -> usize {
         self.held.len() + self.servers.iter().map(|s| s.ready.len()).sum::<usize>()

@@ -116,6 +116,21 @@ pub enum Release {
     Flush(&'static str),
 }
 
+impl Release {
+    /// A few words for logs and the trace.
+    pub fn describe(&self) -> String {
+        match self {
+            Release::Unprofiled => "not profiled yet: everything goes".into(),
+            Release::Gap { gap, budget } => format!(
+                "gap of {:.1} ms: {budget} bytes may go",
+                gap.as_secs_f64() * 1e3
+            ),
+            Release::Burst => "inside a burst: held".into(),
+            Release::Flush(why) => format!("{why}: everything goes"),
+        }
+    }
+}
+
 /// The state of Prophet's block assembler.
 #[derive(Debug)]
 pub struct Prophet {
