@@ -347,7 +347,8 @@ impl Pipeline {
         self.shared.scheduler().schedule().clone()
     }
 
-    /// The measured rate at which partitions complete, in bytes per second.
+    /// The measured rate at which servers acknowledge this worker's pushes, bytes per
+    /// second of busy network.
     pub fn bandwidth(&self) -> Option<f64> {
         self.shared.scheduler().bandwidth()
     }
@@ -496,7 +497,8 @@ fn push_loop(sh: &Shared, lane: usize) {
             init.and_then(|()| tx.push(key, round, dtype, data.bytes()))
                 .and_then(|()| tx.pull(key, round))
         };
-        sh.handles.end_access(handle, None);
+        // Recorded before the access ends: the waiter cannot return (and a step close the
+        // trace window) before it is.
         if let Some((tensor, part)) = label {
             let pushed = Instant::now();
             if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
@@ -521,6 +523,7 @@ fn push_loop(sh: &Shared, lane: usize) {
                 ],
             );
         }
+        sh.handles.end_access(handle, None);
         if let Err(e) = sent {
             if sh.stop.load(Ordering::Acquire) {
                 break;
@@ -579,9 +582,10 @@ fn acknowledged(sh: &Shared, key: u64, round: u64) {
         }
         _ => return,
     };
+    let now = Instant::now();
     let mut s = sh.scheduler();
-    s.acknowledged(order);
-    sh.dispatch(s.poll(Instant::now()));
+    s.acknowledged(order, now);
+    sh.dispatch(s.poll(now));
 }
 
 /// A partition's sum is back (or it failed): its credit returns, which may start the
