@@ -25,6 +25,7 @@ import torch
 from sumflow.torch import ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.overlap import CrossBarrier, Update, zero_grad_of
+from sumflow.tune import plugin as autotune
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -213,6 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 )
             if not (self._sf_skip or self._sf_synchronized):
                 self._sf_step_across_barrier()
+                autotune.after_step(self)
                 return None
             self._sf_overlap.wait_all("optimizer.step()")
         if not (self._sf_skip or self._sf_synchronized):
@@ -229,7 +231,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.synchronize()
         self._sf_synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        autotune.after_step(self)  # SUMFLOW_AUTOTUNE: docs/autotune.md
+        return loss
 
     def _sf_step_across_barrier(self) -> None:
         overlap = self._sf_overlap
