@@ -11,12 +11,12 @@ import sys
 from pathlib import Path
 
 import torch
+from torch_worker import batch
 
 import sumflow.torch as hvd
 from sumflow.torch import _runtime
 
 STEPS = 24
-BATCH = 8  # per worker
 
 
 def model() -> torch.nn.Module:
@@ -25,14 +25,6 @@ def model() -> torch.nn.Module:
     return torch.nn.Sequential(
         torch.nn.Linear(10, 256), torch.nn.ReLU(), torch.nn.Linear(256, 3)
     ).double()
-
-
-def batch(step: int, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Worker `rank`'s share of step `step`'s global batch (BATCH * size rows)."""
-    g = torch.Generator().manual_seed(step)
-    x = torch.randn(BATCH * size, 10, generator=g, dtype=torch.float64)
-    y = torch.randint(0, 3, (BATCH * size,), generator=g)
-    return x[rank * BATCH : (rank + 1) * BATCH], y[rank * BATCH : (rank + 1) * BATCH]
 
 
 def make_optimizer(params: object) -> torch.optim.Optimizer:
