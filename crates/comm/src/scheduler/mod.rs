@@ -173,6 +173,8 @@ pub struct Decision {
 
 struct Queued<T> {
     bytes: u64,
+    /// Let out by Prophet for a gap it was sized to: the budget is its credit.
+    budgeted: bool,
     item: T,
 }
 
@@ -274,6 +276,7 @@ impl<T> Scheduler<T> {
                     p.server,
                     Queued {
                         bytes: p.bytes,
+                        budgeted: false,
                         item: p.item,
                     },
                 ),
@@ -292,7 +295,8 @@ impl<T> Scheduler<T> {
             }
             None => (orders.into_iter().map(|o| o.0).collect(), None),
         };
-        self.release(&released);
+        let budgeted = matches!(why, Some(Release::Gap { .. }));
+        self.release(&released, budgeted);
         Decision {
             released: released.len(),
             why,
@@ -305,17 +309,22 @@ impl<T> Scheduler<T> {
             Some(p) => p.end_iteration(),
             None => Vec::new(),
         };
-        self.release(&released);
+        self.release(&released, false);
         Decision {
             released: released.len(),
             why: Some(Release::Flush("step")).filter(|_| !released.is_empty()),
         }
     }
 
-    fn release(&mut self, orders: &[Order]) {
+    /// Makes held partitions eligible; `budgeted` ones (Prophet's blocks, sized to a gap
+    /// at the measured bandwidth) go out without waiting for credit: Prophet's budget
+    /// replaces ByteScheduler's fixed credit during backward (the notes: "the per-gap
+    /// budget adapts each stage"), and only what is flushed afterwards waits for it.
+    fn release(&mut self, orders: &[Order], budgeted: bool) {
         for order in orders {
-            if let Some((server, q)) = self.held.remove(order) {
+            if let Some((server, mut q)) = self.held.remove(order) {
                 self.outstanding += q.bytes;
+                q.budgeted = budgeted;
                 self.servers[server].ready.insert(*order, q);
             }
         }
@@ -326,14 +335,17 @@ impl<T> Scheduler<T> {
     pub fn poll(&mut self, now: Instant) -> Vec<Started<T>> {
         if let Some(p) = &mut self.prophet {
             let expired = p.expire(now);
-            self.release(&expired);
+            self.release(&expired, false);
         }
         let mut out = Vec::new();
         for (server, s) in self.servers.iter_mut().enumerate() {
             while let Some(entry) = s.ready.first_entry() {
                 let order = *entry.key();
-                let bytes = entry.get().bytes;
-                if !(s.credit.may_send(bytes) && s.window.may_send(order, bytes, now)) {
+                let Queued {
+                    bytes, budgeted, ..
+                } = *entry.get();
+                let credit = budgeted || s.credit.may_send(bytes);
+                if !(credit && s.window.may_send(order, bytes, now)) {
                     break;
                 }
                 let q = entry.remove();

@@ -149,7 +149,20 @@ fn credit_returns_on_acknowledgement_before_the_sum() {
 
 #[test]
 fn prophet_holds_partitions_until_a_gap_and_the_rest_until_the_last_gradient() {
-    let mut s = scheduler(SchedulerKind::Prophet, 0, 1);
+    prophet_iterations(0);
+}
+
+/// A gap's block goes out whatever the credit (its budget is its credit); what is flushed
+/// at the end waits for it.
+#[test]
+fn prophet_blocks_bypass_the_credit_and_the_flush_does_not() {
+    prophet_iterations(1000);
+}
+
+fn prophet_iterations(credit: u64) {
+    let mut s = scheduler(SchedulerKind::Prophet, credit, 1);
+    // One partition at a time under a one-partition credit, all of them without.
+    let at_once = if credit == 0 { 2 } else { 1 };
     let mut t = Instant::now();
     // Iterations of a 4-tensor model: tensor 3 (priority 3) first, a 50 ms gap, then 2, 1
     // and 0 close together. Each partition completes 10 ms after it starts.
@@ -173,11 +186,22 @@ fn prophet_holds_partitions_until_a_gap_and_the_rest_until_the_last_gradient() {
             }
         }
         s.mark_step();
+        // The forward pass waits for every sum: the flush drains before the next backward.
+        let end = t + 100 * MS;
+        loop {
+            let out = s.poll(end);
+            if out.is_empty() {
+                break;
+            }
+            for x in out {
+                s.finished(x.order, end);
+            }
+        }
         sent
     };
     for _ in 0..3 {
         let sent = iteration(&mut s, t);
-        assert_eq!(sent[0].len(), 2, "unprofiled: at once");
+        assert_eq!(sent[0].len(), at_once, "unprofiled: as the credit allows");
         t += 200 * MS;
         if s.profile().is_some() && s.bandwidth().is_some() {
             break;
@@ -192,8 +216,9 @@ fn prophet_holds_partitions_until_a_gap_and_the_rest_until_the_last_gradient() {
     // After tensors 2 and 1 the gaps are 1 ms: inside the burst, nothing goes.
     assert_eq!(sent[1], Vec::<u64>::new());
     assert_eq!(sent[2], Vec::<u64>::new());
-    // The last gradient: everything, most urgent first.
-    assert_eq!(sent[3], [0, 1, 10, 11, 20, 21]);
+    // The last gradient: everything, most urgent first, as the credit allows.
+    let flushed = [0, 1, 10, 11, 20, 21];
+    assert_eq!(sent[3], flushed[..if credit == 0 { 6 } else { 1 }]);
 }
 
 #[test]
