@@ -13,7 +13,19 @@ from typing import Any
 
 import pytest
 
-from sumflow.bench import cluster, cpu, jobs, netns, report, theory
+from sumflow.bench import (
+    cluster,
+    cpu,
+    grid,
+    jobs,
+    matrix,
+    netns,
+    report,
+    schedreport,
+    targets,
+    theory,
+    training,
+)
 
 GB = 1e9
 
@@ -260,3 +272,307 @@ def test_two_host_emulated_run(tmp_path: Path) -> None:
     assert {"results.md", "goodput.png", "training.png"} <= {p.name for p in out.iterdir()}
     # Torn down: no namespace of the harness is left behind.
     assert netns.namespaces_with_prefix() == []
+
+
+# ----------------------------------------------------------------------------------------
+# The scheduler benchmark (issue 6): options, plan, verdicts, report, grid
+# ----------------------------------------------------------------------------------------
+
+ALL_SYSTEMS = "fifo,p3,bytescheduler,bytescheduler-tuned,prophet,ddp"
+
+
+def test_scheduler_options() -> None:
+    args = cluster.parse_args(["--schedulers", ALL_SYSTEMS, "--reference-gbits", "1, 2,5,10"])
+    assert args.scheduler_names == ALL_SYSTEMS.split(",")
+    assert args.gbits == [1.0, 2.0, 5.0, 10.0]
+    # The standard run: no schedulers, one bandwidth; the old spelling still works.
+    standard = cluster.parse_args(["--reference-gbit", "25"])
+    assert standard.scheduler_names is None
+    assert standard.gbits == [25.0]
+    assert cluster.parse_args([]).gbits == [10.0]
+    for bad, message in (
+        (["--schedulers", "fifo,bytesched"], "unknown 'bytesched'"),
+        (["--schedulers", "fifo,fifo"], "fifo more than once"),
+        (["--schedulers", ""], "empty"),
+        (["--reference-gbits", "1,x"], "comma-separated numbers"),
+        (["--reference-gbits", "0"], "> 0"),
+        (["--reference-gbits", "1,1"], "more than once"),
+        (["--schedulers", "fifo", "--grid", "g.json"], "separate runs"),
+        (["--schedulers", "fifo", "--models", ""], "at least one profile"),
+        (["--repeats", "0"], "--repeats"),
+        (["--scheduler-k", "-1"], "--scheduler-k"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            matrix_error(bad)
+
+
+def matrix_error(argv: list[str]) -> None:
+    """parse_args(argv), turning argparse's exit into a ValueError with its message."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            cluster.parse_args(argv)
+        except SystemExit:
+            raise ValueError(err.getvalue()) from None
+
+
+def test_plan_runs_a_cells_systems_back_to_back_lowest_bandwidth_first() -> None:
+    systems = matrix.scheduler_systems(ALL_SYSTEMS.split(","), k=0)
+    steps = matrix.plan(["vgg16", "resnet50"], [1, 10], systems, repeats=2)
+    cells = list(dict.fromkeys((s.cell.model, s.cell.reference_gbit) for s in steps))
+    assert cells == [("vgg16", 1), ("resnet50", 1), ("vgg16", 10), ("resnet50", 10)]
+    # Each cell's steps are contiguous: tuning first, then the systems round after round.
+    first = [s for s in steps if s.cell == matrix.Cell("vgg16", 1)]
+    assert steps[: len(first)] == first
+    assert first[0].tune
+    assert first[0].system.name == "bytescheduler-tuned"
+    names = [s.system.name for s in first[1:]]
+    assert names == ALL_SYSTEMS.split(",") * 2
+    assert [s.repeat for s in first[1:]] == [0] * 6 + [1] * 6
+    assert len(steps) == 4 * (1 + 6 * 2)
+    assert len({s.key for s in steps}) == len(steps)  # log and result files never collide
+    by_name = {s.name: s for s in systems}
+    assert by_name["ddp"].kind == "ddp-gloo"
+    assert not by_name["ddp"].cross_barrier
+    assert by_name["prophet"].scheduler == "prophet"
+    assert by_name["prophet"].cross_barrier
+    assert by_name["bytescheduler-tuned"].scheduler == "bytescheduler"
+    assert [s.label for s in matrix.standard_systems(4)] == [
+        "DDP/gloo",
+        "sumflow k=0",
+        "sumflow k=4",
+    ]
+    with pytest.raises(ValueError, match="repeats"):
+        matrix.plan(["vgg16"], [1], systems, repeats=0)
+
+
+def test_compute_aim_and_estimates() -> None:
+    assert matrix.compute_aim_s(10) == pytest.approx(0.3)  # the standard run's
+    assert matrix.compute_aim_s(40) == pytest.approx(0.3)
+    assert matrix.compute_aim_s(5) == pytest.approx(0.15)
+    assert matrix.compute_aim_s(1) == pytest.approx(0.1)
+    # The communication/computation ratio is the reference's whatever the aim: halving the
+    # bandwidth doubles the bytes per second of compute.
+    ratios = []
+    for gbit in (1, 2, 5, 10):
+        s = matrix.cell_scales(matrix.Cell("vgg16", gbit), 250.0)
+        ratios.append(s.param_bytes / s.compute_s * gbit)
+    assert max(ratios) / min(ratios) == pytest.approx(1.0, rel=0.01)
+    cell = matrix.Cell("vgg16", 1)
+    scales = matrix.cell_scales(cell, 250.0)
+    (fifo,) = matrix.scheduler_systems(["fifo"], 0)
+    one = matrix.estimate_seconds(
+        matrix.Step(cell, fifo), scales, workers=4, rate_mbit=250, iterations=10,
+        tune_iterations=50,
+    )  # fmt: skip
+    tune = matrix.estimate_seconds(
+        matrix.Step(cell, fifo, tune=True), scales, workers=4, rate_mbit=250, iterations=10,
+        tune_iterations=50,
+    )  # fmt: skip
+    comm = 1.5 * scales.param_bytes / (250e6 / 8)
+    assert one == pytest.approx(matrix.JOB_OVERHEAD_S + 10 * (scales.compute_s + comm))
+    assert tune > one
+
+
+def fake_run(name: str, label: str, rate: float, idle_ms: float, repeat: int = 0) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "iterations_per_s": rate, "idle_ms": idle_ms,
+        "compute_ms": 100.0, "cpu": 0.4, "repeat": repeat, "iteration_s": [1 / rate] * 3,
+    }  # fmt: skip
+
+
+def fake_cell(model: str, gbit: float, rates: dict[str, float]) -> dict[str, Any]:
+    systems = {s.name: s for s in matrix.scheduler_systems(ALL_SYSTEMS.split(","), 0)}
+    cell = {
+        "cell": matrix.Cell(model, gbit), "model": model, "reference_gbit": gbit,
+        "megabytes": 10.0, "partition_bytes": 100_000, "scaling": "why",
+        "runs": [
+            fake_run(name, systems[name].label, rate, 1000 / rate - 100)
+            for name, rate in rates.items()
+        ],
+        "tuning": [],
+    }  # fmt: skip
+    return training.finish_cell(cell)
+
+
+def test_cells_summarise_repeats_and_ratios() -> None:
+    cell = {
+        "cell": matrix.Cell("vgg16", 1), "model": "vgg16", "reference_gbit": 1,
+        "runs": [
+            fake_run("fifo", "fifo", 1.0, 900), fake_run("ddp", "DDP/gloo", 0.5, 1900),
+            fake_run("fifo", "fifo", 1.4, 600, 1), fake_run("ddp", "DDP/gloo", 0.7, 1300, 1),
+            fake_run("fifo", "fifo", 1.3, 700, 2), fake_run("ddp", "DDP/gloo", 0.6, 1500, 2),
+        ],
+        "tuning": [],
+    }  # fmt: skip
+    done = training.finish_cell(cell)
+    assert "cell" not in done  # results stay JSON
+    fifo = done["summary"]["fifo"]
+    assert (fifo["runs"], fifo["iterations_per_s"], fifo["idle_ms"]) == (3, 1.3, 700)
+    assert (fifo["min_iterations_per_s"], fifo["max_iterations_per_s"]) == (1.0, 1.4)
+    assert list(done["summary"]) == ["fifo", "ddp"]
+    assert done["runs"][0]["vs_ddp"] == pytest.approx(1.0 / 0.6)
+    assert done["runs"][1]["vs_fifo"] == pytest.approx(0.5 / 1.3)
+
+
+def fake_scheduler_results() -> dict[str, Any]:
+    cells = []
+    for gbit in (1, 2, 5, 10):
+        for model in ("vgg16", "resnet50"):
+            low = gbit <= 2
+            rates = {
+                "fifo": 1.0, "p3": 0.9, "bytescheduler": 1.2,
+                "bytescheduler-tuned": 1.35 if model == "vgg16" else 1.25,
+                "prophet": 1.5 if low else 1.3, "ddp": 1.1,
+            }  # fmt: skip
+            cells.append(fake_cell(model, gbit, rates))
+    cells[0]["tuning"].append(
+        {"iterations_per_s": 1.1, "trials": [{"score": 1.0}] * 7,
+         "tuned": {"partition_bytes": 65536, "credit_bytes": 262144}}
+    )  # fmt: skip
+    return {
+        "config": {
+            "workers": 4, "cpu_servers": [0], "rate_mbit": 250.0, "mtu": 9000, "delay_ms": 0.0,
+            "cpu_flag": 0.8, "schedulers": ALL_SYSTEMS.split(","), "scheduler_k": 0,
+            "iterations": 20, "warmup_iterations": 3, "repeats": 1,
+        },
+        "training": cells,
+    }  # fmt: skip
+
+
+def test_verdicts() -> None:
+    rates = schedreport.rates(fake_scheduler_results())
+    verdicts = targets.verdicts(rates)
+    by = {(v.baseline, v.threshold, v.model, v.reference_gbit): v for v in verdicts}
+    tuned = by["fifo", 1.3, "vgg16", 1]
+    assert tuned.met
+    assert tuned.ratio == pytest.approx(1.35)
+    assert by["bytescheduler-tuned", 1.1, "vgg16", 1].ratio == pytest.approx(1.5 / 1.35)
+    assert by["bytescheduler-tuned", 1.1, "vgg16", 2].met
+    # At the highest bandwidth prophet need only stay near: 1.3 / 1.35 = 0.963 < 0.97.
+    assert by["bytescheduler-tuned", 0.97, "vgg16", 10].met is False
+    assert by["bytescheduler-tuned", 0.97, "resnet50", 10].met  # 1.3 / 1.25
+    assert ("bytescheduler-tuned", 1.1, "vgg16", 5) not in by  # only the two lowest
+    best = by["ddp", 1.2, "resnet50", 1]
+    assert best.system == "prophet"
+    assert best.ratio == pytest.approx(1.5 / 1.1)
+    assert best.met
+    assert len(verdicts) == 1 + 2 * 3 + 2
+    assert (
+        "NOT met: prophet / bytescheduler-tuned = 0.96x"
+        in by["bytescheduler-tuned", 0.97, "vgg16", 10].line()
+    )
+    # A cell without the baseline cannot be judged, and says so.
+    partial = targets.verdicts({("vgg16", 1.0): {"fifo": 1.0, "prophet": 1.2}})
+    unjudged = [v for v in partial if v.met is None]
+    assert {v.baseline for v in unjudged} == {"fifo", "bytescheduler-tuned", "ddp"}
+    assert all(v.line().startswith("not measured") for v in unjudged)
+    assert targets.verdicts({}) == []
+
+
+def test_scheduler_report_and_plots(tmp_path: Path) -> None:
+    results = fake_scheduler_results()
+    text = schedreport.markdown(results)
+    assert "| profile | system | 1 Gbit/s | 2 Gbit/s | 5 Gbit/s | 10 Gbit/s |" in text
+    assert "| vgg16 | fifo | 1.00 | 1.00 | 1.00 | 1.00 |" in text
+    assert "| | prophet | 1.50 | 1.50 | 1.30 | 1.30 |" in text
+    # ratios to fifo / to DDP; DDP's own row has 1.00x to itself.
+    assert "| | DDP/gloo | 1.10x / 1.00x |" in text
+    assert "| vgg16 | 1 | 7 | partition_bytes 65536, credit_bytes 262144 | 1.10 |" in text
+    assert "- met: bytescheduler-tuned / fifo = 1.35x (target >= 1.3x) on vgg16 at 1 Gbit/s" in (
+        text
+    )
+    assert text.count("NOT met") == 1
+    # The whole output: the link part, then this; the standard training table is left out.
+    full = report.markdown(results)
+    assert "vs DDP/gloo |" not in full
+    cluster.write_outputs(results, tmp_path)
+    for name in ("schedulers.png", "idle.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "training.png").exists()
+    assert "**Targets**" in (tmp_path / "results.md").read_text()
+
+
+def test_repeated_runs_show_their_range() -> None:
+    results = fake_scheduler_results()
+    cell = results["training"][0]
+    cell["runs"].append(fake_run("fifo", "fifo", 0.8, 1150, repeat=1))
+    results["training"][0] = training.finish_cell({**cell, "cell": None})
+    results["config"]["repeats"] = 2
+    text = schedreport.markdown(results)
+    assert "| vgg16 | fifo | 0.90 (0.80-1.00) |" in text
+    assert "2 runs per system" in text
+
+
+def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
+    args = cluster.parse_args(["--schedulers", ALL_SYSTEMS, "-x", "SUMFLOW_X=1"])
+    systems = {s.name: s for s in matrix.scheduler_systems(ALL_SYSTEMS.split(","), 0)}
+    cell = {"size_scale": 0.1, "time_scale": 0.5, "bucket_cap_mb": 2.5, "partition_bytes": 4096}
+    step = matrix.Step(matrix.Cell("vgg16", 1), systems["bytescheduler-tuned"], tune=True)
+    argv = training.worker_argv(args, step, cell, tmp_path / "o.json")
+    assert argv[argv.index("--iterations") + 1] == str(args.tune_iterations)
+    assert argv[argv.index("--warmup") + 1] == "0"
+    assert "--cross-barrier" in argv
+    assert argv[argv.index("--partition-bytes") + 1] == "4096"
+    tuned = tmp_path / "t.json"
+    env = training.sumflow_env(args, step, tuned)
+    assert env == [
+        "-x", "SUMFLOW_X=1", "-x", "SUMFLOW_SCHEDULER=bytescheduler",
+        "-x", f"{training.AUTOTUNE_ENV}=1", "-x", f"{training.AUTOTUNE_FILE_ENV}={tuned}",
+    ]  # fmt: skip
+    measured = matrix.Step(step.cell, step.system)
+    assert f"{training.AUTOTUNE_ENV}=1" not in training.sumflow_env(args, measured, tuned)
+    assert f"{training.AUTOTUNE_FILE_ENV}={tuned}" in training.sumflow_env(args, measured, tuned)
+    ddp = training.worker_argv(args, matrix.Step(step.cell, systems["ddp"]), cell, tuned)
+    assert "--cross-barrier" not in ddp
+    assert ddp[ddp.index("--bucket-cap-mb") + 1] == "2.5"
+    assert training.sumflow_env(args, matrix.Step(step.cell, systems["fifo"]), tuned)[-1] == (
+        "SUMFLOW_SCHEDULER=fifo"
+    )
+
+
+def test_progress_reports_time_left(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = cluster.Progress(3, estimate_s=600.0)
+    progress.step("link check")
+    progress.step("a", 300.0)
+    progress._current = (300.0, progress._current[1] - 100.0)  # type: ignore[index]
+    progress.step("b", 300.0)
+    lines = capsys.readouterr().err.splitlines()
+    assert "about 10 min left] link check" in lines[0]
+    assert "about 10 min left] a" in lines[1]
+    # "a" took a third of its estimate, so the 300 s left are about 100 s.
+    assert "about 100 s left] b" in lines[2]
+
+
+def test_grid_points_and_json() -> None:
+    points = grid.grid_points(64 * 1024, partitions=6, credits=5)
+    ps = sorted({p for p, _ in points})
+    cs = sorted({c for _, c in points})
+    assert ps == [8192, 16384, 32768, 65536, 131072, 262144]
+    assert cs == [65536, 131072, 262144, 524288, 1048576]
+    assert len(points) == 30
+    assert all(p % 64 == 0 for p in ps)
+    with pytest.raises(ValueError, match="not distinct"):
+        grid.log_spaced(64, 128, 5)
+    systems = grid.grid_systems(points[:2], k=0)
+    assert systems[0].credit_bytes == 65536
+    assert systems[0].partition_bytes == 8192
+    cell = {
+        "model": "vgg16", "reference_gbit": 1.0, "partition_bytes": 65536, "scaling": "why",
+        "runs": [
+            {**fake_run(systems[0].name, "", 2.0, 0), "iteration_s": [0.5, 0.6]},
+            {**fake_run(systems[1].name, "", 2.0, 0), "iteration_s": [0.4, 0.45]},
+        ],
+    }  # fmt: skip
+    data = grid.grid_json(cell, systems, {"workers": 4})
+    assert data["configs"][1] == {
+        "partition_bytes": 8192, "credit_bytes": 131072, "step_s": [0.4, 0.45]
+    }  # fmt: skip
+    assert data["meta"]["workers"] == 4
+    assert data["meta"]["model"] == "vgg16"
+    json.dumps(data)
+    text = grid.markdown(data)
+    assert "| 8192 | 550 | **425** |" in text
