@@ -26,6 +26,7 @@ from sumflow.bench import (
     theory,
     training,
 )
+from sumflow.tune.space import Configuration, SearchSpace
 
 GB = 1e9
 
@@ -236,13 +237,18 @@ def test_jobs_fail_with_the_reason_and_the_last_lines(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def test_two_host_emulated_run(tmp_path: Path) -> None:
+def skip_without_namespaces() -> None:
+    """Skips the test, saying why, where this machine cannot run the emulated cluster."""
     reason = netns.unavailable_reason()
     if reason is None and subprocess.run(["which", "iperf3"], capture_output=True).returncode:
         reason = "iperf3 is not installed"
     if reason is not None:
         print(f"skipping the emulated run: {reason}")
         pytest.skip(reason)
+
+
+def test_two_host_emulated_run(tmp_path: Path) -> None:
+    skip_without_namespaces()
     out = tmp_path / "out"
     done = subprocess.run(
         [
@@ -429,10 +435,13 @@ def fake_scheduler_results() -> dict[str, Any]:
                 "prophet": 1.5 if low else 1.3, "ddp": 1.1,
             }  # fmt: skip
             cells.append(fake_cell(model, gbit, rates))
+    config = {"partition_bytes": 65536, "credit_bytes": 262144}
     cells[0]["tuning"].append(
-        {"iterations_per_s": 1.1, "trials": [{"score": 1.0}] * 7,
-         "tuned": {"partition_bytes": 65536, "credit_bytes": 262144}}
+        {"name": "bytescheduler-tuned", "iterations_per_s": 1.1,
+         "tuner": {"events": ["start", "trial", "finish"], "applied": config,
+                   "trials": [{"score_s": 1.0}] + [{"score_s": 0.8}] * 6}}
     )  # fmt: skip
+    cells[0]["runs"][3]["tuner"] = {"events": ["start", "reuse"], "applied": config}
     return {
         "config": {
             "workers": 4, "cpu_servers": [0], "rate_mbit": 250.0, "mtu": 9000, "delay_ms": 0.0,
@@ -481,7 +490,10 @@ def test_scheduler_report_and_plots(tmp_path: Path) -> None:
     assert "| | prophet | 1.50 | 1.50 | 1.30 | 1.30 |" in text
     # ratios to fifo / to DDP; DDP's own row has 1.00x to itself.
     assert "| | DDP/gloo | 1.10x / 1.00x |" in text
-    assert "| vgg16 | 1 | 7 | partition_bytes 65536, credit_bytes 262144 | 1.10 |" in text
+    assert (
+        "| vgg16 | 1 | 7 | partition 65536 B, credit 262144 B (4 partitions) | 1.25x faster | "
+        "reused it |"
+    ) in text
     assert "- met: bytescheduler-tuned / fifo = 1.35x (target >= 1.3x) on vgg16 at 1 Gbit/s" in (
         text
     )
@@ -508,7 +520,10 @@ def test_repeated_runs_show_their_range() -> None:
 
 
 def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
-    args = cluster.parse_args(["--schedulers", ALL_SYSTEMS, "-x", "SUMFLOW_X=1"])
+    args = cluster.parse_args(
+        ["--schedulers", ALL_SYSTEMS, "-x", "SUMFLOW_X=1", "--out", str(tmp_path)]
+    )
+    assert args.tune_iterations == 10 * (2 + 5) + matrix.TUNE_SLACK_ITERATIONS
     systems = {s.name: s for s in matrix.scheduler_systems(ALL_SYSTEMS.split(","), 0)}
     cell = {"size_scale": 0.1, "time_scale": 0.5, "bucket_cap_mb": 2.5, "partition_bytes": 4096}
     step = matrix.Step(matrix.Cell("vgg16", 1), systems["bytescheduler-tuned"], tune=True)
@@ -517,21 +532,55 @@ def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
     assert argv[argv.index("--warmup") + 1] == "0"
     assert "--cross-barrier" in argv
     assert argv[argv.index("--partition-bytes") + 1] == "4096"
-    tuned = tmp_path / "t.json"
-    env = training.sumflow_env(args, step, tuned)
-    assert env == [
+    store, log = training.tuner_files(args, step)
+    # 64 KiB and 32 MiB scaled by 0.1, in whole pages: 6553.6 -> 8192, 3355443 -> 3354624.
+    assert training.sumflow_env(args, step, cell) == [
         "-x", "SUMFLOW_X=1", "-x", "SUMFLOW_SCHEDULER=bytescheduler",
-        "-x", f"{training.AUTOTUNE_ENV}=1", "-x", f"{training.AUTOTUNE_FILE_ENV}={tuned}",
+        "-x", "SUMFLOW_AUTOTUNE=1", "-x", f"SUMFLOW_AUTOTUNE_FILE={store}",
+        "-x", f"SUMFLOW_AUTOTUNE_LOG={log}",
+        "-x", "SUMFLOW_AUTOTUNE_PARTITION_BYTES=8192:3354624",
+        "-x", "SUMFLOW_AUTOTUNE_TRIALS=10", "-x", "SUMFLOW_AUTOTUNE_WARMUP_STEPS=2",
+        "-x", "SUMFLOW_AUTOTUNE_MEASURE_STEPS=5",
     ]  # fmt: skip
+    # The measured run: the same store (it reuses what tuning stored), its own log.
     measured = matrix.Step(step.cell, step.system)
-    assert f"{training.AUTOTUNE_ENV}=1" not in training.sumflow_env(args, measured, tuned)
-    assert f"{training.AUTOTUNE_FILE_ENV}={tuned}" in training.sumflow_env(args, measured, tuned)
-    ddp = training.worker_argv(args, matrix.Step(step.cell, systems["ddp"]), cell, tuned)
+    assert training.tuner_files(args, measured) == (store, log.with_name(f"{measured.key}.jsonl"))
+    env = training.sumflow_env(args, measured, cell)
+    assert f"SUMFLOW_AUTOTUNE_FILE={store}" in env
+    ddp = training.worker_argv(args, matrix.Step(step.cell, systems["ddp"]), cell, tmp_path)
     assert "--cross-barrier" not in ddp
     assert ddp[ddp.index("--bucket-cap-mb") + 1] == "2.5"
-    assert training.sumflow_env(args, matrix.Step(step.cell, systems["fifo"]), tuned)[-1] == (
-        "SUMFLOW_SCHEDULER=fifo"
-    )
+    fifo = training.sumflow_env(args, matrix.Step(step.cell, systems["fifo"]), cell)
+    assert fifo[-1] == "SUMFLOW_SCHEDULER=fifo"
+    assert not any("AUTOTUNE" in item for item in fifo)
+    assert matrix.tuning_space(1e-6) == (4096, 4096)  # never below a page
+
+
+def test_tuner_log_is_read_into_trials(tmp_path: Path) -> None:
+    config = {"partition_bytes": 8192, "credit_bytes": 32768}
+    log = tmp_path / "t.jsonl"
+    log.write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in (
+                {"event": "start", "time": 1},
+                {"event": "propose", "trial": 1},
+                {"event": "trial", "trial": 1, "config": config, "score_s": 0.5,
+                 "reason": "start", "step_s": [0.5]},
+                {"event": "finish", "best": {"trial": 1, "config": config, "score_s": 0.5}},
+            )
+        ) + "\n"
+    )  # fmt: skip
+    got = training.read_tuner_log(log)
+    assert got["events"] == ["start", "propose", "trial", "finish"]
+    assert got["trials"] == [
+        {"trial": 1, "config": config, "score_s": 0.5, "reason": "start", "step_s": [0.5]}
+    ]
+    assert got["applied"] == config
+    reuse = tmp_path / "r.jsonl"
+    reuse.write_text(json.dumps({"event": "reuse", "config": config}) + "\n")
+    assert training.read_tuner_log(reuse) == {"events": ["reuse"], "trials": [], "applied": config}
+    assert training.read_tuner_log(tmp_path / "none.jsonl")["applied"] is None
 
 
 def test_progress_reports_time_left(capsys: pytest.CaptureFixture[str]) -> None:
@@ -547,19 +596,21 @@ def test_progress_reports_time_left(capsys: pytest.CaptureFixture[str]) -> None:
     assert "about 100 s left] b" in lines[2]
 
 
-def test_grid_points_and_json() -> None:
-    points = grid.grid_points(64 * 1024, partitions=6, credits=5)
+def test_grid_points_span_the_tuners_space_and_make_grid_json() -> None:
+    space = SearchSpace(8192, 262144, 16.0)
+    points = grid.grid_points(space, partitions=6, credits=5)
     ps = sorted({p for p, _ in points})
-    cs = sorted({c for _, c in points})
     assert ps == [8192, 16384, 32768, 65536, 131072, 262144]
-    assert cs == [65536, 131072, 262144, 524288, 1048576]
+    assert sorted({c // p for p, c in points}) == [1, 2, 4, 8, 16]
     assert len(points) == 30
-    assert all(p % 64 == 0 for p in ps)
+    # Every point is one the tuner could choose.
+    assert all(space.contains(Configuration(p, c)) for p, c in points)
     with pytest.raises(ValueError, match="not distinct"):
-        grid.log_spaced(64, 128, 5)
+        grid.grid_points(SearchSpace(4096, 8192, 16.0), partitions=5, credits=2)
     systems = grid.grid_systems(points[:2], k=0)
-    assert systems[0].credit_bytes == 65536
+    assert systems[0].credit_bytes == 8192
     assert systems[0].partition_bytes == 8192
+    assert systems[0].scheduler == "bytescheduler"
     cell = {
         "model": "vgg16", "reference_gbit": 1.0, "partition_bytes": 65536, "scaling": "why",
         "runs": [
@@ -569,10 +620,54 @@ def test_grid_points_and_json() -> None:
     }  # fmt: skip
     data = grid.grid_json(cell, systems, {"workers": 4})
     assert data["configs"][1] == {
-        "partition_bytes": 8192, "credit_bytes": 131072, "step_s": [0.4, 0.45]
+        "partition_bytes": 8192, "credit_bytes": 16384, "step_s": [0.4, 0.45]
     }  # fmt: skip
     assert data["meta"]["workers"] == 4
     assert data["meta"]["model"] == "vgg16"
-    json.dumps(data)
     text = grid.markdown(data)
     assert "| 8192 | 550 | **425** |" in text
+    # What the tuner's comparison reads.
+    path_data = compare_grid(data)
+    assert path_data.best_s == pytest.approx(0.425)
+
+
+def compare_grid(data: dict[str, Any]) -> Any:
+    """GRID.json `data` loaded by the tuner's comparison."""
+    import tempfile
+
+    from sumflow.tune import compare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "GRID.json"
+        path.write_text(json.dumps(data))
+        return compare.load_grid(path)
+
+
+def test_two_host_scheduler_run(tmp_path: Path) -> None:
+    """The scheduler benchmark end to end, small: fifo across the barrier and DDP."""
+    skip_without_namespaces()
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "sumflow.bench.cluster", "--skip-goodput"),
+            *("--workers", "2", "--rate-mbit", "400", "--link-seconds", "1"),
+            *("--schedulers", "fifo,ddp", "--models", "resnet50", "--reference-gbits", "10"),
+            *("--iterations", "3", "--warmup-iterations", "1"),
+            *("--subnet", "10.213.0.0/24", "--job-timeout", "120", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (cell,) = json.loads((out / "results.json").read_text())["training"]
+    assert list(cell["summary"]) == ["fifo", "ddp"]
+    fifo, ddp = cell["runs"]
+    assert fifo["scheduler"] == "fifo"
+    assert fifo["cross_barrier"]
+    assert not ddp["cross_barrier"]
+    assert all(r["checked"] and r["iterations_per_s"] > 0 for r in (fifo, ddp))
+    assert "**Targets**" in (out / "results.md").read_text()
+    assert "not measured" in done.stderr  # no tuned bytescheduler or prophet in this run
+    assert {"schedulers.png", "idle.png"} <= {p.name for p in out.iterdir()}
+    assert netns.namespaces_with_prefix() == []

@@ -46,6 +46,7 @@ from sumflow.bench.netns import (
     started,
 )
 from sumflow.bench.training import step_estimates, training_runs
+from sumflow.tune.space import SearchSpace
 
 GBIT = 1e9 / 8
 IPERF_PORT = 5201
@@ -125,10 +126,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "DDP)",
     )
     sc.add_argument(
-        "--tune-iterations",
+        "--tune-trials",
         type=int,
-        default=80,
-        help="iterations of a tuning run (enough for the tuner's budget of trials)",
+        default=10,
+        help="trials of a tuning run (SUMFLOW_AUTOTUNE_TRIALS), its starting configuration "
+        "included",
+    )
+    sc.add_argument(
+        "--tune-warmup-steps",
+        type=int,
+        default=2,
+        help="steps after each switch of configuration before measuring "
+        "(SUMFLOW_AUTOTUNE_WARMUP_STEPS)",
+    )
+    sc.add_argument(
+        "--tune-measure-steps",
+        type=int,
+        default=5,
+        help="steps measured per trial (SUMFLOW_AUTOTUNE_MEASURE_STEPS)",
     )
     sc.add_argument(
         "--repeats",
@@ -143,8 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="GRID.json",
         help="instead of the training comparison, measure bytescheduler (with --scheduler-k "
         "CPU-server hosts) on --grid-model at the lowest --reference-gbits over a "
-        "log-spaced grid of partition sizes x credits and write GRID.json (for python -m "
-        "sumflow.tune.compare); --iterations per point",
+        "log-spaced grid of partition sizes x credits across the tuner's search space "
+        "(scaled) and write GRID.json (for python -m sumflow.tune.compare); --iterations "
+        "per point",
     )
     gr.add_argument("--grid-model", default="vgg16", help="the grid's layer profile")
     gr.add_argument("--grid-partitions", type=int, default=6, help="partition sizes in the grid")
@@ -180,8 +196,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds and --iterations must be at least 1")
     if args.warmup_iterations < 0:
         p.error("--warmup-iterations must be at least 0")
-    if args.tune_iterations < 1 or args.repeats < 1:
-        p.error("--tune-iterations and --repeats must be at least 1")
+    if min(args.tune_trials, args.tune_measure_steps, args.repeats) < 1:
+        p.error("--tune-trials, --tune-measure-steps and --repeats must be at least 1")
+    if args.tune_warmup_steps < 0:
+        p.error("--tune-warmup-steps must be at least 0")
+    args.tune_iterations = matrix.tune_iterations(
+        args.tune_trials, args.tune_warmup_steps, args.tune_measure_steps
+    )
     if args.scheduler_k < 0:
         p.error("--scheduler-k must be at least 0")
     if args.scheduler_names is not None and not args.models:
@@ -345,14 +366,20 @@ def goodput_runs(
     }
 
 
+def grid_space(args: argparse.Namespace) -> SearchSpace:
+    """The tuner's search space for the grid's cell, partitions scaled like its tensors."""
+    scales = matrix.cell_scales(matrix.Cell(args.grid_model, min(args.gbits)), args.rate_mbit)
+    low, high = matrix.tuning_space(scales.size_scale)
+    return SearchSpace(low, high, SearchSpace().max_credit_partitions)
+
+
 def training_plan(args: argparse.Namespace) -> list[matrix.Step]:
     """The training jobs: the grid search's with ``--grid``, the scheduler benchmark's
     with ``--schedulers``, else the standard comparison (DDP, sumflow k = 0, sumflow k = n
     when CPU hosts exist). ValueError if a cell cannot be scaled."""
     if args.grid is not None:
         cell = matrix.Cell(args.grid_model, min(args.gbits))
-        partition = matrix.cell_scales(cell, args.rate_mbit).partition_bytes
-        points = grid.grid_points(partition, args.grid_partitions, args.grid_credits)
+        points = grid.grid_points(grid_space(args), args.grid_partitions, args.grid_credits)
         systems = grid.grid_systems(points, args.scheduler_k)
         return matrix.plan([cell.model], [cell.reference_gbit], systems)
     if args.scheduler_names is not None:
@@ -403,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             "scheduler_k": args.scheduler_k,
             "iterations": args.iterations,
             "warmup_iterations": args.warmup_iterations,
+            "tune_trials": args.tune_trials,
+            "tune_warmup_steps": args.tune_warmup_steps,
+            "tune_measure_steps": args.tune_measure_steps,
             "tune_iterations": args.tune_iterations,
             "repeats": args.repeats,
             "estimated_training_s": sum(estimates),
@@ -435,7 +465,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 results["training"] = []
                 training_runs(args, cluster, sampler, tmp, progress, steps, results["training"])
             if args.grid is not None:
-                results["grid"] = write_grid(args, results, [s.system for s in steps])
+                systems = [s.system for s in steps]
+                results["grid"] = write_grid(args, results, systems, grid_space(args))
     except (ClusterUnavailable, ClusterError) as e:
         print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
         return 2
@@ -450,15 +481,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def write_grid(
-    args: argparse.Namespace, results: dict[str, Any], systems: list[matrix.System]
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    systems: list[matrix.System],
+    space: SearchSpace,
 ) -> dict[str, Any]:
-    """GRID.json from the grid run's one cell and its `systems` (the grid points); returns
-    it."""
+    """GRID.json from the grid run's one cell and its `systems` (the grid points, in the
+    tuner's `space`); returns it."""
     (cell,) = results["training"]
     meta = {
         "workers": args.workers,
         "cpu_servers": args.scheduler_k,
         "rate_mbit": args.rate_mbit,
+        "space": space.to_json(),
         "iterations": args.iterations,
         "warmup_iterations": args.warmup_iterations,
         "command": results["config"]["command"],

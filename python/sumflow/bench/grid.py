@@ -3,10 +3,12 @@ emulated cluster: the reference the auto-tuner is judged against (issue 6: Bayes
 optimisation within 5% of the grid's best in at most 10 trials, ByteScheduler Fig. 14;
 ``python -m sumflow.tune.compare GRID.json``).
 
-Both knobs are log-spaced around the cell's default partition size (4 MiB scaled like the
-tensors, :func:`sumflow.bench.matrix.cell_scales`): partitions from 1/8x to 4x of it,
-credits from 1x to 16x of it. Every grid point is one training job (bytescheduler across
-the global barrier), so every point starts from the same state.
+The grid spans the tuner's own search space (:class:`sumflow.tune.space.SearchSpace`),
+with partition sizes scaled like the tensors (:func:`sumflow.bench.matrix.tuning_space`):
+partition sizes log-spaced over that range, credits log-spaced from 1 to the space's most
+partitions (16), so every grid point is a configuration the tuner could choose. Every grid
+point is one training job (bytescheduler across the global barrier), so every point starts
+from the same state.
 
 GRID.json::
 
@@ -21,38 +23,38 @@ import statistics
 from typing import Any
 
 from sumflow.bench.matrix import System
-
-#: Partition sizes span these factors of the cell's default partition size.
-PARTITION_FACTORS = (1 / 8, 4.0)
-#: Credits span these factors of the cell's default partition size.
-CREDIT_FACTORS = (1.0, 16.0)
+from sumflow.tune.space import SearchSpace
 
 
-def log_spaced(low: float, high: float, count: int) -> list[int]:
-    """`count` sizes from `low` to `high` (bytes) with equal ratios, rounded to whole
-    64-byte lines (at least 64); ValueError if they would not be distinct."""
+def log_spaced(low: float, high: float, count: int) -> list[float]:
+    """`count` values from `low` to `high` with equal ratios (their geometric mean for
+    one)."""
     if count < 1 or not 0 < low <= high:
         raise ValueError(
             f"log_spaced needs count >= 1 and 0 < low <= high, got {count}, {low}, {high}"
         )
     if count == 1:
-        return [max(64, round(math.sqrt(low * high) / 64) * 64)]
+        return [math.sqrt(low * high)]
     ratio = (high / low) ** (1 / (count - 1))
-    values = [max(64, round(low * ratio**i / 64) * 64) for i in range(count)]
-    if len(set(values)) != count:
-        raise ValueError(f"{count} sizes from {low:.0f} to {high:.0f} bytes are not distinct")
-    return values
+    return [low * ratio**i for i in range(count)]
 
 
-def grid_points(partition_bytes: int, partitions: int, credits: int) -> list[tuple[int, int]]:
-    """(partition, credit) pairs, partitions outer, around the default `partition_bytes`."""
-    ps = log_spaced(
-        partition_bytes * PARTITION_FACTORS[0], partition_bytes * PARTITION_FACTORS[1], partitions
-    )
-    cs = log_spaced(
-        partition_bytes * CREDIT_FACTORS[0], partition_bytes * CREDIT_FACTORS[1], credits
-    )
-    return [(p, c) for p in ps for c in cs]
+def grid_points(space: SearchSpace, partitions: int, credits: int) -> list[tuple[int, int]]:
+    """(partition, credit) bytes, partitions outer: `partitions` sizes across `space`'s
+    range and `credits` credits from 1 to its most partitions each, in whole pages;
+    ValueError if rounding makes two points equal (a range too narrow for the count)."""
+    points = []
+    for p in log_spaced(space.min_partition_bytes, space.max_partition_bytes, partitions):
+        for k in log_spaced(1.0, space.max_credit_partitions, credits):
+            config = space.configuration(p, k)
+            points.append((config.partition_bytes, config.credit_bytes))
+    if len(set(points)) != len(points):
+        raise ValueError(
+            f"{partitions} x {credits} grid points over partitions of "
+            f"{space.min_partition_bytes}-{space.max_partition_bytes} bytes are not distinct "
+            "in whole pages: use fewer points"
+        )
+    return points
 
 
 def grid_systems(points: list[tuple[int, int]], k: int) -> list[System]:

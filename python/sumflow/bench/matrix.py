@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from sumflow import profiles
+from sumflow.tune.space import ALIGN, SearchSpace
 
 #: The scheduler benchmark's systems, in the order a cell runs them (issue 6).
 SCHEDULER_SYSTEMS = ("fifo", "p3", "bytescheduler", "bytescheduler-tuned", "prophet", "ddp")
@@ -210,9 +211,32 @@ def cell_scales(cell: Cell, rate_mbit: float) -> profiles.EmulationScales:
     )
 
 
-#: Seconds a job takes beyond its iterations: processes, rendezvous, the checked step's
-#: extra work, teardown (measured on the development VM: 5-10 s).
-JOB_OVERHEAD_S = 8.0
+#: Iterations a tuning run trains beyond its trials' steps: the checked first step, and
+#: the steps before the tuner's first boundary.
+TUNE_SLACK_ITERATIONS = 5
+
+
+def tune_iterations(trials: int, warmup_steps: int, measure_steps: int) -> int:
+    """Iterations a tuning run needs for the tuner to finish its `trials` (each
+    `warmup_steps` + `measure_steps` steps) and persist the best."""
+    return trials * (warmup_steps + measure_steps) + TUNE_SLACK_ITERATIONS
+
+
+def tuning_space(size_scale: float) -> tuple[int, int]:
+    """The tuner's partition range (SUMFLOW_AUTOTUNE_PARTITION_BYTES) for tensors scaled
+    by `size_scale`: its default range, sized for real links, scaled like the partitions
+    of the real cluster (whole pages, at least one)."""
+    default = SearchSpace()
+
+    def scaled(n: int) -> int:
+        return max(ALIGN, round(n * size_scale / ALIGN) * ALIGN)
+
+    return scaled(default.min_partition_bytes), scaled(default.max_partition_bytes)
+
+
+#: Seconds a job takes beyond its iterations: starting 4 Python processes that import
+#: torch, rendezvous, teardown (15-20 s on the 2-core development VM under load).
+JOB_OVERHEAD_S = 15.0
 
 
 def estimate_seconds(

@@ -121,33 +121,48 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def _tuning(results: dict[str, Any]) -> list[str]:
-    rows = [
-        (cell, run) for cell in _cells(results) for run in cell.get("tuning", [])
-    ]  # fmt: skip
-    if not rows:
+    cells = [c for c in _cells(results) if c.get("tuning")]
+    if not cells:
         return []
     lines = [
-        "**Tuning runs** (bytescheduler tuned: the tuner's trials, then the measured run "
-        "reuses the best configuration it persisted)",
+        "**Tuning runs** (bytescheduler tuned: the tuner's trials in a tuning run; the "
+        "measured run applies the best configuration it stored)",
         "",
-        "| profile | Gbit/s | trials | best configuration | tuning run iterations/s |",
-        "|---|---|---|---|---|",
+        "| profile | Gbit/s | trials | best configuration | its step vs the first trial's | "
+        "measured run |",
+        "|---|---|---|---|---|---|",
     ]
-    for cell, run in rows:
-        trials = run.get("trials") or []
-        best = run.get("tuned")
-        lines.append(
-            f"| {cell['model']} | {cell['reference_gbit']:g} | {len(trials)} | "
-            f"{_config(best)} | {run['iterations_per_s']:.2f} |"
-        )
+    for cell in cells:
+        for run in cell["tuning"]:
+            tuner = run.get("tuner") or {}
+            trials = tuner.get("trials") or []
+            scores = [t["score_s"] for t in trials if t.get("score_s")]
+            gain = f"{scores[0] / min(scores):.2f}x faster" if scores else "-"
+            measured = [r for r in cell["runs"] if r["name"] == run["name"]]
+            lines.append(
+                f"| {cell['model']} | {cell['reference_gbit']:g} | {len(trials)} | "
+                f"{_config(tuner.get('applied'))} | {gain} | "
+                f"{', '.join(_applied(r) for r in measured) or 'not run'} |"
+            )
     lines.append("")
     return lines
 
 
-def _config(best: Any) -> str:
-    if not isinstance(best, dict):
-        return "none persisted"
-    return ", ".join(f"{k} {v}" for k, v in best.items() if not isinstance(v, (dict, list)))
+def _config(config: Any) -> str:
+    if not isinstance(config, dict):
+        return "none stored"
+    partition, credit = config.get("partition_bytes"), config.get("credit_bytes")
+    if not (isinstance(partition, int) and isinstance(credit, int)):
+        return str(config)
+    return f"partition {partition} B, credit {credit} B ({credit / partition:.3g} partitions)"
+
+
+def _applied(run: dict[str, Any]) -> str:
+    """Whether a tuned system's measured run applied the stored configuration."""
+    events = (run.get("tuner") or {}).get("events") or []
+    if "reuse" in events:
+        return "reused it"
+    return "tuned again" if "trial" in events else "did not tune"
 
 
 def verdict_lines(results: dict[str, Any]) -> list[str]:

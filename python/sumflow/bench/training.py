@@ -20,14 +20,14 @@ from typing import Any, Protocol
 
 from sumflow.bench.cpu import CpuSampler
 from sumflow.bench.jobs import read_result, run_sumflow_job, run_torch_job
-from sumflow.bench.matrix import Cell, Step, cell_scales, estimate_seconds
+from sumflow.bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
 from sumflow.bench.netns import EmulatedCluster
 from sumflow.profiles import EmulationScales
 
-#: Variables of sumflow's auto-tuner (docs/autotune.md): tune online, and the file the best
-#: configuration is persisted to (written by a tuning run, read by later runs).
+#: Variables of sumflow's auto-tuner (docs/autotune.md).
 AUTOTUNE_ENV = "SUMFLOW_AUTOTUNE"
 AUTOTUNE_FILE_ENV = "SUMFLOW_AUTOTUNE_FILE"
+AUTOTUNE_LOG_ENV = "SUMFLOW_AUTOTUNE_LOG"
 
 
 class _Progress(Protocol):
@@ -162,10 +162,20 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
     return argv
 
 
-def sumflow_env(args: argparse.Namespace, step: Step, tuned_file: Path) -> list[str]:
+def tuner_files(args: argparse.Namespace, step: Step) -> tuple[Path, Path]:
+    """Where a tuned system's tuner keeps its best configuration (one file per cell and
+    system, shared by the tuning run and the measured run) and where `step` logs."""
+    folder = args.out / "tuned"
+    return folder / f"{step.cell.key}-{step.system.name}.json", folder / f"{step.key}.jsonl"
+
+
+def sumflow_env(args: argparse.Namespace, step: Step, cell: dict[str, Any]) -> list[str]:
     """``-x NAME=VALUE`` settings of a sumflow job: the user's (``-x``), then the
-    scheduler, then the auto-tuner's (tuning: tune and persist to `tuned_file`; a tuned
-    system's measured run: reuse it)."""
+    scheduler and credit, then for a tuned system the auto-tuner's. Both of its runs tune
+    "or reuse a stored result" (``SUMFLOW_AUTOTUNE=1``) with the same file: the tuning run
+    starts without one (:func:`run_step` removes it) and tunes, the measured run finds the
+    tuning run's best and applies it. The tuner's partition range is its default scaled
+    like the tensors."""
     env = list(args.worker_env)
     system = step.system
     if system.scheduler is not None:
@@ -173,10 +183,40 @@ def sumflow_env(args: argparse.Namespace, step: Step, tuned_file: Path) -> list[
     if system.credit_bytes is not None:
         env.append(f"SUMFLOW_CREDIT_BYTES={system.credit_bytes}")
     if system.tuned:
-        if step.tune:
-            env.append(f"{AUTOTUNE_ENV}=1")
-        env.append(f"{AUTOTUNE_FILE_ENV}={tuned_file}")
+        store, log = tuner_files(args, step)
+        low, high = tuning_space(cell["size_scale"])
+        env += [
+            f"{AUTOTUNE_ENV}=1",
+            f"{AUTOTUNE_FILE_ENV}={store}",
+            f"{AUTOTUNE_LOG_ENV}={log}",
+            f"SUMFLOW_AUTOTUNE_PARTITION_BYTES={low}:{high}",
+            f"SUMFLOW_AUTOTUNE_TRIALS={args.tune_trials}",
+            f"SUMFLOW_AUTOTUNE_WARMUP_STEPS={args.tune_warmup_steps}",
+            f"SUMFLOW_AUTOTUNE_MEASURE_STEPS={args.tune_measure_steps}",
+        ]
     return [a for item in env for a in ("-x", item)]
+
+
+def read_tuner_log(path: Path) -> dict[str, Any]:
+    """What a tuner's JSON-lines log says: its events in order, the trials (configuration,
+    score, why it was tried) and the configuration it finished with or reused."""
+    events: list[dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                events.append(json.loads(line))
+    trials = [
+        {k: e.get(k) for k in ("trial", "config", "score_s", "reason", "step_s")}
+        for e in events
+        if e.get("event") == "trial"
+    ]
+    applied = None
+    for e in events:
+        if e.get("event") == "finish":
+            applied = e["best"]["config"]
+        elif e.get("event") == "reuse":
+            applied = e["config"]
+    return {"events": [e.get("event") for e in events], "trials": trials, "applied": applied}
 
 
 def run_step(
@@ -194,11 +234,13 @@ def run_step(
     out = tmp / f"train-{step.key}.json"
     log_path = args.out / "logs" / f"train-{step.key}.log"
     argv = worker_argv(args, step, cell, out)
-    tuned_file = args.out / "tuned" / f"{step.cell.key}-{system.name}.json"
-    if step.tune:
-        tuned_file.parent.mkdir(parents=True, exist_ok=True)
-        # A tuning run starts from nothing; a stale file would be reused instead.
-        tuned_file.unlink(missing_ok=True)
+    store, log = tuner_files(args, step)
+    if system.tuned:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        if step.tune:
+            # A tuning run starts from nothing; with a stale file it would reuse instead.
+            store.unlink(missing_ok=True)
     if system.kind == "ddp-gloo":
         run_torch_job(
             cluster, workers, argv, what=step.what, log_path=log_path, timeout=args.job_timeout
@@ -212,15 +254,13 @@ def run_step(
             what=step.what,
             log_path=log_path,
             timeout=args.job_timeout,
-            launcher_args=sumflow_env(args, step, tuned_file),
+            launcher_args=sumflow_env(args, step, cell),
         )
     run = read_result(out, step.what)
     run.update(name=system.name, label=system.label, k=system.k, repeat=step.repeat)
     run["cpu"] = sampler.utilisation(*run["window"])
     if system.tuned:
-        run["tuned_file"] = str(tuned_file)
-        if tuned_file.is_file():
-            run["tuned"] = json.loads(tuned_file.read_text())
+        run["tuner"] = {"store": str(store), "log": str(log), **read_tuner_log(log)}
     if step.tune:
         # What the tuner tried is in the log; the result keeps only its summary.
         for key in ("iteration_s", "compute_s", "idle_s", "update_s", "per_rank"):
