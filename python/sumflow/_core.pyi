@@ -1,6 +1,8 @@
 """Typed stub of ``sumflow._core``, the Rust extension module (crates/binding)."""
 
 from collections.abc import Sequence
+from os import PathLike
+from typing import Any
 
 __version__: str
 """The version of the core: the Cargo workspace's."""
@@ -65,6 +67,8 @@ class CommunicationService:
         rank: int | None = None,
         name: str | None = None,
         partition_bytes: int = 4194304,
+        scheduler: str = "bytescheduler",
+        credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
         connections_per_cpu_server: int | None = None,
         join_timeout: float = 300.0,
@@ -72,6 +76,10 @@ class CommunicationService:
         connect_timeout: float = 60.0,
         heartbeat_interval: float = 1.0,
         heartbeat_timeout: float = 10.0,
+        trace_dir: str | PathLike[str] | None = None,
+        trace_start_step: int | None = None,
+        trace_steps: int | None = None,
+        trace_max_events: int | None = None,
     ) -> None:
         """Joins the job at ``coordinator`` (host:port) with the job ``token`` and blocks
         (GIL released) until every node has joined, at most ``join_timeout`` seconds.
@@ -79,7 +87,11 @@ class CommunicationService:
         ``host_id`` names this worker's machine: workers with the same one share its
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
         other nodes' error messages. Tensors are cut into partitions of at most
-        ``partition_bytes``. At most ``push_window_bytes`` (default: 4 partitions; 0:
+        ``partition_bytes``. ``scheduler`` decides when partitions go out: ``"fifo"``,
+        ``"p3"``, ``"bytescheduler"`` or ``"prophet"`` (docs/scheduling.md);
+        ``credit_bytes`` (default: 2 partitions; 0: unbounded) is the credit of
+        ByteScheduler and Prophet, the bytes pushed to one server that it has not
+        acknowledged yet. At most ``push_window_bytes`` (default: 4 partitions; 0:
         unbounded) may be pushed to one server before their sums come back, which keeps
         the workers' pushes to a server in step so its sums stream back while pushes go
         out. ``connections_per_cpu_server`` (1 to 16; default: round(c/g) of BytePS's
@@ -87,8 +99,25 @@ class CommunicationService:
         for it cut into one piece per connection (every worker must use the same value),
         so that TCP's per-connection fairness gives it its share of
         every link; colocated servers get one.
+
+        With ``trace_dir`` the worker records a Chrome trace of steps ``trace_start_step``
+        (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most
+        ``trace_max_events`` events (default 500000), into
+        ``trace_dir/sumflow-trace-rank{rank}.json`` (see ``docs/tracing.md``); the
+        directory is created now.
         """
 
+    def reconfigure(
+        self, partition_bytes: int | None = None, credit_bytes: int | None = None
+    ) -> None:
+        """Changes the partition size and/or the credit per server. Every worker must
+        make the same call between the same two steps, with no operation in flight
+        (raises ``ValueError`` otherwise). A new partition size re-cuts every declared
+        tensor under keys of its own; a size used before gets its old keys back."""
+    def schedule(self) -> dict[str, Any]:
+        """The schedule in use: ``scheduler`` (name), ``partition_bytes``,
+        ``credit_bytes``, and ``bandwidth`` (bytes/s at which partitions complete) once
+        measured."""
     @property
     def rank(self) -> int:
         """This worker's rank, 0 to size - 1."""
@@ -135,6 +164,40 @@ class CommunicationService:
         """Waits (GIL released) until every worker reaches this barrier."""
     def placement_report(self) -> list[str]:
         """One line per summation server: the bytes of declared tensors it sums."""
+    def mark_step(self) -> tuple[str, str] | None:
+        """Ends the current training step (the end of its backward pass): Prophet profiles
+        iterations by it, and the trace window counts it. Returns (path, which steps
+        it holds) when this step closed the window and the trace was written; raises
+        ``OSError`` if it could not be."""
+    def trace_flush(self) -> tuple[str, str] | None:
+        """Writes the trace now unless it was written already or tracing is off: what the
+        window holds so far, or a file saying why it holds nothing. Returns (path, which
+        steps it holds or why none). ``shutdown`` does this too, without returning it."""
+    @property
+    def tracing(self) -> bool:
+        """Whether trace events are being recorded now."""
+    def trace_now(self) -> int:
+        """The trace clock: nanoseconds since this worker's start, for ``trace_span``."""
+    def trace_span(
+        self,
+        track: str,
+        name: str,
+        start: int,
+        end: int,
+        args: dict[str, object] | None = None,
+    ) -> None:
+        """Records the slice ``name`` from ``start`` to ``end`` (``trace_now()`` readings)
+        on the Python track ``track``, with ``args`` (ints, floats and strings; anything
+        else as its ``str()``) shown when it is selected. Nothing unless recording."""
+    def trace_instant(
+        self,
+        track: str,
+        name: str,
+        at: int | None = None,
+        args: dict[str, object] | None = None,
+    ) -> None:
+        """Records the moment ``name`` at ``at`` (a ``trace_now()`` reading; now if None)
+        on the Python track ``track``. Nothing unless recording."""
     def shutdown(self, reason: str = "shutdown") -> None:
-        """Leaves the job gracefully. Operations in flight fail, and so does any later
-        call."""
+        """Leaves the job gracefully, writing a trace window cut short first. Operations
+        in flight fail, and so does any later call."""

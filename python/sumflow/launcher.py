@@ -269,6 +269,24 @@ def build_parser() -> argparse.ArgumentParser:
         "SUMFLOW_JOIN_TIMEOUT to every process)",
     )
     job.add_argument(
+        "--trace",
+        metavar="DIR",
+        help="record a Chrome trace of every worker into DIR (SUMFLOW_TRACE_DIR for workers; "
+        "see docs/tracing.md); over ssh each host writes its workers' traces there",
+    )
+    job.add_argument(
+        "--trace-start-step",
+        type=int,
+        metavar="N",
+        help="first traced step, counting from 0 (SUMFLOW_TRACE_START_STEP) [default: 10]",
+    )
+    job.add_argument(
+        "--trace-steps",
+        type=int,
+        metavar="N",
+        help="how many steps are traced (SUMFLOW_TRACE_STEPS) [default: 5]",
+    )
+    job.add_argument(
         "-x",
         "--env",
         dest="env",
@@ -697,6 +715,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         worker_env["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
     if args.timeout is not None:
         worker_env["SUMFLOW_TIMEOUT"] = repr(float(args.timeout))
+    worker_env.update(_trace_env(args))
     worker_env.update(forwarded)
     service_env = {**common, **forwarded}
 
@@ -733,6 +752,30 @@ def make_plan(args: argparse.Namespace) -> Plan:
 # --------------------------------------------------------------------------------------
 # Processes
 # --------------------------------------------------------------------------------------
+
+
+def _trace_env(args: argparse.Namespace) -> dict[str, str]:
+    """The workers' ``SUMFLOW_TRACE_*`` variables from ``--trace`` and its window."""
+    if args.trace is None:
+        for flag, value in (
+            ("--trace-start-step", args.trace_start_step),
+            ("--trace-steps", args.trace_steps),
+        ):
+            if value is not None:
+                raise ConfigError(f"{flag} needs --trace DIR, the directory traces go to")
+        return {}
+    if not args.trace:
+        raise ConfigError("--trace needs a directory")
+    env = {"SUMFLOW_TRACE_DIR": str(Path(args.trace).absolute())}
+    if args.trace_start_step is not None:
+        if args.trace_start_step < 0:
+            raise ConfigError(f"--trace-start-step must be at least 0, got {args.trace_start_step}")
+        env["SUMFLOW_TRACE_START_STEP"] = str(args.trace_start_step)
+    if args.trace_steps is not None:
+        if args.trace_steps < 1:
+            raise ConfigError(f"--trace-steps must be at least 1, got {args.trace_steps}")
+        env["SUMFLOW_TRACE_STEPS"] = str(args.trace_steps)
+    return env
 
 
 def program(name: str) -> list[str]:

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 pub mod errors;
 mod service;
+mod trace;
 
 /// The name of the SIMD kernels the summation service would use on this CPU:
 /// "avx512", "avx2+f16c" or "portable".

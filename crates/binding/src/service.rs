@@ -6,16 +6,19 @@
 //! write the sum into it. Every call that can block runs with the GIL released.
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
+use crate::trace;
 
 /// Which Python exception a communication error becomes.
 fn kind_of(e: &CommError) -> ErrorKind {
@@ -78,9 +81,11 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = 4 << 20, push_window_bytes = None,
+        partition_bytes = 4 << 20, scheduler = "bytescheduler", credit_bytes = None,
+        push_window_bytes = None,
         connections_per_cpu_server = None, join_timeout = 300.0, declare_timeout = 300.0,
         connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
+        trace_dir = None, trace_start_step = None, trace_steps = None, trace_max_events = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -91,6 +96,8 @@ impl PyCommunicationService {
         rank: Option<u32>,
         name: Option<String>,
         partition_bytes: u64,
+        scheduler: &str,
+        credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
         connections_per_cpu_server: Option<u32>,
         join_timeout: f64,
@@ -98,6 +105,10 @@ impl PyCommunicationService {
         connect_timeout: f64,
         heartbeat_interval: f64,
         heartbeat_timeout: f64,
+        trace_dir: Option<PathBuf>,
+        trace_start_step: Option<u64>,
+        trace_steps: Option<u64>,
+        trace_max_events: Option<usize>,
     ) -> PyResult<Self> {
         let token = JobToken::new(token.trim().as_bytes().to_vec())
             .map_err(|e| PyValueError::new_err(format!("job token: {e}")))?;
@@ -107,6 +118,8 @@ impl PyCommunicationService {
             cfg.name = name;
         }
         cfg.partition_bytes = partition_bytes;
+        cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
+        cfg.credit_bytes = credit_bytes;
         cfg.push_window_bytes = push_window_bytes;
         cfg.connections_per_cpu_server = connections_per_cpu_server;
         cfg.join_timeout = seconds("join_timeout", join_timeout)?;
@@ -118,6 +131,7 @@ impl PyCommunicationService {
             connect_timeout: cfg.connect_timeout,
             ..CoordinatorOptions::default()
         };
+        cfg.trace = trace::config(trace_dir, trace_start_step, trace_steps, trace_max_events)?;
         let svc = py
             .detach(move || CommunicationService::start(cfg))
             .map_err(|e| py_err(py, e))?;
@@ -155,6 +169,34 @@ impl PyCommunicationService {
     #[getter]
     fn num_servers(&self) -> usize {
         self.svc.cluster_map().servers.len()
+    }
+
+    /// Changes the partition size and/or the credit per server. Every worker must make
+    /// the same call between the same two steps, with no operation in flight.
+    #[pyo3(signature = (partition_bytes = None, credit_bytes = None))]
+    fn reconfigure(
+        &self,
+        py: Python<'_>,
+        partition_bytes: Option<u64>,
+        credit_bytes: Option<u64>,
+    ) -> PyResult<()> {
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.reconfigure(partition_bytes, credit_bytes))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// The schedule in use: ``{"scheduler", "partition_bytes", "credit_bytes"}``, plus
+    /// ``"bandwidth"`` (bytes/s at which partitions complete) once measured.
+    fn schedule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let (kind, partition, credit) = self.svc.schedule();
+        let d = PyDict::new(py);
+        d.set_item("scheduler", kind.name())?;
+        d.set_item("partition_bytes", partition)?;
+        d.set_item("credit_bytes", credit)?;
+        if let Some(rate) = self.svc.bandwidth() {
+            d.set_item("bandwidth", rate)?;
+        }
+        Ok(d)
     }
 
     /// Declares a tensor by name; returns its id. Every worker must declare it with the
@@ -255,6 +297,61 @@ impl PyCommunicationService {
     /// One line per summation server: the bytes of declared tensors it sums.
     fn placement_report(&self) -> Vec<String> {
         self.svc.placement_report()
+    }
+
+    /// Ends the current training step for the trace window (see ``docs/tracing.md``).
+    /// Returns (path, steps it holds) when this step closed the window and the trace
+    /// was written.
+    fn mark_step(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
+        let svc = Arc::clone(&self.svc);
+        let file = py.detach(|| svc.mark_step()).map_err(trace::py_err)?;
+        Ok(trace::written(file))
+    }
+
+    /// Writes the trace now unless it was written already (or tracing is off); returns
+    /// (path, steps it holds or why none).
+    fn trace_flush(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
+        let tracer = self.svc.tracer();
+        let file = py.detach(|| tracer.flush()).map_err(trace::py_err)?;
+        Ok(trace::written(file))
+    }
+
+    /// Whether trace events are being recorded now.
+    #[getter]
+    fn tracing(&self) -> bool {
+        self.svc.tracer().active()
+    }
+
+    /// The trace clock: nanoseconds since this worker's start, for `trace_span`.
+    fn trace_now(&self) -> u64 {
+        self.svc.tracer().now_ns()
+    }
+
+    /// Records a span on the Python track `track` from `start` to `end` (`trace_now()`
+    /// readings); nothing unless recording.
+    #[pyo3(signature = (track, name, start, end, args = None))]
+    fn trace_span(
+        &self,
+        track: &str,
+        name: &str,
+        start: u64,
+        end: u64,
+        args: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        trace::span(&self.svc.tracer(), track, name, start, end, args)
+    }
+
+    /// Records an instant on the Python track `track` at `at` (a `trace_now()` reading;
+    /// now if None); nothing unless recording.
+    #[pyo3(signature = (track, name, at = None, args = None))]
+    fn trace_instant(
+        &self,
+        track: &str,
+        name: &str,
+        at: Option<u64>,
+        args: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<()> {
+        trace::instant(&self.svc.tracer(), track, name, at, args)
     }
 
     /// Leaves the job gracefully. Operations in flight fail, and so does any later call.

@@ -58,8 +58,17 @@ pub struct SumHeader {
 #[derive(Debug, PartialEq, Eq)]
 pub enum Reply<S = Pulled> {
     Sum(S),
-    InitAck { key: u64 },
-    HeartbeatAck { seq: u64 },
+    InitAck {
+        key: u64,
+    },
+    /// The server has read the push of `key` at `round` (only from [`ServerReceiver::recv_header`]).
+    PushAck {
+        key: u64,
+        round: u64,
+    },
+    HeartbeatAck {
+        seq: u64,
+    },
 }
 
 pub struct ServerClient {
@@ -219,9 +228,14 @@ impl ServerSender {
 
 impl ServerReceiver {
     /// Waits for the next reply, reading a sum's payload into a new buffer (tests and the
-    /// control path; the pipeline reads sums in place with [`Self::recv_header`]).
+    /// control path; the pipeline reads sums in place with [`Self::recv_header`]). Push
+    /// acknowledgements are skipped: only a scheduler counting credit needs them.
     pub fn recv(&mut self) -> Result<Reply> {
-        Ok(match self.recv_header()? {
+        let mut reply = self.recv_header()?;
+        while let Reply::PushAck { .. } = reply {
+            reply = self.recv_header()?;
+        }
+        Ok(match reply {
             Reply::Sum(head) => {
                 let mut data = vec![0; head.len];
                 self.read_sum(&mut data)?;
@@ -233,6 +247,7 @@ impl ServerReceiver {
                 })
             }
             Reply::InitAck { key } => Reply::InitAck { key },
+            Reply::PushAck { key, round } => Reply::PushAck { key, round },
             Reply::HeartbeatAck { seq } => Reply::HeartbeatAck { seq },
         })
     }
@@ -257,6 +272,7 @@ impl ServerReceiver {
                 len: frame.payload_len,
             })),
             Message::InitAck { key } => Ok(Reply::InitAck { key }),
+            Message::PushAck { key, round } => Ok(Reply::PushAck { key, round }),
             Message::HeartbeatAck { seq } => Ok(Reply::HeartbeatAck { seq }),
             Message::Error(e) => Err(ClientError::Remote {
                 peer: self.peer.clone(),

@@ -219,6 +219,11 @@ fn sums_are_read_in_place_skipped_or_refused_when_their_length_is_wrong() {
         let pushed = encode(Dtype::I32, [round as i64, -1].into_iter());
         a.tx.push(1, round, Dtype::I32, &pushed).unwrap();
         a.tx.pull(1, round).unwrap();
+        assert_eq!(
+            a.rx.recv_header().unwrap(),
+            Reply::PushAck { key: 1, round },
+            "a push is acknowledged on receipt"
+        );
         let head = match a.rx.recv_header().unwrap() {
             Reply::Sum(head) => head,
             other => panic!("expected a sum, got {other:?}"),

@@ -38,6 +38,11 @@ pub struct Handles {
 }
 
 impl Handles {
+    /// Tensors with an operation whose partitions are not all done.
+    pub fn busy(&self) -> usize {
+        self.state.lock().expect("handles lock").busy.len()
+    }
+
     /// Starts an operation on a tensor whose partitions are keyed by `keys` with their
     /// servers; refuses a tensor that is already in flight.
     pub fn start(

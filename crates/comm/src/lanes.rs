@@ -21,9 +21,9 @@
 //! partitions on r lanes would multiply that by r (measured at n = 4, k = 3 with 6 lanes:
 //! 0.76 of Eq. 6, below one connection's 0.80); pieces of 1/r keep it at what one
 //! connection per server costs. Every worker must therefore use the same number of lanes,
-//! as it must the same partition size: pieces are keys of their own. (The pipeline splits
-//! a server's push window over its lanes likewise.) With both, at n = 4: 0.94, 0.94 and
-//! 0.92 of Eq. 6 for k = 1, 2, 3.
+//! as it must the same partition size: pieces are keys of their own. (A server's push
+//! window counts all its lanes' pieces, so it holds what one connection would.) With
+//! both, at n = 4: 0.94, 0.94 and 0.92 of Eq. 6 for k = 1, 2, 3.
 
 use thiserror::Error;
 

@@ -28,8 +28,10 @@ pub mod pipeline;
 pub mod placement;
 mod queue;
 mod scatter;
+pub mod scheduler;
 pub mod service;
-mod window;
+pub mod trace;
 
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, ReduceOp};
+pub use trace::{TraceConfig, TraceError, TraceFile, Tracer, Track};

@@ -1,37 +1,34 @@
-//! The staged pipeline (BytePS §6.1): partitions go out through a push stage, one thread
-//! and priority queue per lane, and each lane's sums come back through that lane's
-//! receiver thread, which reads them straight into the tensors they belong to. A lane is
-//! one connection to a server; a server has one or more (see [`crate::lanes`]), and each
-//! of its keys always travels on the same one, `key % lanes`, so a key's push, pull and
-//! sum stay in order on one connection.
+//! The staged pipeline (BytePS §6.1) under a scheduler: partitions become ready, the
+//! [`Scheduler`] decides when each starts, a push thread per lane sends what started, and
+//! each lane's receiver thread reads the sums straight into the tensors they belong to.
+//! A lane is one connection to a server; a server has one or more (see [`crate::lanes`]),
+//! and each of its keys always travels on the same one, `key % lanes`, so a key's push,
+//! pull and sum stay in order on one connection.
 //!
 //! ```text
-//!  enqueue --> [push queue l] --push thread l--> server s --receiver l--> tensor
-//!              by priority      (lane l of s)               (read in place, then / n for Average)
+//!  enqueue --> scheduler --started--> [lane queue l] --push thread l--> server s --receiver l--> tensor
+//!              (order, credit,         FIFO                                        (read in place,
+//!               Prophet's blocks)                                                   / n for Average)
+//!                   ^------------------------------- finished ----------------------------'
 //! ```
 //!
 //! Pushes of later partitions go out while earlier ones are still being summed and pulled,
-//! and partitions of different tensors interleave by priority. Each lane has its own push
-//! queue and thread: every worker sends partitions in the same priority order, so with one
-//! sending thread all workers would push to the same server at once while the links to the
-//! others idled (incast: that server's ingress at B shared by n-1 senders, each worker's
-//! egress at B/(n-1)). One sender per lane keeps every link busy, as BytePS §4.1's
-//! analysis assumes, and each lane still sends its most urgent partition first. A sum is
-//! read from the socket into the caller's memory directly: no intermediate buffer to allocate or fault
-//! in, and no second pass to copy it, so a sum is touched once (twice when averaged).
+//! and partitions of different tensors interleave as the scheduler orders them. Each lane
+//! has its own send queue and thread: every worker sends partitions in the same order, so
+//! with one sending thread all workers would push to the same server at once while the
+//! links to the others idled (incast). One sender per lane keeps every link busy, as
+//! BytePS §4.1's analysis assumes. A sum is read from the socket into the caller's memory
+//! directly: no intermediate buffer to allocate or fault in, and no second pass to copy
+//! it, so a sum is touched once (twice when averaged).
 //!
-//! Nothing here waits on other workers before sending: a round completes only once every
-//! worker pushed it, and workers may reach their partitions in different orders, so any
-//! window counting bytes until their sums return could fill up with partitions the others
-//! have not pushed yet and stall the job. Bytes in flight are bounded by the push thread's
-//! blocking writes and the server's receive buffers instead. (ByteScheduler's credit,
-//! which counts until the server has *received* a push, needs push acknowledgements the
-//! protocol does not have yet.)
+//! The scheduler is driven inline by the events (a push_pull call, a sum arriving) and by
+//! one timer thread for what happens without an event (a credit's stall rule, Prophet's
+//! deadline).
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -43,15 +40,12 @@ use tracing::{debug, warn};
 use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
-use crate::queue::StageQueue;
-use crate::window::PushWindow;
+use crate::queue::LaneQueue;
+use crate::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
+use crate::trace::{Arg, Tracer, Track};
 
-/// How often idle stage threads check for shutdown.
+/// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
-
-/// How long a full push window waits without any sum coming back before it lets one more
-/// partition out (only workers that disagree on priorities ever need it).
-const WINDOW_STALL: Duration = Duration::from_millis(200);
 
 /// A span of the caller's tensor memory.
 ///
@@ -110,17 +104,22 @@ pub struct PartTask {
     pub round: u64,
     pub server: usize,
     pub dtype: Dtype,
-    pub priority: i64,
     pub data: HostSlice,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
+    /// The tensor's name and the partition's index in it, for the trace.
+    pub tensor: Arc<str>,
+    pub index: u32,
 }
 
-impl PartTask {
-    /// Its place in the sending order, the same on every worker.
-    fn order(&self) -> (i64, u64) {
-        (self.priority, self.key)
-    }
+/// A started partition until its sum is back.
+struct Flight {
+    order: Order,
+    task: PartTask,
+    /// When the scheduler started it, its push was written, and the server acknowledged it.
+    started: Instant,
+    pushed: Instant,
+    acknowledged: Option<Instant>,
 }
 
 /// One server's connections, as [`Pipeline::start`] takes them.
@@ -131,12 +130,13 @@ pub struct ServerLink {
     pub lanes: Vec<(ServerSender, ServerReceiver)>,
 }
 
-/// One connection to a server, with its own push queue, push window and threads.
+/// One connection to a server, with its send queue.
 struct Lane {
     server: usize,
     sender: Mutex<ServerSender>,
-    queue: StageQueue<PartTask>,
-    window: Mutex<PushWindow>,
+    queue: LaneQueue<(Order, Instant, PartTask)>,
+    /// Its index among its server's lanes, for the trace.
+    index: usize,
 }
 
 struct Shared {
@@ -144,7 +144,12 @@ struct Shared {
     /// Per server: (its first lane, how many).
     server_lanes: Vec<(usize, usize)>,
     server_names: Vec<String>,
-    in_flight: Mutex<HashMap<u64, PartTask>>,
+    scheduler: Mutex<Scheduler<PartTask>>,
+    /// Wakes the timer thread when the scheduler's next deadline may have moved.
+    timer: Condvar,
+    /// Started partitions whose push went out, by key.
+    in_flight: Mutex<HashMap<u64, Flight>>,
+    tracer: Arc<Tracer>,
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     stop: AtomicBool,
@@ -161,6 +166,52 @@ impl Shared {
         let (first, count) = self.server_lanes[server];
         &self.lanes[first..first + count]
     }
+
+    fn scheduler(&self) -> MutexGuard<'_, Scheduler<PartTask>> {
+        self.scheduler.lock().expect("scheduler lock")
+    }
+
+    /// Hands what the scheduler started to the lanes. Called with the scheduler locked, so
+    /// lanes receive partitions in the order they started.
+    fn dispatch(&self, started: Vec<Started<PartTask>>) {
+        let now = Instant::now();
+        for Started {
+            server,
+            order,
+            item,
+        } in started
+        {
+            let lane = self.lane_of(server, item.key);
+            self.lanes[lane].queue.push((order, now, item));
+        }
+    }
+
+    /// Records a scheduler decision and the scheduler's load on the trace.
+    fn trace_decision(&self, s: &Scheduler<PartTask>, what: &str, priority: i64, d: &Decision) {
+        if !self.tracer.active() {
+            return;
+        }
+        let now = Instant::now();
+        let why = d.why.as_ref().map(|w| w.describe());
+        let mut args = vec![
+            ("priority", Arg::Int(priority)),
+            ("released", Arg::Uint(d.released as u64)),
+        ];
+        if let Some(why) = &why {
+            args.push(("prophet", Arg::Str(why)));
+        }
+        self.tracer
+            .instant(Track::Scheduler, what.to_string(), now, &args);
+        let mut values = vec![
+            ("outstanding MB", s.outstanding() as f64 / 1e6),
+            ("waiting", s.waiting() as f64),
+            ("in flight", s.in_flight() as f64),
+        ];
+        if let Some(rate) = s.bandwidth() {
+            values.push(("bandwidth MB/s", rate / 1e6));
+        }
+        self.tracer.counter("scheduler", now, &values);
+    }
 }
 
 pub struct Pipeline {
@@ -169,16 +220,13 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts the stage threads over each server's lanes. A server's push window of
-    /// `window_bytes` (see [`crate::window`]; 0: unbounded) is split evenly over its lanes:
-    /// a lane carries pieces of 1/lanes of a partition, and holds as many in flight as a
-    /// single connection holds partitions. More would let workers drift further apart on
-    /// that server (measured at n = 4, k = 2: 0.84 of Eq. 6 with a whole window per lane,
-    /// 0.94 split).
+    /// Starts the lanes' threads and the scheduler's timer over each server's lanes.
     pub fn start(
         links: Vec<ServerLink>,
         handles: Arc<Handles>,
-        window_bytes: u64,
+        schedule: Schedule,
+        partition_bytes: u64,
+        tracer: Arc<Tracer>,
     ) -> Result<Pipeline, CommError> {
         let mut lanes = Vec::new();
         let mut receivers = Vec::new();
@@ -193,26 +241,26 @@ impl Pipeline {
             }
             server_lanes.push((lanes.len(), link.lanes.len()));
             names.push(link.name);
-            let lane_window = match window_bytes {
-                0 => 0,
-                w => (w / link.lanes.len() as u64).max(1),
-            };
-            for (tx, rx) in link.lanes {
+            for (index, (tx, rx)) in link.lanes.into_iter().enumerate() {
                 lanes.push(Lane {
                     server,
                     sender: Mutex::new(tx),
-                    queue: StageQueue::default(),
-                    window: Mutex::new(PushWindow::new(lane_window, WINDOW_STALL, Instant::now())),
+                    queue: LaneQueue::default(),
+                    index,
                 });
                 receivers.push(rx);
             }
         }
+        let scheduler = Scheduler::new(schedule, partition_bytes, names.len(), Instant::now());
         let shared = Arc::new(Shared {
             dead: names.iter().map(|_| Mutex::new(None)).collect(),
             lanes,
             server_lanes,
             server_names: names,
+            scheduler: Mutex::new(scheduler),
+            timer: Condvar::new(),
             in_flight: Mutex::new(HashMap::new()),
+            tracer,
             handles,
             stop: AtomicBool::new(false),
         });
@@ -235,33 +283,73 @@ impl Pipeline {
                 Box::new(move || push_loop(&sh, l)),
             )?);
         }
+        let sh = Arc::clone(&shared);
+        threads.push(spawn(
+            "sumflow-scheduler".into(),
+            Box::new(move || timer_loop(&sh)),
+        )?);
         Ok(Pipeline {
             shared,
             threads: Mutex::new(threads),
         })
     }
 
-    /// Queues a partition for the push stage.
-    pub fn enqueue(&self, task: PartTask) {
-        if self.shared.stop.load(Ordering::Acquire) {
-            self.shared
-                .handles
-                .fail(task.handle, |_| CommError::Shutdown);
-            return;
+    /// Hands the partitions of one push_pull of `tensor` (`name`) to the scheduler, as
+    /// ready now.
+    pub fn enqueue(&self, tensor: u32, name: &str, priority: i64, tasks: Vec<PartTask>) {
+        let sh = &self.shared;
+        let mut parts = Vec::with_capacity(tasks.len());
+        for task in tasks {
+            if sh.stop.load(Ordering::Acquire) {
+                sh.handles.fail(task.handle, |_| CommError::Shutdown);
+                continue;
+            }
+            if let Some(why) = sh.dead[task.server].lock().expect("dead lock").clone() {
+                let name = sh.server_names[task.server].clone();
+                sh.handles.fail(task.handle, |t| lost(t, &name, &why));
+                continue;
+            }
+            parts.push(Part {
+                key: task.key,
+                server: task.server,
+                bytes: task.data.len as u64,
+                item: task,
+            });
         }
-        if let Some(why) = self.shared.dead[task.server]
-            .lock()
-            .expect("dead lock")
-            .clone()
-        {
-            let name = self.shared.server_names[task.server].clone();
-            self.shared
-                .handles
-                .fail(task.handle, |t| lost(t, &name, &why));
-            return;
-        }
-        let lane = self.shared.lane_of(task.server, task.key);
-        self.shared.lanes[lane].queue.push(task.order(), task);
+        let now = Instant::now();
+        let mut s = sh.scheduler();
+        let decision = s.ready(tensor, priority, parts, now);
+        sh.dispatch(s.poll(now));
+        sh.trace_decision(&s, name, priority, &decision);
+        drop(s);
+        sh.timer.notify_one();
+    }
+
+    /// Marks the end of an iteration's backward pass (the plugin's optimizer step).
+    pub fn mark_step(&self) {
+        let sh = &self.shared;
+        let mut s = sh.scheduler();
+        let decision = s.mark_step();
+        sh.dispatch(s.poll(Instant::now()));
+        sh.trace_decision(&s, "step", 0, &decision);
+    }
+
+    /// Changes the credit per server (and the partition size P3's credit follows).
+    pub fn set_credit(&self, credit_bytes: u64, partition_bytes: u64) {
+        let sh = &self.shared;
+        let mut s = sh.scheduler();
+        s.set_credit(credit_bytes, partition_bytes);
+        sh.dispatch(s.poll(Instant::now()));
+    }
+
+    /// The scheduler's knobs now.
+    pub fn schedule(&self) -> Schedule {
+        self.shared.scheduler().schedule().clone()
+    }
+
+    /// The measured rate at which partitions complete, in bytes per second.
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.shared.scheduler().bandwidth()
     }
 
     /// The name of a server, for messages.
@@ -275,6 +363,8 @@ impl Pipeline {
         if self.shared.stop.swap(true, Ordering::AcqRel) {
             return;
         }
+        drop(self.shared.scheduler().drain_where(|_, _| true));
+        self.shared.timer.notify_all();
         for lane in &self.shared.lanes {
             lane.queue.close();
         }
@@ -315,67 +405,87 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     }
     let name = &sh.server_names[server];
     warn!(server = %name, reason = %why, "lost a summation server");
-    let stranded: Vec<PartTask> = {
+    let stranded: Vec<Flight> = {
         let mut inf = sh.in_flight.lock().expect("in-flight lock");
         let keys: Vec<u64> = inf
             .iter()
-            .filter(|(_, t)| t.server == server)
+            .filter(|(_, f)| f.task.server == server)
             .map(|(k, _)| *k)
             .collect();
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
     };
-    drop(stranded);
-    for lane in sh.lanes_of(server) {
-        lane.queue.drain_where(|_| true);
+    {
+        let now = Instant::now();
+        let mut s = sh.scheduler();
+        for f in &stranded {
+            s.abandoned(f.order, now);
+        }
+        drop(s.drain_where(|s, _| s == server));
+        for lane in sh.lanes_of(server) {
+            for (order, _, _) in lane.queue.drain() {
+                s.abandoned(order, now);
+            }
+        }
+        sh.dispatch(s.poll(now));
     }
     sh.handles.fail_all(Some(server), |t| lost(t, name, why));
 }
 
-/// Sends the partitions queued for `lane`, most urgent first, as its window allows.
+/// Runs the scheduler's time-driven decisions: a full credit's stall rule, Prophet's
+/// deadline for held partitions.
+fn timer_loop(sh: &Shared) {
+    let mut s = sh.scheduler();
+    while !sh.stop.load(Ordering::Acquire) {
+        let now = Instant::now();
+        sh.dispatch(s.poll(now));
+        let wait = s.next_deadline(now).map_or(POLL, |d| {
+            d.saturating_duration_since(now)
+                .clamp(Duration::from_millis(1), POLL)
+        });
+        s = sh.timer.wait_timeout(s, wait).expect("scheduler lock").0;
+    }
+}
+
+/// Sends the partitions started for `lane`, in the order they started.
 fn push_loop(sh: &Shared, lane: usize) {
     let mut initialised: HashSet<u64> = HashSet::new();
     let Lane {
         server,
         sender,
         queue,
-        window,
+        index,
     } = &sh.lanes[lane];
-    let server = *server;
+    let (server, index) = (*server, *index);
     while !sh.stop.load(Ordering::Acquire) {
-        let wait = {
-            let w = window.lock().expect("window lock");
-            if w.bytes() == 0 {
-                POLL
-            } else {
-                w.until_stall(Instant::now())
-                    .clamp(Duration::from_millis(1), POLL)
-            }
-        };
-        let popped = queue.pop_when(wait, |order, task| {
-            let w = window.lock().expect("window lock");
-            w.may_send(order, task.data.len as u64, Instant::now())
-        });
-        let Some(task) = popped else {
+        let Some((order, started, task)) = queue.pop(POLL) else {
             continue;
         };
+        let popped = Instant::now();
         // A failed operation's buffer may already be gone: drop its remaining partitions.
         if !sh.handles.begin_access(task.handle) {
+            sh.scheduler().abandoned(order, Instant::now());
             continue;
         }
         debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
         let (key, round, dtype, len, handle) =
             (task.key, task.round, task.dtype, task.data.len, task.handle);
         let data = task.data;
-        let order = task.order();
-        window
-            .lock()
-            .expect("window lock")
-            .sent(order, len as u64, Instant::now());
-        // Registered before the frames go out: the reply may beat this thread back.
-        sh.in_flight
-            .lock()
-            .expect("in-flight lock")
-            .insert(key, task);
+        let label = sh
+            .tracer
+            .active()
+            .then(|| (Arc::clone(&task.tensor), task.index));
+        // Registered before the frames go out: the reply may beat this thread back (so
+        // `pushed` is corrected below, which only the trace reads).
+        sh.in_flight.lock().expect("in-flight lock").insert(
+            key,
+            Flight {
+                order,
+                task,
+                started,
+                pushed: popped,
+                acknowledged: None,
+            },
+        );
         let sent = {
             let mut tx = sender.lock().expect("sender lock");
             let init = if initialised.insert(key) {
@@ -387,6 +497,30 @@ fn push_loop(sh: &Shared, lane: usize) {
                 .and_then(|()| tx.pull(key, round))
         };
         sh.handles.end_access(handle, None);
+        if let Some((tensor, part)) = label {
+            let pushed = Instant::now();
+            if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+                f.pushed = pushed;
+            }
+            sh.tracer.span(
+                Track::Push {
+                    server: server as u32,
+                    lane: index as u32,
+                },
+                format!("{tensor} [{part}]"),
+                popped,
+                pushed,
+                &[
+                    ("bytes", Arg::Uint(len as u64)),
+                    ("round", Arg::Uint(round)),
+                    ("key", Arg::Uint(key)),
+                    (
+                        "queued in lane ms",
+                        Arg::Float(popped.duration_since(started).as_secs_f64() * 1e3),
+                    ),
+                ],
+            );
+        }
         if let Err(e) = sent {
             if sh.stop.load(Ordering::Acquire) {
                 break;
@@ -401,6 +535,10 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     loop {
         let received = match rx.recv_header() {
             Ok(Reply::Sum(head)) => receive_sum(sh, lane, &mut rx, head),
+            Ok(Reply::PushAck { key, round }) => {
+                acknowledged(sh, key, round);
+                Ok(())
+            }
             Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => Ok(()),
             Err(ClientError::Remote {
                 key: Some(key),
@@ -408,9 +546,9 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 message,
                 ..
             }) => {
-                let task = sh.in_flight.lock().expect("in-flight lock").remove(&key);
-                if let Some(task) = task {
-                    window_freed(sh, lane, &task);
+                let flight = sh.in_flight.lock().expect("in-flight lock").remove(&key);
+                if let Some(Flight { order, task, .. }) = flight {
+                    finished(sh, order, false);
                     let server_name = sh.server_names[server].clone();
                     sh.handles.fail(task.handle, |t| CommError::Failed {
                         tensor: t.to_string(),
@@ -432,15 +570,31 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     }
 }
 
-/// A partition's sum is back (or it failed): its bytes leave `lane`'s window, which may
-/// let the push thread send the next one.
-fn window_freed(sh: &Shared, lane: usize, task: &PartTask) {
-    let lane = &sh.lanes[lane];
-    lane.window
-        .lock()
-        .expect("window lock")
-        .finished(task.order(), Instant::now());
-    lane.queue.notify();
+/// The server has read a push: its credit returns, which may start the next ones.
+fn acknowledged(sh: &Shared, key: u64, round: u64) {
+    let order = match sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+        Some(f) if f.task.round == round => {
+            f.acknowledged = Some(Instant::now());
+            f.order
+        }
+        _ => return,
+    };
+    let mut s = sh.scheduler();
+    s.acknowledged(order);
+    sh.dispatch(s.poll(Instant::now()));
+}
+
+/// A partition's sum is back (or it failed): its credit returns, which may start the
+/// next ones.
+fn finished(sh: &Shared, order: Order, ok: bool) {
+    let now = Instant::now();
+    let mut s = sh.scheduler();
+    if ok {
+        s.finished(order, now);
+    } else {
+        s.abandoned(order, now);
+    }
+    sh.dispatch(s.poll(now));
 }
 
 /// Reads a sum straight into its partition of the caller's tensor, averages it there if
@@ -451,21 +605,27 @@ fn receive_sum(
     rx: &mut ServerReceiver,
     head: SumHeader,
 ) -> Result<(), String> {
-    let task = sh
+    let arrived = Instant::now();
+    let flight = sh
         .in_flight
         .lock()
         .expect("in-flight lock")
         .remove(&head.key);
-    let task = match task {
-        Some(task) if task.round == head.round => task,
+    let (order, task, times) = match flight {
+        Some(f) if f.task.round == head.round => {
+            (f.order, f.task, (f.started, f.pushed, f.acknowledged))
+        }
         other => {
             return Err(format!(
-                "sent the sum of key {} round {} that was not asked for ({other:?})",
-                head.key, head.round
+                "sent the sum of key {} round {} that was not asked for ({:?})",
+                head.key,
+                head.round,
+                other.map(|f| f.task)
             ))
         }
     };
-    window_freed(sh, lane, &task);
+    // The credit returns before the sum is read: the next push overlaps the read.
+    finished(sh, order, true);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
         return rx.skip_sum().map_err(|e| e.to_string());
@@ -474,6 +634,30 @@ fn receive_sum(
     let read = rx.read_sum(dst);
     if read.is_ok() {
         scale_in_place(task.dtype, dst, task.divisor);
+    }
+    if sh.tracer.active() {
+        let (started, pushed, acknowledged) = times;
+        let ms =
+            |a: Instant, b: Instant| Arg::Float(b.saturating_duration_since(a).as_secs_f64() * 1e3);
+        let mut args = vec![
+            ("bytes", Arg::Uint(dst.len() as u64)),
+            ("round", Arg::Uint(head.round)),
+            ("started to sum ms", ms(started, arrived)),
+            ("pushed to sum ms", ms(pushed, arrived)),
+        ];
+        if let Some(ack) = acknowledged {
+            args.push(("pushed to acknowledged ms", ms(pushed, ack)));
+        }
+        sh.tracer.span(
+            Track::Receive {
+                server: task.server as u32,
+                lane: sh.lanes[lane].index as u32,
+            },
+            format!("{} [{}]", task.tensor, task.index),
+            arrived,
+            Instant::now(),
+            &args,
+        );
     }
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles

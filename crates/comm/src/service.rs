@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::error::CommError;
 use crate::handles::Handles;
@@ -17,6 +17,8 @@ use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
+use crate::scheduler::{Schedule, SchedulerKind};
+use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
 const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
@@ -30,9 +32,11 @@ const LAYOUT_PARTITION_BYTES: &str = "sumflow.setting.partition_bytes (SUMFLOW_P
 const LAYOUT_CPU_SERVER_LANES: &str =
     "sumflow.setting.cpu_server_connections (SUMFLOW_CPU_SERVER_CONNECTIONS)";
 
-/// Partitions per server in flight by default: enough to cover a sum's round trip while
-/// keeping workers within a few partitions of each other.
-const DEFAULT_WINDOW_PARTITIONS: u64 = 4;
+/// A layout generation is kept in the top byte of every key (tensor ids stay below 2^24),
+/// so that the keys of a new partition size never collide with the old ones on a server.
+const GENERATION_SHIFT: u32 = 56;
+const MAX_TENSOR_ID: u32 = (1 << (GENERATION_SHIFT - 32)) - 1;
+const MAX_LAYOUTS: usize = 1 << (64 - GENERATION_SHIFT);
 
 /// How a worker joins its job.
 #[derive(Clone, Debug)]
@@ -47,8 +51,15 @@ pub struct CommConfig {
     /// Machine identity: workers with the same one share a machine and its colocated server.
     pub host_id: String,
     pub partition_bytes: u64,
+    /// Which scheduler decides when partitions go out (see [`crate::scheduler`]).
+    pub scheduler: SchedulerKind,
     /// Bytes a worker may have pushed to one server whose sums have not come back yet
-    /// (see the pipeline's push window); `None`: 4 partitions; 0: unbounded.
+    /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
+    /// `None`: 2 partitions; 0: unbounded.
+    pub credit_bytes: Option<u64>,
+    /// Bytes a worker may have pushed to one server whose sums have not come back yet
+    /// (the push window that paces workers against each other); `None`: 4 partitions;
+    /// 0: unbounded.
     pub push_window_bytes: Option<u64>,
     /// Connections to each CPU server, each partition for it cut into one piece per
     /// connection; colocated servers get one. `None`: round(c/g) of Eq. 1 and 2, so that
@@ -61,6 +72,8 @@ pub struct CommConfig {
     pub declare_timeout: Duration,
     pub coordinator_options: CoordinatorOptions,
     pub connect_timeout: Duration,
+    /// Record a Chrome trace of a window of steps (see [`crate::trace`]); `None`: off.
+    pub trace: Option<TraceConfig>,
 }
 
 impl CommConfig {
@@ -72,12 +85,15 @@ impl CommConfig {
             name: format!("worker pid {}", std::process::id()),
             host_id: host_id.to_string(),
             partition_bytes: DEFAULT_PARTITION_BYTES,
+            scheduler: SchedulerKind::ByteScheduler,
+            credit_bytes: None,
             push_window_bytes: None,
             connections_per_cpu_server: None,
             join_timeout: Duration::from_secs(300),
             declare_timeout: Duration::from_secs(300),
             coordinator_options: CoordinatorOptions::default(),
             connect_timeout: Duration::from_secs(60),
+            trace: None,
         }
     }
 }
@@ -94,13 +110,35 @@ pub enum ReduceOp {
 #[derive(Debug)]
 struct Tensor {
     id: u32,
-    name: String,
+    name: Arc<str>,
     dtype: Dtype,
     elements: u64,
-    /// (key, server rank, byte offset, byte length)
-    parts: Vec<(u64, u32, usize, usize)>,
-    /// The last round pushed.
-    round: u64,
+    /// The group it was declared and placed with, if any.
+    group: Option<usize>,
+    parts: Parts,
+    /// The last round pushed, per layout generation: each generation's keys count their
+    /// own rounds on the servers.
+    rounds: Vec<u64>,
+}
+
+/// A tensor's partitions: (key, server rank, byte offset, byte length).
+type Parts = Vec<(u64, u32, usize, usize)>;
+
+/// The declared tensors and how they are laid out.
+struct Table {
+    tensors: HashMap<u32, Tensor>,
+    /// Tensor ids of each declared group, in declaration order.
+    groups: Vec<Vec<u32>>,
+    /// Every partition size used so far; a layout's generation is its index here, so
+    /// going back to a size reuses its keys (and the servers' memory for them).
+    layouts: Vec<u64>,
+    generation: usize,
+}
+
+impl Table {
+    fn partition_bytes(&self) -> u64 {
+        self.layouts[self.generation]
+    }
 }
 
 /// The worker side of a job.
@@ -109,12 +147,12 @@ pub struct CommunicationService {
     servers: ServerSet,
     pipeline: Pipeline,
     handles: Arc<Handles>,
-    tensors: Mutex<HashMap<u32, Tensor>>,
+    table: Mutex<Table>,
     /// Lanes per server, by rank.
     lanes: Vec<u32>,
-    partition_bytes: u64,
     declare_timeout: Duration,
     local: (u32, u32),
+    tracer: Arc<Tracer>,
 }
 
 impl CommunicationService {
@@ -132,6 +170,11 @@ impl CommunicationService {
                     lanes::MAX
                 )));
             }
+        }
+        if let Some(trace) = &cfg.trace {
+            trace
+                .prepare()
+                .map_err(|e| CommError::Invalid(e.to_string()))?;
         }
         let reg = Registration {
             role: Role::Worker,
@@ -198,18 +241,33 @@ impl CommunicationService {
         ] {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
+        let tracer = Arc::new(match cfg.trace {
+            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)
+                .map_err(|e| CommError::Invalid(e.to_string()))?,
+            None => Tracer::disabled(),
+        });
         let handles = Arc::new(Handles::default());
-        let window = cfg.push_window_bytes.unwrap_or(
-            cfg.partition_bytes
-                .saturating_mul(DEFAULT_WINDOW_PARTITIONS),
-        );
-        let pipeline = Pipeline::start(links, Arc::clone(&handles), window)?;
+        let mut schedule = Schedule::new(cfg.scheduler, cfg.partition_bytes);
+        if let Some(credit) = cfg.credit_bytes {
+            schedule.credit_bytes = credit;
+        }
+        if let Some(window) = cfg.push_window_bytes {
+            schedule.window_bytes = window;
+        }
+        let pipeline = Pipeline::start(
+            links,
+            Arc::clone(&handles),
+            schedule,
+            cfg.partition_bytes,
+            Arc::clone(&tracer),
+        )?;
         let local = local_rank(&map, job.rank());
         info!(
             rank = job.rank(),
             workers = map.workers.len(),
             servers = map.servers.len(),
             cpu_lanes,
+            scheduler = %cfg.scheduler,
             "joined job {}",
             map.job_id
         );
@@ -218,11 +276,16 @@ impl CommunicationService {
             servers,
             pipeline,
             handles,
-            tensors: Mutex::new(HashMap::new()),
+            table: Mutex::new(Table {
+                tensors: HashMap::new(),
+                groups: Vec::new(),
+                layouts: vec![cfg.partition_bytes],
+                generation: 0,
+            }),
             lanes,
-            partition_bytes: cfg.partition_bytes,
             declare_timeout: cfg.declare_timeout,
             local,
+            tracer,
         })
     }
 
@@ -253,15 +316,23 @@ impl CommunicationService {
     /// Returns its id. Its partitions are placed from their keys alone, so workers may
     /// declare tensors in any order.
     pub fn declare(&self, name: &str, dtype: Dtype, elements: u64) -> Result<u32, CommError> {
-        let id = self
-            .job
-            .declare(name, dtype, elements, self.declare_timeout)?;
-        let mut parts = self.cut(id, name, dtype, elements)?;
-        for p in &mut parts {
-            p.1 = scatter(p.0, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
+        let id = self.declare_id(name, dtype, elements)?;
+        let mut table = self.table.lock().expect("table lock");
+        if !table.tensors.contains_key(&id) {
+            let parts = self.lay_out_single(&table, id, name, dtype, elements)?;
+            table.tensors.insert(
+                id,
+                Tensor {
+                    id,
+                    name: Arc::from(name),
+                    dtype,
+                    elements,
+                    group: None,
+                    parts,
+                    rounds: Vec::new(),
+                },
+            );
         }
-        let parts = self.spread(dtype, parts)?;
-        self.register(id, name, dtype, elements, parts);
         Ok(id)
     }
 
@@ -270,45 +341,103 @@ impl CommunicationService {
     /// must declare the same group.
     pub fn declare_group(&self, tensors: &[(&str, Dtype, u64)]) -> Result<Vec<u32>, CommError> {
         let mut ids = Vec::with_capacity(tensors.len());
-        let mut all = Vec::new();
         for &(name, dtype, elements) in tensors {
-            let id = self
-                .job
-                .declare(name, dtype, elements, self.declare_timeout)?;
-            all.push((
-                id,
-                name,
-                dtype,
-                elements,
-                self.cut(id, name, dtype, elements)?,
-            ));
-            ids.push(id);
+            ids.push(self.declare_id(name, dtype, elements)?);
         }
-        let keyed: Vec<(u64, u64)> = all
+        let mut table = self.table.lock().expect("table lock");
+        // A repeated declaration keeps its first placement and round count.
+        let fresh: Vec<(u32, &str, Dtype, u64)> = ids
             .iter()
-            .flat_map(|t| t.4.iter().map(|p| (p.0, p.3 as u64)))
+            .zip(tensors)
+            .filter(|(id, _)| !table.tensors.contains_key(id))
+            .map(|(&id, &(name, dtype, elements))| (id, name, dtype, elements))
             .collect();
-        let placement =
-            place(&keyed, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
-        for (id, name, dtype, elements, mut parts) in all {
-            for p in &mut parts {
-                p.1 = placement
-                    .server_of(p.0)
-                    .expect("every partition was placed");
-            }
-            let parts = self.spread(dtype, parts)?;
-            self.register(id, name, dtype, elements, parts);
+        if fresh.is_empty() {
+            return Ok(ids);
+        }
+        let laid = self.lay_out_group(&table, &fresh)?;
+        let group = table.groups.len();
+        table.groups.push(fresh.iter().map(|t| t.0).collect());
+        for ((id, name, dtype, elements), parts) in fresh.into_iter().zip(laid) {
+            table.tensors.insert(
+                id,
+                Tensor {
+                    id,
+                    name: Arc::from(name),
+                    dtype,
+                    elements,
+                    group: Some(group),
+                    parts,
+                    rounds: Vec::new(),
+                },
+            );
         }
         Ok(ids)
     }
 
+    fn declare_id(&self, name: &str, dtype: Dtype, elements: u64) -> Result<u32, CommError> {
+        let id = self
+            .job
+            .declare(name, dtype, elements, self.declare_timeout)?;
+        if id > MAX_TENSOR_ID {
+            return Err(CommError::Invalid(format!(
+                "tensor '{name}' is the job's declaration number {id}: at most {} tensors \
+                 can be declared",
+                u64::from(MAX_TENSOR_ID) + 1
+            )));
+        }
+        Ok(id)
+    }
+
+    /// The partitions of a tensor declared alone, placed from their keys.
+    fn lay_out_single(
+        &self,
+        table: &Table,
+        id: u32,
+        name: &str,
+        dtype: Dtype,
+        elements: u64,
+    ) -> Result<Parts, CommError> {
+        let mut parts = self.cut(table, id, name, dtype, elements)?;
+        for p in &mut parts {
+            p.1 = scatter(p.0, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
+        }
+        self.spread(dtype, parts)
+    }
+
+    /// The partitions of a group's tensors, placed together.
+    fn lay_out_group(
+        &self,
+        table: &Table,
+        tensors: &[(u32, &str, Dtype, u64)],
+    ) -> Result<Vec<Parts>, CommError> {
+        let mut cut = Vec::with_capacity(tensors.len());
+        for &(id, name, dtype, elements) in tensors {
+            cut.push(self.cut(table, id, name, dtype, elements)?);
+        }
+        let keyed: Vec<(u64, u64)> = cut
+            .iter()
+            .flat_map(|parts| parts.iter().map(|p| (p.0, p.3 as u64)))
+            .collect();
+        let placement =
+            place(&keyed, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
+        tensors
+            .iter()
+            .zip(cut)
+            .map(|(t, mut parts)| {
+                for p in &mut parts {
+                    p.1 = placement
+                        .server_of(p.0)
+                        .expect("every partition was placed");
+                }
+                self.spread(t.2, parts)
+            })
+            .collect()
+    }
+
     /// Cuts each placed partition bound for a server with several lanes into one piece per
     /// lane (see [`crate::lanes`]).
-    fn spread(
-        &self,
-        dtype: Dtype,
-        parts: Vec<(u64, u32, usize, usize)>,
-    ) -> Result<Vec<(u64, u32, usize, usize)>, CommError> {
+    fn spread(&self, dtype: Dtype, parts: Parts) -> Result<Parts, CommError> {
         let mut out = Vec::with_capacity(parts.len());
         for (key, server, offset, bytes) in parts {
             let lanes = self.lanes[server as usize];
@@ -319,21 +448,24 @@ impl CommunicationService {
         Ok(out)
     }
 
+    /// Cuts a tensor by the table's current partition size, keyed in its generation.
     fn cut(
         &self,
+        table: &Table,
         id: u32,
         name: &str,
         dtype: Dtype,
         elements: u64,
-    ) -> Result<Vec<(u64, u32, usize, usize)>, CommError> {
-        let parts = partition(name, elements, dtype, self.partition_bytes)
+    ) -> Result<Parts, CommError> {
+        let parts = partition(name, elements, dtype, table.partition_bytes())
             .map_err(|e| CommError::Invalid(e.to_string()))?;
         let size = dtype.size();
+        let generation = (table.generation as u64) << GENERATION_SHIFT;
         Ok(parts
             .iter()
             .map(|p| {
                 (
-                    partition_key(id, p.index_in_tensor),
+                    generation | partition_key(id, p.index_in_tensor),
                     0,
                     p.offset_elements as usize * size,
                     p.elements as usize * size,
@@ -342,24 +474,101 @@ impl CommunicationService {
             .collect())
     }
 
-    fn register(
+    /// Changes the partition size and/or the credit per server (the auto-tuner's knobs).
+    ///
+    /// Every worker must make the same call between the same two steps, with no push_pull
+    /// in flight: partitions are keys, and workers cutting a tensor differently would wait
+    /// for each other's keys forever. A new partition size re-cuts and re-places every
+    /// declared tensor under keys of their own (a size used before gets its old keys back),
+    /// so the servers never mix partitions of two layouts.
+    pub fn reconfigure(
         &self,
-        id: u32,
-        name: &str,
-        dtype: Dtype,
-        elements: u64,
-        parts: Vec<(u64, u32, usize, usize)>,
-    ) {
-        let mut tensors = self.tensors.lock().expect("tensors lock");
-        // A repeated declaration keeps its first placement and round count.
-        tensors.entry(id).or_insert_with(|| Tensor {
-            id,
-            name: name.to_string(),
-            dtype,
-            elements,
-            parts,
-            round: 0,
-        });
+        partition_bytes: Option<u64>,
+        credit_bytes: Option<u64>,
+    ) -> Result<(), CommError> {
+        let mut table = self.table.lock().expect("table lock");
+        let busy = self.handles.busy();
+        if busy > 0 {
+            return Err(CommError::Invalid(format!(
+                "reconfigure() with {busy} push_pull operation(s) in flight: wait for them \
+                 first (every worker must switch between the same two steps)"
+            )));
+        }
+        if let Some(bytes) = partition_bytes.filter(|&b| b != table.partition_bytes()) {
+            if bytes == 0 {
+                return Err(CommError::Invalid(
+                    "the partition size must be positive".into(),
+                ));
+            }
+            let generation = match table.layouts.iter().position(|&b| b == bytes) {
+                Some(g) => g,
+                None if table.layouts.len() < MAX_LAYOUTS => table.layouts.len(),
+                None => {
+                    return Err(CommError::Invalid(format!(
+                        "{MAX_LAYOUTS} partition sizes were used already: a job can use at \
+                         most that many"
+                    )))
+                }
+            };
+            // Lay everything out under the new size first, so a failure changes nothing.
+            let mut next = Table {
+                tensors: HashMap::new(),
+                groups: table.groups.clone(),
+                layouts: table.layouts.clone(),
+                generation,
+            };
+            if generation == next.layouts.len() {
+                next.layouts.push(bytes);
+            }
+            let mut parts: HashMap<u32, Parts> = HashMap::new();
+            for t in table.tensors.values().filter(|t| t.group.is_none()) {
+                parts.insert(
+                    t.id,
+                    self.lay_out_single(&next, t.id, &t.name, t.dtype, t.elements)?,
+                );
+            }
+            for ids in &table.groups {
+                let members: Vec<(u32, &str, Dtype, u64)> = ids
+                    .iter()
+                    .map(|id| {
+                        let t = &table.tensors[id];
+                        (t.id, &*t.name, t.dtype, t.elements)
+                    })
+                    .collect();
+                for (id, laid) in ids.iter().zip(self.lay_out_group(&next, &members)?) {
+                    parts.insert(*id, laid);
+                }
+            }
+            for (id, laid) in parts {
+                table.tensors.get_mut(&id).expect("laid out").parts = laid;
+            }
+            table.layouts = next.layouts;
+            table.generation = generation;
+            info!(
+                partition_bytes = bytes,
+                generation, "partition size changed"
+            );
+        }
+        let partition = table.partition_bytes();
+        if let Some(credit) = credit_bytes {
+            self.pipeline.set_credit(credit, partition);
+        } else {
+            let credit = self.pipeline.schedule().credit_bytes;
+            self.pipeline.set_credit(credit, partition);
+        }
+        Ok(())
+    }
+
+    /// The scheduler's name, the partition size and the credit per server in use.
+    pub fn schedule(&self) -> (SchedulerKind, u64, u64) {
+        let partition = self.table.lock().expect("table lock").partition_bytes();
+        let s = self.pipeline.schedule();
+        (s.kind, partition, s.credit_bytes)
+    }
+
+    /// The measured rate at which partitions complete (bytes per second), once measured.
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.pipeline.bandwidth()
     }
 
     /// Starts summing the tensor `id` across workers, in place in `ptr..ptr+len`.
@@ -380,8 +589,10 @@ impl CommunicationService {
         if let Some(e) = self.job_error() {
             return Err(e);
         }
-        let mut tensors = self.tensors.lock().expect("tensors lock");
-        let t = tensors
+        let mut table = self.table.lock().expect("table lock");
+        let table_generation = table.generation;
+        let t = table
+            .tensors
             .get_mut(&id)
             .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
         let want = t.elements as usize * t.dtype.size();
@@ -407,19 +618,29 @@ impl CommunicationService {
         let handle =
             self.handles
                 .start(t.id, &t.name, t.parts.iter().map(|p| (p.0, p.1 as usize)))?;
-        t.round += 1;
-        for &(key, server, offset, bytes) in &t.parts {
-            self.pipeline.enqueue(PartTask {
+        let generation = table_generation;
+        if t.rounds.len() <= generation {
+            t.rounds.resize(generation + 1, 0);
+        }
+        t.rounds[generation] += 1;
+        let round = t.rounds[generation];
+        let tasks = t
+            .parts
+            .iter()
+            .enumerate()
+            .map(|(index, &(key, server, offset, bytes))| PartTask {
+                tensor: Arc::clone(&t.name),
+                index: index as u32,
                 handle,
                 key,
-                round: t.round,
+                round,
                 server: server as usize,
                 dtype: t.dtype,
-                priority,
                 data: whole.sub(offset, bytes),
                 divisor,
-            });
-        }
+            })
+            .collect();
+        self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
     }
 
@@ -502,9 +723,9 @@ impl CommunicationService {
 
     /// One line per server: the bytes of declared tensors it sums and its target share.
     pub fn placement_report(&self) -> Vec<String> {
-        let tensors = self.tensors.lock().expect("tensors lock");
+        let table = self.table.lock().expect("table lock");
         let mut bytes: HashMap<u32, u64> = HashMap::new();
-        for t in tensors.values() {
+        for t in table.tensors.values() {
             for p in &t.parts {
                 *bytes.entry(p.1).or_default() += p.3 as u64;
             }
@@ -524,11 +745,29 @@ impl CommunicationService {
             .collect()
     }
 
+    /// This worker's trace recorder, for the pipeline's stages and the scheduler.
+    pub fn tracer(&self) -> Arc<Tracer> {
+        Arc::clone(&self.tracer)
+    }
+
+    /// Marks the end of a training step's backward pass (the plugin calls it at each
+    /// optimizer step): Prophet closes its profile of the iteration and lets out what it
+    /// held, and the trace window counts steps by it. Returns the trace file when this step
+    /// ended the window and it was written.
+    pub fn mark_step(&self) -> Result<Option<TraceFile>, TraceError> {
+        self.pipeline.mark_step();
+        self.tracer.mark_step()
+    }
+
     /// Leaves the job gracefully; operations still in flight fail with
-    /// [`CommError::Shutdown`], and so does every later one. Calls after the first do
-    /// nothing.
+    /// [`CommError::Shutdown`], and so does every later one. A trace window cut short is
+    /// written first ([`Tracer::flush`]). Calls after the first do nothing.
     pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
+        // A trace that cannot be written must not fail leaving the job: it is logged.
+        if let Err(e) = self.tracer.flush() {
+            warn!("{e}");
+        }
         Ok(self.job.leave(reason)?)
     }
 }

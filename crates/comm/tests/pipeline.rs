@@ -7,6 +7,8 @@ use std::time::Duration;
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_comm::handles::Handles;
 use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
+use sumflow_comm::scheduler::{Schedule, SchedulerKind};
+use sumflow_comm::trace::Tracer;
 use sumflow_comm::CommError;
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
@@ -22,7 +24,13 @@ fn servers(workers: u32, count: usize) -> Vec<ServerHandle> {
 }
 
 /// A pipeline with `lanes` connections to each server.
-fn pipeline(servers: &[String], rank: u32, lanes: usize, handles: Arc<Handles>) -> Pipeline {
+fn pipeline(
+    servers: &[String],
+    rank: u32,
+    lanes: usize,
+    kind: SchedulerKind,
+    handles: Arc<Handles>,
+) -> Pipeline {
     let opts = ServerOptions {
         reply_timeout: None,
         ..ServerOptions::default()
@@ -40,9 +48,14 @@ fn pipeline(servers: &[String], rank: u32, lanes: usize, handles: Arc<Handles>) 
                 .collect(),
         })
         .collect();
-    // A one-byte window: one partition in flight per server unless a more urgent one comes,
-    // so every test also exercises the window.
-    Pipeline::start(links, handles, 1).unwrap()
+    // A one-byte credit and window: one partition in flight per server unless a more
+    // urgent one comes, so every test also exercises both.
+    let schedule = Schedule {
+        credit_bytes: 1,
+        window_bytes: 1,
+        ..Schedule::new(kind, 1000)
+    };
+    Pipeline::start(links, handles, schedule, 1000, Arc::new(Tracer::disabled())).unwrap()
 }
 
 /// A worker's view in these tests: its pipeline, and how tensors are cut and placed.
@@ -55,9 +68,13 @@ struct Worker {
 
 impl Worker {
     fn new(addrs: &[String], rank: u32, part: usize, lanes: usize) -> Worker {
+        Worker::with(addrs, rank, part, lanes, SchedulerKind::ByteScheduler)
+    }
+
+    fn with(addrs: &[String], rank: u32, part: usize, lanes: usize, kind: SchedulerKind) -> Worker {
         let handles = Arc::new(Handles::default());
         Worker {
-            pipeline: pipeline(addrs, rank, lanes, Arc::clone(&handles)),
+            pipeline: pipeline(addrs, rank, lanes, kind, Arc::clone(&handles)),
             handles,
             part,
             servers: addrs.len(),
@@ -75,21 +92,28 @@ impl Worker {
             .unwrap();
         // SAFETY: `data` outlives the handle: the tests wait on it before touching `data`.
         let whole = unsafe { HostSlice::new(data.as_mut_ptr().cast(), data.len() * 4) }.unwrap();
-        for (i, (key, server)) in parts.into_iter().enumerate() {
-            let start = i * self.part;
-            let len = self.part.min(data.len() - start);
-            self.pipeline.enqueue(PartTask {
-                handle: h,
-                key,
-                round,
-                server,
-                dtype: Dtype::F32,
-                // Later tensors are more urgent, as the first layers' gradients come last.
-                priority: -(tensor as i64),
-                data: whole.sub(start * 4, len * 4),
-                divisor,
-            });
-        }
+        let tasks = parts
+            .into_iter()
+            .enumerate()
+            .map(|(i, (key, server))| {
+                let start = i * self.part;
+                let len = self.part.min(data.len() - start);
+                PartTask {
+                    handle: h,
+                    key,
+                    round,
+                    server,
+                    dtype: Dtype::F32,
+                    data: whole.sub(start * 4, len * 4),
+                    divisor,
+                    tensor: Arc::from(format!("tensor{tensor}")),
+                    index: i as u32,
+                }
+            })
+            .collect();
+        // Later tensors are more urgent, as the first layers' gradients come last.
+        self.pipeline
+            .enqueue(tensor, &format!("tensor{tensor}"), -(tensor as i64), tasks);
         h
     }
 
@@ -101,6 +125,12 @@ impl Worker {
 
 #[test]
 fn workers_average_and_sum_many_tensors_over_two_servers_and_several_lanes() {
+    for kind in SchedulerKind::ALL {
+        many_tensors(kind);
+    }
+}
+
+fn many_tensors(kind: SchedulerKind) {
     let workers = 3u32;
     let srv = servers(workers, 2);
     let addrs: Vec<String> = srv.iter().map(|s| s.local_addr().to_string()).collect();
@@ -110,7 +140,7 @@ fn workers_average_and_sum_many_tensors_over_two_servers_and_several_lanes() {
             let addrs = addrs.clone();
             thread::spawn(move || {
                 // Workers need not agree on lanes: each key sticks to one of its own.
-                let wk = Worker::new(&addrs, w, 1000, 1 + w as usize);
+                let wk = Worker::with(&addrs, w, 1000, 1 + w as usize, kind);
                 for round in 1..=4u64 {
                     let mut tensors: Vec<Vec<f32>> = sizes
                         .iter()

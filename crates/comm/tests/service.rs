@@ -108,7 +108,8 @@ fn push_pull(
 
 #[test]
 fn workers_sum_and_average_through_colocated_and_cpu_servers() {
-    // n = 3, k = 1: two lanes to the CPU server, each of its partitions cut in two.
+    // n = 3, k = 1: two lanes to the CPU server, each of its partitions cut in two; the
+    // partition size changes twice on the way.
     let workers = 3;
     let job = job(workers, 1);
     let addr = job.addr.clone();
@@ -150,7 +151,19 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
                     "{:?}",
                     c.placement_report()
                 );
-                for round in 1..=3u64 {
+                for round in 1..=5u64 {
+                    // The auto-tuner's switch, made by every worker between the same two
+                    // rounds: a new partition size re-cuts everything under new keys, and
+                    // going back to the first one reuses its keys.
+                    match round {
+                        3 => {
+                            c.reconfigure(Some(1000), Some(3000)).unwrap();
+                            let (_, partition, credit) = c.schedule();
+                            assert_eq!((partition, credit), (1000, 3000));
+                        }
+                        5 => c.reconfigure(Some(4096), None).unwrap(),
+                        _ => {}
+                    }
                     let op = if round == 2 {
                         ReduceOp::Sum
                     } else {

@@ -117,9 +117,14 @@ fn sumflow(shape: &Shape, rounds: u64) -> Vec<Duration> {
     for round in 1..=rounds {
         let start = Instant::now();
         let receiver = thread::spawn(move || {
-            for _ in 0..n {
+            let mut summed = 0;
+            while summed < n {
                 match rx.recv_header().unwrap() {
-                    Reply::Sum(_) => rx.read_sum(&mut sums).unwrap(),
+                    Reply::Sum(_) => {
+                        rx.read_sum(&mut sums).unwrap();
+                        summed += 1;
+                    }
+                    Reply::PushAck { .. } => {}
                     other => panic!("unexpected {other:?}"),
                 }
             }

@@ -321,6 +321,11 @@ impl Connection<'_> {
             .take(payload_len, POOL_POLL, || !shared.is_stopping())
             .ok_or(Interrupted::Stopping)?;
         self.reader.read_payload(&mut data)?;
+        // Acknowledged on receipt, not on summation: the worker's credit must not wait for
+        // the other workers (see crates/comm/src/scheduler/credit.rs).
+        let _ = self
+            .tx
+            .send(Outgoing::Message(Message::PushAck { key, round }));
         self.shared.engine(
             meta.engine,
             Command::Push {

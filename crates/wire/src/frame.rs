@@ -47,6 +47,7 @@ ops! {
     Push = 0x12,
     Pull = 0x13,
     PullReply = 0x14,
+    PushAck = 0x15,
     Barrier = 0x20,
     BarrierDone = 0x21,
     Heartbeat = 0x22,

@@ -151,6 +151,12 @@ pub enum Message {
         key: u64,
         round: u64,
     },
+    /// The server has read a push (whatever the other workers have done): the worker's
+    /// scheduler counts its credit by these.
+    PushAck {
+        key: u64,
+        round: u64,
+    },
     /// Payload: the round's sum.
     PullReply {
         key: u64,
@@ -196,6 +202,7 @@ impl Message {
             Message::InitAck { .. } => Op::InitAck,
             Message::Push { .. } => Op::Push,
             Message::Pull { .. } => Op::Pull,
+            Message::PushAck { .. } => Op::PushAck,
             Message::PullReply { .. } => Op::PullReply,
             Message::Barrier { .. } => Op::Barrier,
             Message::BarrierDone { .. } => Op::BarrierDone,
@@ -321,7 +328,7 @@ impl Message {
                     .u8(*mode as u8)
                     .zeros(5);
             }
-            Message::Pull { key, round } => {
+            Message::Pull { key, round } | Message::PushAck { key, round } => {
                 e.u64(*key).u64(*round);
             }
             Message::PullReply {
@@ -477,6 +484,10 @@ impl Message {
                 }
             }
             Op::Pull => Message::Pull {
+                key: d.u64("key")?,
+                round: d.u64("round")?,
+            },
+            Op::PushAck => Message::PushAck {
                 key: d.u64("key")?,
                 round: d.u64("round")?,
             },

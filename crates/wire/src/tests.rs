@@ -130,6 +130,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
             vec![],
         ),
         (Message::InitAck { key: 5 }, vec![]),
+        (Message::PushAck { key: 5, round: 9 }, vec![]),
         (
             Message::Push {
                 key: 9,

@@ -17,12 +17,14 @@ import secrets
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 from sumflow import _core
 from sumflow.launcher import program
@@ -55,6 +57,60 @@ def _env_int(name: str) -> int | None:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
+def _env_count(name: str, least: int) -> int | None:
+    value = _env_int(name)
+    if value is not None and value < least:
+        raise ValueError(f"{name}={value} must be at least {least}")
+    return value
+
+
+class _TraceSettings(TypedDict, total=False):
+    trace_dir: str
+    trace_start_step: int
+    trace_steps: int
+    trace_max_events: int
+
+
+def _trace_settings() -> _TraceSettings:
+    """The service's trace keywords from ``SUMFLOW_TRACE_*`` (docs/tracing.md): tracing is
+    on when ``SUMFLOW_TRACE_DIR`` is set; the window's defaults are the core's."""
+    start_step = _env_count("SUMFLOW_TRACE_START_STEP", 0)
+    steps = _env_count("SUMFLOW_TRACE_STEPS", 1)
+    max_events = _env_count("SUMFLOW_TRACE_MAX_EVENTS", 1)
+    directory = os.environ.get("SUMFLOW_TRACE_DIR")
+    if not directory:
+        given = [
+            name
+            for name, value in (
+                ("SUMFLOW_TRACE_START_STEP", start_step),
+                ("SUMFLOW_TRACE_STEPS", steps),
+                ("SUMFLOW_TRACE_MAX_EVENTS", max_events),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)} set without SUMFLOW_TRACE_DIR, the directory the trace "
+                "is written to: set it too to record a trace"
+            )
+        return {}
+    settings: _TraceSettings = {"trace_dir": directory}
+    if start_step is not None:
+        settings["trace_start_step"] = start_step
+    if steps is not None:
+        settings["trace_steps"] = steps
+    if max_events is not None:
+        settings["trace_max_events"] = max_events
+    return settings
+
+
+def report_trace(written: tuple[str, str] | None) -> None:
+    """Says on stderr where a trace was written and which steps it holds."""
+    if written is not None:
+        path, recorded = written
+        print(f"sumflow: trace {path}: {recorded} (open it in ui.perfetto.dev)", file=sys.stderr)
+
+
 @dataclass
 class Runtime:
     """The started service and what was started alongside it."""
@@ -83,6 +139,11 @@ def current() -> Runtime:
 
 def is_initialized() -> bool:
     return _runtime is not None
+
+
+def running() -> Runtime | None:
+    """The running service, or None before ``init()`` and after ``shutdown()``."""
+    return _runtime
 
 
 def _die_with_parent() -> None:
@@ -246,10 +307,13 @@ def init() -> Runtime:
                 rank=rank,
                 name=os.environ.get("SUMFLOW_WORKER_NAME") or f"worker pid {os.getpid()}",
                 partition_bytes=_env_int("SUMFLOW_PARTITION_BYTES") or 4 << 20,
+                scheduler=os.environ.get("SUMFLOW_SCHEDULER") or "bytescheduler",
+                credit_bytes=_env_int("SUMFLOW_CREDIT_BYTES"),
                 push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
                 connections_per_cpu_server=_env_int("SUMFLOW_CPU_SERVER_CONNECTIONS"),
                 join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),
                 heartbeat_timeout=_env_float("SUMFLOW_HEARTBEAT_TIMEOUT", 10.0),
+                **_trace_settings(),
             )
         except BaseException:
             _stop_children(children)
@@ -283,6 +347,11 @@ def shutdown() -> None:
     if rt is None:
         return
     try:
+        try:
+            report_trace(rt.service.trace_flush())
+        except OSError as e:
+            # A trace that cannot be written must not keep the worker from leaving.
+            warnings.warn(f"sumflow: {e}", stacklevel=2)
         rt.service.shutdown("worker finished")
     finally:
         _stop_children(rt.children)

@@ -5,24 +5,33 @@ post-accumulate-grad hook), with the parameter's position in the model as its pr
 the layers nearest the input, whose gradients come last in backward but are needed first
 in the next forward, go first (ByteScheduler's order). ``step()`` waits for the sums and
 then runs the wrapped optimizer, so the optimizer stays on the worker, as in BytePS.
+
+With ``cross_barrier=True`` ``step()`` does not wait: each parameter is updated as soon
+as its own sum arrives, and the next forward waits per module (``overlap.py``, ByteScheduler
+§3.4), using the wrapped optimizer's own update one parameter at a time
+(``per_parameter.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
 
-from sumflow.torch import ops
+from sumflow.torch import ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
+from sumflow.torch.overlap import CrossBarrier, Update, zero_grad_of
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Set by DistributedOptimizer() on the dynamic subclass's instance.
     _sf_names: dict[torch.Tensor, str]
+    #: The parameters' own names (``_sf_names`` are their gradients' tensor names).
+    _sf_param_names: dict[torch.Tensor, str]
     _sf_priority: dict[torch.Tensor, int]
     _sf_handles: dict[torch.Tensor, int]
     _sf_passes: dict[torch.Tensor, int]
@@ -33,14 +42,21 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _sf_synchronized: bool
     _sf_skip: bool
     _sf_hooks: list[Any]
+    #: The wrapped optimizer's class, whose step updates parameters.
+    _sf_base: type[torch.optim.Optimizer]
+    #: Set with cross_barrier=True.
+    _sf_overlap: CrossBarrier | None
+    _sf_steps: int
 
     def _sf_setup(
         self,
+        base: type[torch.optim.Optimizer],
         named_parameters: list[tuple[str, torch.Tensor]],
         compression: type[Compressor] | Compressor,
         backward_passes_per_step: int,
         op: ops.ReduceOp,
         gradient_predivide_factor: float,
+        model: torch.nn.Module | None,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters:
@@ -67,6 +83,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise NotImplementedError(f"op={op!r}: DistributedOptimizer supports Average and Sum")
         if gradient_predivide_factor != 1.0 and op is not ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
+        self._sf_param_names = {p: names[p] for p in params}
         self._sf_names = {p: f"DistributedOptimizer.grad.{names[p]}" for p in params}
         # The first parameter in model order belongs to the layer nearest the input.
         self._sf_priority = {p: i for i, p in enumerate(order)}
@@ -78,7 +95,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_predivide = gradient_predivide_factor
         self._sf_synchronized = False
         self._sf_skip = False
+        self._sf_base = base
+        self._sf_steps = 0
         trainable = [p for p in order if p.requires_grad]
+        self._sf_overlap = None
+        if model is not None:
+            per_parameter.check_separable(self)
+            self._sf_overlap = CrossBarrier(
+                model,
+                {p: names[p] for p in trainable},
+                lambda: ops._runtime.current().timeout,
+            )
         # Declared together so placement balances the whole model over the servers; the
         # wire dtype is what compression sends.
         ops.declare_group([(self._sf_names[p], self._sf_wire_like(p)) for p in trainable])
@@ -124,10 +151,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def synchronize(self) -> None:
         """Waits until every gradient has been averaged across workers. Parameters whose
         gradient did not arrive this step (unused in the forward) are sent now, as zeros if
-        they have none, so every worker takes part in every sum."""
-        for p in self._sf_trainable():
-            if p not in self._sf_handles:
-                self._sf_push(p)
+        they have none, so every worker takes part in every sum.
+
+        With ``cross_barrier``, it first waits until every update of the steps before is
+        done (call it before evaluating outside the model's forward, reading or saving the
+        parameters, or ending the script), then synchronizes gradients only if a backward
+        pass has produced some since the last step (for clipping: see ``step()``)."""
+        if self._sf_overlap is not None:
+            self._sf_overlap.wait_all("optimizer.synchronize()")
+            if not (self._sf_handles or self._sf_passes):
+                return
+        self._sf_push_missing()
         handles, self._sf_handles = self._sf_handles, {}
         errors = []
         for h in handles.values():
@@ -139,6 +173,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_synchronized = True
         if errors:
             raise errors[0]
+
+    def _sf_push_missing(self) -> None:
+        """Sends, as zeros if they have none, the gradients that did not arrive this step
+        (parameters unused in the forward), so every worker takes part in every sum."""
+        for p in self._sf_trainable():
+            if p not in self._sf_handles:
+                self._sf_push(p)
 
     def _sf_trainable(self) -> Iterator[torch.Tensor]:
         return (p for p in self._sf_priority if p.requires_grad)
@@ -154,7 +195,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sf_skip = False
 
     def step(self, closure: Any = None) -> Any:
-        """Synchronizes gradients (unless inside ``skip_synchronize()``) and steps."""
+        """Synchronizes gradients (unless inside ``skip_synchronize()``) and steps.
+
+        With ``cross_barrier`` it returns at once (and returns None); the update thread
+        updates each parameter when its sum arrives. After ``synchronize()`` (e.g. to clip
+        gradients) or inside ``skip_synchronize()`` it steps synchronously instead, as
+        without ``cross_barrier``. A ``closure`` is refused: it would need every parameter
+        updated at once."""
+        if self._sf_overlap is not None:
+            self._sf_overlap.raise_failure()
+            if closure is not None:
+                raise ValueError(
+                    "step(closure) with cross_barrier: the closure re-evaluates the model, "
+                    "which needs every parameter updated first; use DistributedOptimizer "
+                    "without cross_barrier"
+                )
+            if not (self._sf_skip or self._sf_synchronized):
+                self._sf_step_across_barrier()
+                return None
+            self._sf_overlap.wait_all("optimizer.step()")
+        if not (self._sf_skip or self._sf_synchronized):
+            self._sf_push_missing()
+        # The backward pass is over: the scheduler closes its view of the iteration, and
+        # the trace window counts the step.
+        trace.mark_step()
         if self._sf_skip:
             if not self._sf_synchronized and self._sf_handles:
                 raise RuntimeError(
@@ -166,13 +230,80 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_synchronized = False
         return super(self.__class__, self).step(closure)
 
+    def _sf_step_across_barrier(self) -> None:
+        overlap = self._sf_overlap
+        assert overlap is not None
+        # The forward waited for every parameter it read, so what may still be pending are
+        # the updates of parameters that got no gradient: they still read the gradient
+        # that is about to be sent again.
+        overlap.wait_all("optimizer.step()")
+        self._sf_push_missing()
+        trace.mark_step()
+        handles, self._sf_handles = self._sf_handles, {}
+        self._sf_passes.clear()
+        self._sf_steps += 1
+        updates = []
+        for group in self.param_groups:
+            # The hyper-parameters in effect now: an LR scheduler may change them before
+            # the sums arrive.
+            hyper = per_parameter.hyperparameters(group)
+            for index, p in enumerate(group["params"]):
+                handle = handles.get(p)
+                if handle is None:
+                    continue
+                updates.append(
+                    Update(
+                        param=p,
+                        handle=handle,
+                        tensor=self._sf_names[p],
+                        step=self._sf_steps,
+                        apply=functools.partial(
+                            per_parameter.step_one,
+                            self._sf_base,
+                            self.__dict__,
+                            p,
+                            hyper,
+                            index,
+                            self._sf_param_names[p],
+                        ),
+                        stream=torch.cuda.current_stream(p.device) if p.is_cuda else None,
+                    )
+                )
+        # The order the push queues send them, so sums are awaited as they arrive.
+        updates.sort(key=lambda u: self._sf_priority[u.param])
+        overlap.submit(updates)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clears gradients; refuses while a push_pull still writes into them."""
+        """Clears gradients; refuses while a push_pull still writes into them. With
+        ``cross_barrier``, a parameter whose update is still pending has its gradient
+        cleared right after the update."""
         if self._sf_handles:
             raise RuntimeError(
                 "zero_grad() while gradients are being averaged: call step() or synchronize() first"
             )
+        if self._sf_overlap is not None:
+            pending = self._sf_overlap.defer_zero_grad(set_to_none)
+            if pending:
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p not in pending:
+                            zero_grad_of(p, set_to_none)
+                return
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The wrapped optimizer's state; with ``cross_barrier``, once every pending
+        update is done."""
+        if self._sf_overlap is not None:
+            self._sf_overlap.wait_all("optimizer.state_dict()")
+        return super(self.__class__, self).state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads the wrapped optimizer's state; with ``cross_barrier``, once every pending
+        update is done."""
+        if self._sf_overlap is not None:
+            self._sf_overlap.wait_all("optimizer.load_state_dict()")
+        super(self.__class__, self).load_state_dict(state_dict)
 
 
 def DistributedOptimizer(
@@ -186,6 +317,9 @@ def DistributedOptimizer(
     groups: Any = None,
     sparse_as_dense: bool = False,
     process_set: Any = None,
+    *,
+    cross_barrier: bool = False,
+    model: torch.nn.Module | None = None,
 ) -> torch.optim.Optimizer:
     """Wraps `optimizer` so that gradients are averaged across workers before each step.
 
@@ -200,7 +334,27 @@ def DistributedOptimizer(
     ``gradient_predivide_factor``: divide gradients by this before summing and by
     size / factor after (Horovod's semantics). ``num_groups`` and ``groups`` (Horovod's
     fusion groups) are accepted and ignored: sumflow schedules tensors individually.
+
+    ``cross_barrier=True`` (ByteScheduler's crossing of the global barrier, §3.4):
+    ``step()`` returns at once, each parameter is updated by a background thread as soon
+    as its gradient's average arrives, and the forward of each module of ``model`` first
+    waits for the update of that module's own parameters. It needs ``model``: the module
+    whose forward uses every parameter the optimizer updates. The wrapped optimizer's own
+    step runs for one parameter at a time, so it must be per-parameter separable (every
+    ``torch.optim`` optimizer but LBFGS). Call ``synchronize()`` before using the
+    parameters outside the model's forward; ``state_dict()`` and ``model.state_dict()``
+    wait by themselves. See docs/overlap.md.
     """
+    if cross_barrier and model is None:
+        raise ValueError(
+            "cross_barrier=True needs model=: the module whose forward uses the parameters, "
+            "so its forward can wait for their updates"
+        )
+    if model is not None:
+        if not cross_barrier:
+            raise ValueError("model= is only used with cross_barrier=True")
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
     if sparse_as_dense:
         raise NotImplementedError("sparse gradients are not supported; sumflow sends dense tensors")
     ops._no_process_sets(process_set)
@@ -217,11 +371,13 @@ def DistributedOptimizer(
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__
     wrapped._sf_setup(
+        optimizer.__class__,
         list(named_parameters) if named_parameters is not None else [],
         compression,
         backward_passes_per_step,
         op,
         gradient_predivide_factor,
+        model,
     )
     return wrapped
 

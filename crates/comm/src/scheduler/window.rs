@@ -1,5 +1,6 @@
-//! The push window of one server connection: how many bytes a worker may have pushed to a
-//! server whose sums have not come back yet.
+//! The push window of one server: how many bytes a worker may have pushed to a server
+//! whose sums have not come back yet. It paces workers against each other; the
+//! scheduler's credit ([`super::credit`]) bounds what is committed to the network.
 //!
 //! Why: a round of a partition completes only when every worker has pushed it, so a server
 //! can send sums only as fast as its *slowest* pusher delivers. Without a bound, short-term
@@ -26,8 +27,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-/// A partition's place in the sending order: lower is more urgent.
-pub type Order = (i64, u64);
+use super::Order;
 
 #[derive(Debug)]
 pub struct PushWindow {
@@ -62,6 +62,11 @@ impl PushWindow {
                 .next()
                 .is_some_and(|first| order < *first)
             || now.duration_since(self.last_progress) >= self.stall
+    }
+
+    /// Changes the limit; bytes already in flight stay counted.
+    pub fn set_limit(&mut self, limit: u64) {
+        self.limit = limit;
     }
 
     /// How long until a full window's stall rule lets something out.

@@ -1,0 +1,441 @@
+//! Communication scheduling: which ready partitions enter the network, and when.
+//!
+//! The scheduler sees every partition of a worker become ready (a push_pull call: tensor,
+//! priority, size, time) and every transfer finish (its sum came back), and decides which
+//! partitions go out. A partition that went out is *started*: handed to its lane's FIFO
+//! send queue, from which nothing overtakes it, as ByteScheduler's "underlying FIFO
+//! network queue". Until then it can be overtaken by anything more urgent.
+//!
+//! Three decisions make a scheduler (see [`SchedulerKind`]):
+//! - the *order* of a server's ready partitions: by priority (lower = nearer the input,
+//!   needed first by the next forward pass; ties by key, the same on every worker), or by
+//!   arrival (FIFO);
+//! - the *credit* of each server: bytes pushed to it that it has not acknowledged yet,
+//!   which nothing ready later can overtake (ByteScheduler §4.2, [`credit`]);
+//! - *release*: whether a ready partition may compete for credit at once, or is held until
+//!   Prophet's block assembly lets it out ([`prophet`]).
+//!
+//! Under all of them, each server's push window ([`window`]) paces workers against each
+//! other: bytes pushed whose sums have not come back.
+//!
+//! All of it is a pure state machine over the events and times passed in, so it is tested
+//! without a network and the simulator can run the same code.
+
+pub mod bandwidth;
+pub mod credit;
+pub mod prophet;
+pub mod window;
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+use std::str::FromStr;
+use std::time::{Duration, Instant};
+
+use bandwidth::BandwidthMonitor;
+use credit::Credit;
+use prophet::{Prophet, ProphetConfig, Release};
+use window::PushWindow;
+
+/// A partition's place in its server's sending order: lower goes first.
+pub type Order = (i64, u64);
+
+/// The schedulers a job can run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum SchedulerKind {
+    /// Partitions in the order their tensors became ready, straight into the network (no
+    /// credit): the baseline of every framework.
+    Fifo,
+    /// P3: priority order, one partition per server in flight (stop-and-wait).
+    P3,
+    /// ByteScheduler Algorithm 1: priority order under a byte credit per server.
+    ByteScheduler,
+    /// Prophet: priority order; during backward, held partitions go out in blocks sized to
+    /// the predicted gaps at the measured bandwidth.
+    Prophet,
+}
+
+impl SchedulerKind {
+    pub const ALL: [SchedulerKind; 4] = [
+        SchedulerKind::Fifo,
+        SchedulerKind::P3,
+        SchedulerKind::ByteScheduler,
+        SchedulerKind::Prophet,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            SchedulerKind::Fifo => "fifo",
+            SchedulerKind::P3 => "p3",
+            SchedulerKind::ByteScheduler => "bytescheduler",
+            SchedulerKind::Prophet => "prophet",
+        }
+    }
+
+    fn by_priority(self) -> bool {
+        self != SchedulerKind::Fifo
+    }
+}
+
+impl fmt::Display for SchedulerKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for SchedulerKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        SchedulerKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s.trim().to_ascii_lowercase())
+            .ok_or_else(|| {
+                let names: Vec<_> = SchedulerKind::ALL.iter().map(|k| k.name()).collect();
+                format!(
+                    "unknown scheduler '{s}': choose one of {}",
+                    names.join(", ")
+                )
+            })
+    }
+}
+
+/// Push window per server by default, in partitions: enough to cover a sum's round trip
+/// while keeping workers within a few partitions of each other (measured on the emulated
+/// cluster: 0.91–0.98 of BytePS Eq. 6).
+pub const DEFAULT_WINDOW_PARTITIONS: u64 = 4;
+
+/// ByteScheduler's and Prophet's credit per server by default, in partitions: one on the
+/// wire and one ready to follow it.
+pub const DEFAULT_CREDIT_PARTITIONS: u64 = 2;
+
+/// How long a full push window waits without any sum coming back before it lets one more
+/// partition out (only workers that disagree on the order ever need it).
+pub const WINDOW_STALL: Duration = Duration::from_millis(200);
+
+/// The knobs of a worker's scheduler.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Schedule {
+    pub kind: SchedulerKind,
+    /// Unacknowledged bytes per server; 0: unbounded. FIFO has none and P3 one partition,
+    /// whatever this says.
+    pub credit_bytes: u64,
+    /// Bytes per server whose sums have not come back; 0: unbounded.
+    pub window_bytes: u64,
+    pub prophet: ProphetConfig,
+}
+
+impl Schedule {
+    /// `kind` with its default credit and window for `partition_bytes`.
+    pub fn new(kind: SchedulerKind, partition_bytes: u64) -> Schedule {
+        Schedule {
+            kind,
+            credit_bytes: partition_bytes.saturating_mul(DEFAULT_CREDIT_PARTITIONS),
+            window_bytes: partition_bytes.saturating_mul(DEFAULT_WINDOW_PARTITIONS),
+            prophet: ProphetConfig::default(),
+        }
+    }
+
+    fn effective_credit(&self, partition_bytes: u64) -> u64 {
+        match self.kind {
+            SchedulerKind::Fifo => 0,
+            SchedulerKind::P3 => partition_bytes,
+            _ => self.credit_bytes,
+        }
+    }
+}
+
+/// One partition, as the scheduler sees it; `item` is what the caller sends.
+#[derive(Debug)]
+pub struct Part<T> {
+    pub key: u64,
+    pub server: usize,
+    pub bytes: u64,
+    pub item: T,
+}
+
+/// A partition let out: it goes to its server's lane now, and `order` identifies it when
+/// it finishes.
+#[derive(Debug, PartialEq)]
+pub struct Started<T> {
+    pub server: usize,
+    pub order: Order,
+    pub item: T,
+}
+
+/// What the scheduler decided at one event, for logs and the trace.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Decision {
+    /// Partitions made eligible for credit at this event.
+    pub released: usize,
+    /// Prophet's reason, when it decided.
+    pub why: Option<Release>,
+}
+
+struct Queued<T> {
+    bytes: u64,
+    item: T,
+}
+
+struct ServerQueue<T> {
+    /// Eligible partitions waiting for credit, in sending order.
+    ready: BTreeMap<Order, Queued<T>>,
+    credit: Credit,
+    window: PushWindow,
+}
+
+/// A worker's scheduler over `T`, the caller's handle on a partition.
+pub struct Scheduler<T> {
+    schedule: Schedule,
+    partition_bytes: u64,
+    servers: Vec<ServerQueue<T>>,
+    /// Held by Prophet, not yet eligible: order -> (server, partition).
+    held: HashMap<Order, (usize, Queued<T>)>,
+    prophet: Option<Prophet>,
+    bandwidth: BandwidthMonitor,
+    /// Started and unfinished: order -> (server, bytes).
+    in_flight: HashMap<Order, (usize, u64)>,
+    /// Bytes released (eligible or started) whose sums have not come back.
+    outstanding: u64,
+    /// Ready calls so far: the FIFO order.
+    arrivals: i64,
+}
+
+impl<T> Scheduler<T> {
+    pub fn new(schedule: Schedule, partition_bytes: u64, servers: usize, now: Instant) -> Self {
+        let credit = schedule.effective_credit(partition_bytes);
+        Scheduler {
+            prophet: (schedule.kind == SchedulerKind::Prophet)
+                .then(|| Prophet::new(schedule.prophet.clone())),
+            servers: (0..servers)
+                .map(|_| ServerQueue {
+                    ready: BTreeMap::new(),
+                    credit: Credit::new(credit),
+                    window: PushWindow::new(schedule.window_bytes, WINDOW_STALL, now),
+                })
+                .collect(),
+            schedule,
+            partition_bytes,
+            held: HashMap::new(),
+            bandwidth: BandwidthMonitor::default(),
+            in_flight: HashMap::new(),
+            outstanding: 0,
+            arrivals: 0,
+        }
+    }
+
+    pub fn schedule(&self) -> &Schedule {
+        &self.schedule
+    }
+
+    /// The measured rate at which partitions complete, bytes per second.
+    pub fn bandwidth(&self) -> Option<f64> {
+        self.bandwidth.bytes_per_sec()
+    }
+
+    /// Prophet's current profile, if it runs and has one.
+    pub fn profile(&self) -> Option<&prophet::Profile> {
+        self.prophet.as_ref().and_then(|p| p.profile())
+    }
+
+    /// Changes the credit per server (auto-tuning), and the partition size P3's credit
+    /// follows. Bytes in flight stay counted.
+    pub fn set_credit(&mut self, credit_bytes: u64, partition_bytes: u64) {
+        self.schedule.credit_bytes = credit_bytes;
+        self.partition_bytes = partition_bytes;
+        let credit = self.schedule.effective_credit(partition_bytes);
+        for s in &mut self.servers {
+            s.credit.set_limit(credit);
+        }
+    }
+
+    /// The partitions of one push_pull of `tensor` became ready.
+    pub fn ready(
+        &mut self,
+        tensor: u32,
+        priority: i64,
+        parts: Vec<Part<T>>,
+        now: Instant,
+    ) -> Decision {
+        let first = if self.schedule.kind.by_priority() {
+            priority
+        } else {
+            self.arrivals
+        };
+        self.arrivals += 1;
+        let mut orders = Vec::with_capacity(parts.len());
+        for p in parts {
+            let order = (first, p.key);
+            orders.push((order, p.bytes));
+            self.held.insert(
+                order,
+                (
+                    p.server,
+                    Queued {
+                        bytes: p.bytes,
+                        item: p.item,
+                    },
+                ),
+            );
+        }
+        let (released, why) = match &mut self.prophet {
+            Some(prophet) => {
+                let (out, why) = prophet.ready(
+                    tensor,
+                    orders,
+                    now,
+                    self.outstanding,
+                    self.bandwidth.bytes_per_sec(),
+                );
+                (out, Some(why))
+            }
+            None => (orders.into_iter().map(|o| o.0).collect(), None),
+        };
+        self.release(&released);
+        Decision {
+            released: released.len(),
+            why,
+        }
+    }
+
+    /// The plugin's step mark: this iteration's backward pass is over.
+    pub fn mark_step(&mut self) -> Decision {
+        let released = match &mut self.prophet {
+            Some(p) => p.end_iteration(),
+            None => Vec::new(),
+        };
+        self.release(&released);
+        Decision {
+            released: released.len(),
+            why: Some(Release::Flush("step")).filter(|_| !released.is_empty()),
+        }
+    }
+
+    fn release(&mut self, orders: &[Order]) {
+        for order in orders {
+            if let Some((server, q)) = self.held.remove(order) {
+                self.outstanding += q.bytes;
+                self.servers[server].ready.insert(*order, q);
+            }
+        }
+    }
+
+    /// Lets out every eligible partition its server's credit allows, most urgent first
+    /// per server, and anything Prophet's deadline frees.
+    pub fn poll(&mut self, now: Instant) -> Vec<Started<T>> {
+        if let Some(p) = &mut self.prophet {
+            let expired = p.expire(now);
+            self.release(&expired);
+        }
+        let mut out = Vec::new();
+        for (server, s) in self.servers.iter_mut().enumerate() {
+            while let Some(entry) = s.ready.first_entry() {
+                let order = *entry.key();
+                let bytes = entry.get().bytes;
+                if !(s.credit.may_send(bytes) && s.window.may_send(order, bytes, now)) {
+                    break;
+                }
+                let q = entry.remove();
+                s.credit.sent(order, q.bytes);
+                s.window.sent(order, q.bytes, now);
+                self.bandwidth.started(now);
+                self.in_flight.insert(order, (server, q.bytes));
+                out.push(Started {
+                    server,
+                    order,
+                    item: q.item,
+                });
+            }
+        }
+        out
+    }
+
+    /// When [`poll`](Self::poll) may have something new without any event: a push
+    /// window's stall rule or Prophet's deadline.
+    pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
+        let stalls = self
+            .servers
+            .iter()
+            .filter(|s| !s.ready.is_empty() && s.window.bytes() > 0)
+            .map(|s| now + s.window.until_stall(now));
+        let prophet = self.prophet.as_ref().and_then(|p| p.deadline());
+        stalls.chain(prophet).min()
+    }
+
+    /// The server acknowledged a started partition's push: its credit returns.
+    pub fn acknowledged(&mut self, order: Order) {
+        if let Some(&(server, _)) = self.in_flight.get(&order) {
+            self.servers[server].credit.acknowledged(order);
+        }
+    }
+
+    /// A started partition's sum came back.
+    pub fn finished(&mut self, order: Order, now: Instant) {
+        if let Some((server, bytes)) = self.in_flight.remove(&order) {
+            self.servers[server].credit.acknowledged(order);
+            self.servers[server].window.finished(order, now);
+            self.bandwidth.finished(bytes, now);
+            self.outstanding -= bytes;
+        }
+    }
+
+    /// A started partition failed: its credit returns, and it does not count as throughput.
+    pub fn abandoned(&mut self, order: Order, now: Instant) {
+        if let Some((server, bytes)) = self.in_flight.remove(&order) {
+            self.servers[server].credit.acknowledged(order);
+            self.servers[server].window.finished(order, now);
+            self.bandwidth.abandoned();
+            self.outstanding -= bytes;
+        }
+    }
+
+    /// Removes every partition not started yet that `pred` selects (a dead server's, a
+    /// failed operation's) and returns them.
+    pub fn drain_where(&mut self, pred: impl Fn(usize, &T) -> bool) -> Vec<T> {
+        let mut out = Vec::new();
+        for (server, s) in self.servers.iter_mut().enumerate() {
+            let gone: Vec<Order> = s
+                .ready
+                .iter()
+                .filter(|(_, q)| pred(server, &q.item))
+                .map(|(o, _)| *o)
+                .collect();
+            for o in gone {
+                let q = s.ready.remove(&o).expect("listed");
+                self.outstanding -= q.bytes;
+                out.push(q.item);
+            }
+        }
+        let gone: Vec<Order> = self
+            .held
+            .iter()
+            .filter(|(_, (server, q))| pred(*server, &q.item))
+            .map(|(o, _)| *o)
+            .collect();
+        for o in gone {
+            let (_, q) = self.held.remove(&o).expect("listed");
+            if let Some(p) = &mut self.prophet {
+                p.forget(&o);
+            }
+            out.push(q.item);
+        }
+        out
+    }
+
+    /// Bytes let out (eligible or started) whose sums have not come back.
+    pub fn outstanding(&self) -> u64 {
+        self.outstanding
+    }
+
+    /// Partitions not started yet.
+    pub fn waiting(&self) -> usize {
+        self.held.len() + self.servers.iter().map(|s| s.ready.len()).sum::<usize>()
+    }
+
+    /// Started partitions whose sums have not come back.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,429 @@
+//! Prophet (ICPP'21, restated in docs/scheduling.md): gradients appear in bursts during
+//! backward, separated by gaps while the GPU computes the next layers. From a profile of
+//! past iterations Prophet predicts each gap and, when one begins, lets out only as many
+//! held partitions as the measured bandwidth completes before the next, more urgent burst
+//! arrives (the paper's constraint 11: a transfer started during backward must finish
+//! before any higher-priority gradient is generated). Whatever does not fit waits behind
+//! the next burst in priority order; once the last gradient of the backward pass is ready
+//! everything goes, most urgent first.
+//!
+//! Everything here is a pure function of the events and times passed in.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::time::{Duration, Instant};
+
+use super::Order;
+
+/// Prophet's knobs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ProphetConfig {
+    /// A gap between two ready gradients is a stage boundary when it is longer than this
+    /// times the iteration's mean gap; shorter gaps are inside a burst and carry nothing.
+    pub stage_factor: f64,
+    /// Iterations not profiled at the start (allocation and first-touch make them slow).
+    pub warmup_iterations: u32,
+    /// Iterations the profile keeps; each gap is the median over them, so the profile
+    /// follows a drifting pattern within half as many iterations.
+    pub history: usize,
+    /// Added to every predicted gap (negative margins are not allowed: use a smaller
+    /// stage_factor instead).
+    pub slack: Duration,
+}
+
+impl Default for ProphetConfig {
+    fn default() -> Self {
+        ProphetConfig {
+            stage_factor: 2.0,
+            warmup_iterations: 1,
+            history: 5,
+            slack: Duration::ZERO,
+        }
+    }
+}
+
+/// What one iteration's backward pass looked like: (tensor, time since its first ready).
+type Record = Vec<(u32, Duration)>;
+
+/// The stepwise pattern, as predicted from recent iterations.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Profile {
+    /// Tensors in the order backward produces them.
+    pub order: Vec<u32>,
+    /// The gap that follows each tensor's ready time, zero inside a burst.
+    pub gap_after: HashMap<u32, Duration>,
+    /// Iterations it was built from.
+    pub iterations: usize,
+}
+
+impl Profile {
+    /// The last tensor of the backward pass: once it is ready, nothing more is coming.
+    pub fn last(&self) -> Option<u32> {
+        self.order.last().copied()
+    }
+
+    /// Number of stages (bursts separated by gaps).
+    pub fn stages(&self) -> usize {
+        1 + self.order[..self.order.len().saturating_sub(1)]
+            .iter()
+            .filter(|t| self.gap_after.get(t).is_some_and(|g| !g.is_zero()))
+            .count()
+    }
+
+    /// Builds the profile from past iterations with the same tensor order.
+    fn build(history: &VecDeque<Record>, stage_factor: f64) -> Option<Profile> {
+        let latest = history.back()?;
+        if latest.len() < 2 {
+            return None;
+        }
+        let mut gaps: HashMap<u32, Vec<Duration>> = HashMap::new();
+        for record in history {
+            let span = record.last().map_or(Duration::ZERO, |e| e.1);
+            let mean = span.as_secs_f64() / (record.len() - 1) as f64;
+            for w in record.windows(2) {
+                let gap = w[1].1.saturating_sub(w[0].1);
+                let stage_end = gap.as_secs_f64() > stage_factor * mean;
+                gaps.entry(w[0].0)
+                    .or_default()
+                    .push(if stage_end { gap } else { Duration::ZERO });
+            }
+        }
+        let gap_after = gaps
+            .into_iter()
+            .map(|(t, mut g)| {
+                g.sort_unstable();
+                (t, g[g.len() / 2])
+            })
+            .collect();
+        Some(Profile {
+            order: latest.iter().map(|e| e.0).collect(),
+            gap_after,
+            iterations: history.len(),
+        })
+    }
+}
+
+/// Why partitions were let out (for logs and the trace).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Release {
+    /// No profile or no bandwidth measurement yet: everything goes, as with ByteScheduler.
+    Unprofiled,
+    /// A gap begins: what completes within `budget` bytes goes.
+    Gap { gap: Duration, budget: u64 },
+    /// Inside a burst: nothing goes.
+    Burst,
+    /// The backward pass is over (its last gradient, a step mark, or the pattern broke):
+    /// everything goes.
+    Flush(&'static str),
+}
+
+impl Release {
+    /// A few words for logs and the trace.
+    pub fn describe(&self) -> String {
+        match self {
+            Release::Unprofiled => "not profiled yet: everything goes".into(),
+            Release::Gap { gap, budget } => format!(
+                "gap of {:.1} ms: {budget} bytes may go",
+                gap.as_secs_f64() * 1e3
+            ),
+            Release::Burst => "inside a burst: held".into(),
+            Release::Flush(why) => format!("{why}: everything goes"),
+        }
+    }
+}
+
+/// The state of Prophet's block assembler.
+#[derive(Debug)]
+pub struct Prophet {
+    cfg: ProphetConfig,
+    /// This iteration's ready events so far.
+    current: Vec<(u32, Instant)>,
+    history: VecDeque<Record>,
+    profile: Option<Profile>,
+    closed_iterations: u32,
+    /// Held partitions: order -> bytes.
+    held: BTreeMap<Order, u64>,
+}
+
+impl Prophet {
+    pub fn new(cfg: ProphetConfig) -> Prophet {
+        Prophet {
+            cfg,
+            current: Vec::new(),
+            history: VecDeque::new(),
+            profile: None,
+            closed_iterations: 0,
+            held: BTreeMap::new(),
+        }
+    }
+
+    pub fn profile(&self) -> Option<&Profile> {
+        self.profile.as_ref()
+    }
+
+    /// The gradient `tensor` became ready with `parts` (order, bytes). `outstanding`:
+    /// bytes released earlier whose sums have not come back; `bytes_per_sec`: the monitor's
+    /// measurement. Returns the orders let out now, most urgent first, and why.
+    pub fn ready(
+        &mut self,
+        tensor: u32,
+        parts: impl IntoIterator<Item = (Order, u64)>,
+        now: Instant,
+        outstanding: u64,
+        bytes_per_sec: Option<f64>,
+    ) -> (Vec<Order>, Release) {
+        // A gradient seen again starts a new iteration even without a step mark (the DDP
+        // hook, user code that never calls step()).
+        if self.current.iter().any(|e| e.0 == tensor) {
+            self.close_iteration();
+        }
+        self.current.push((tensor, now));
+        self.held.extend(parts);
+        let (Some(profile), Some(rate)) = (&self.profile, bytes_per_sec) else {
+            return (self.release_all(), Release::Unprofiled);
+        };
+        if profile.last() == Some(tensor) {
+            return (self.release_all(), Release::Flush("last gradient"));
+        }
+        let Some(&gap) = profile.gap_after.get(&tensor) else {
+            return (
+                self.release_all(),
+                Release::Flush("gradient not in the profile"),
+            );
+        };
+        if gap.is_zero() {
+            return (Vec::new(), Release::Burst);
+        }
+        let budget =
+            (((gap + self.cfg.slack).as_secs_f64() * rate) as u64).saturating_sub(outstanding);
+        let mut left = budget;
+        let mut out = Vec::new();
+        while let Some((&order, &bytes)) = self.held.first_key_value() {
+            if bytes > left {
+                break;
+            }
+            left -= bytes;
+            self.held.remove(&order);
+            out.push(order);
+        }
+        (out, Release::Gap { gap, budget })
+    }
+
+    /// The step ended (the plugin's step mark): the backward pass is over.
+    pub fn end_iteration(&mut self) -> Vec<Order> {
+        self.close_iteration();
+        self.release_all()
+    }
+
+    /// When held partitions must go even if no gradient arrives: twice the gap predicted
+    /// after the latest one, plus a margin. Past it the pattern broke (backward ended
+    /// early, the job paused), and holding on would only idle the network.
+    pub fn deadline(&self) -> Option<Instant> {
+        if self.held.is_empty() {
+            return None;
+        }
+        let &(tensor, at) = self.current.last()?;
+        let gap = self
+            .profile
+            .as_ref()
+            .and_then(|p| p.gap_after.get(&tensor).copied())
+            .unwrap_or_default();
+        Some(at + gap * 2 + Duration::from_millis(5))
+    }
+
+    /// The deadline passed: everything goes.
+    pub fn expire(&mut self, now: Instant) -> Vec<Order> {
+        match self.deadline() {
+            Some(d) if now >= d => self.release_all(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Forgets held partitions the caller gave up on (a dead server's).
+    pub fn forget(&mut self, order: &Order) {
+        self.held.remove(order);
+    }
+
+    fn release_all(&mut self) -> Vec<Order> {
+        std::mem::take(&mut self.held).into_keys().collect()
+    }
+
+    fn close_iteration(&mut self) {
+        let events = std::mem::take(&mut self.current);
+        let Some(&(_, first)) = events.first() else {
+            return;
+        };
+        self.closed_iterations += 1;
+        if self.closed_iterations <= self.cfg.warmup_iterations {
+            return;
+        }
+        let record: Record = events
+            .iter()
+            .map(|&(t, at)| (t, at.saturating_duration_since(first)))
+            .collect();
+        let same_pattern = self.history.back().is_some_and(|last| {
+            last.len() == record.len() && last.iter().zip(&record).all(|(a, b)| a.0 == b.0)
+        });
+        if !same_pattern {
+            if !self.history.is_empty() {
+                tracing::info!(
+                    tensors = record.len(),
+                    "prophet: the order of gradients changed; profiling again"
+                );
+            }
+            self.history.clear();
+        }
+        self.history.push_back(record);
+        while self.history.len() > self.cfg.history.max(1) {
+            self.history.pop_front();
+        }
+        let fresh = self.profile.is_none();
+        self.profile = Profile::build(&self.history, self.cfg.stage_factor);
+        if let (true, Some(p)) = (fresh, &self.profile) {
+            tracing::info!(
+                tensors = p.order.len(),
+                stages = p.stages(),
+                "prophet: profiled the backward pass"
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    /// One backward pass: tensors 5..0 (5 first), bursts {5,4} {3,2,1} {0} with 20 ms gaps.
+    fn backward(
+        p: &mut Prophet,
+        t0: Instant,
+        rate: Option<f64>,
+    ) -> Vec<(u32, Vec<Order>, Release)> {
+        let times = [0, 1, 21, 22, 23, 43];
+        (0..6u32)
+            .rev()
+            .zip(times)
+            .map(|(tensor, at)| {
+                let order = (i64::from(tensor), u64::from(tensor));
+                let (out, why) = p.ready(tensor, [(order, 1000)], t0 + at * MS, 0, rate);
+                (tensor, out, why)
+            })
+            .collect()
+    }
+
+    fn profiled() -> (Prophet, Instant) {
+        let mut p = Prophet::new(ProphetConfig::default());
+        let t = Instant::now();
+        for i in 0..3 {
+            backward(&mut p, t + i * 100 * MS, None);
+            p.end_iteration();
+        }
+        (p, t + 300 * MS)
+    }
+
+    #[test]
+    fn stages_and_gaps_are_found() {
+        let (p, _) = profiled();
+        let prof = p.profile().unwrap();
+        assert_eq!(prof.order, [5, 4, 3, 2, 1, 0]);
+        assert_eq!(prof.stages(), 3);
+        assert_eq!(prof.gap_after[&4], 20 * MS);
+        assert_eq!(prof.gap_after[&1], 20 * MS);
+        assert_eq!(prof.gap_after[&5], Duration::ZERO);
+        assert_eq!(prof.iterations, 2, "the first iteration is warm-up");
+    }
+
+    #[test]
+    fn without_profile_or_bandwidth_everything_goes() {
+        let mut p = Prophet::new(ProphetConfig::default());
+        let out = backward(&mut p, Instant::now(), Some(1e6));
+        assert!(out.iter().all(|(t, o, why)| o.len() == 1
+            && o[0].0 == i64::from(*t)
+            && *why == Release::Unprofiled));
+        let (mut p, t) = profiled();
+        let out = backward(&mut p, t, None);
+        assert!(out.iter().all(|(_, o, _)| o.len() == 1));
+    }
+
+    #[test]
+    fn a_gap_lets_out_what_fits_most_urgent_first() {
+        let (mut p, t) = profiled();
+        // 20 ms at 100 kB/s = 2000 bytes: two of the held 1000-byte partitions.
+        let out = backward(&mut p, t, Some(100_000.0));
+        assert_eq!(out[0].1, [], "inside the first burst");
+        assert_eq!(out[0].2, Release::Burst);
+        assert_eq!(
+            out[1].1,
+            [(4, 4), (5, 5)],
+            "gap after 4: both held ones fit"
+        );
+        assert_eq!(
+            out[1].2,
+            Release::Gap {
+                gap: 20 * MS,
+                budget: 2000
+            }
+        );
+        assert_eq!(out[2].1, []);
+        assert_eq!(out[3].1, []);
+        assert_eq!(out[4].1, [(1, 1), (2, 2)], "3 waits behind the next burst");
+        assert_eq!(out[5].1, [(0, 0), (3, 3)], "last gradient: everything");
+        assert_eq!(out[5].2, Release::Flush("last gradient"));
+    }
+
+    #[test]
+    fn outstanding_bytes_shrink_the_budget() {
+        let (mut p, t) = profiled();
+        p.ready(5, [((5, 5), 1000)], t, 0, Some(100_000.0));
+        let (out, why) = p.ready(4, [((4, 4), 1000)], t + MS, 1500, Some(100_000.0));
+        assert_eq!(
+            why,
+            Release::Gap {
+                gap: 20 * MS,
+                budget: 500
+            }
+        );
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn deadline_flushes_a_broken_pattern() {
+        let (mut p, t) = profiled();
+        p.ready(5, [((5, 5), 1000)], t, 0, Some(1.0));
+        let d = p.deadline().unwrap();
+        assert_eq!(d, t + 5 * MS);
+        assert!(p.expire(t + 4 * MS).is_empty());
+        assert_eq!(p.expire(d), [(5, 5)]);
+        assert_eq!(p.deadline(), None);
+    }
+
+    #[test]
+    fn a_new_order_is_profiled_again_and_repeats_close_iterations() {
+        let (mut p, t) = profiled();
+        // Without step marks: tensor 9 appears, then the pass repeats twice.
+        for i in 0..3u32 {
+            for (k, tensor) in [9u32, 5, 0].into_iter().enumerate() {
+                p.ready(
+                    tensor,
+                    [((0, u64::from(tensor)), 1)],
+                    t + MS * (i * 100 + k as u32 * 30),
+                    0,
+                    None,
+                );
+            }
+        }
+        let prof = p.profile().unwrap();
+        assert_eq!(prof.order, [9, 5, 0]);
+        assert_eq!(prof.iterations, 2);
+    }
+
+    #[test]
+    fn an_unknown_gradient_flushes() {
+        let (mut p, t) = profiled();
+        p.ready(5, [((5, 5), 1000)], t, 0, Some(1.0));
+        let (out, why) = p.ready(77, [((77, 77), 1)], t + MS, 0, Some(1.0));
+        assert_eq!(out, [(5, 5), (77, 77)]);
+        assert_eq!(why, Release::Flush("gradient not in the profile"));
+    }
+}

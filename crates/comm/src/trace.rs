@@ -1,0 +1,1067 @@
+//! A Chrome-trace recorder for one worker: what each partition went through and what the
+//! scheduler decided, for a chosen window of training steps, written as one JSON file that
+//! Perfetto (ui.perfetto.dev) and chrome://tracing open.
+//!
+//! Traces of older systems were hard to use because they recorded everything, from the
+//! first step, into files too large to open, with tracks named by thread id. This one:
+//!
+//! - records only steps `start_step .. start_step + steps` (counted by [`Tracer::mark_step`])
+//!   and at most `max_events` events, so a file stays small whatever the job's length;
+//! - names every track by what it shows ("steps", "scheduler", "push → server 1 lane 0",
+//!   the Python tracks by their own names) and orders them top to bottom the way a step
+//!   flows: steps, Python (forward, backward, waits), scheduler, then each lane's push and
+//!   receive side by side;
+//! - puts every worker's events on one clock, microseconds since the Unix epoch (the wall
+//!   clock read once at start, plus monotonic offsets), so merged traces of several
+//!   workers line up.
+//!
+//! Not recording costs one relaxed atomic load per call ([`Tracer::active`]); callers that
+//! build arguments should check it first. Events go to memory under one lock and are
+//! written when the window closes, so recording never does I/O on the data path.
+
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap};
+use std::fs::{self, File};
+use std::io::{self, BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use thiserror::Error;
+use tracing::{info, warn};
+
+/// The first recorded step by default: the first steps declare tensors, allocate and
+/// warm up, and look like no later one.
+pub const DEFAULT_START_STEP: u64 = 10;
+/// Steps recorded by default: enough to see the steady pattern and its variation.
+pub const DEFAULT_STEPS: u64 = 5;
+/// Events kept by default: at most about 90 MB of memory and a file of the same size,
+/// which Perfetto opens in seconds; a step of a VGG-16 at 4 MiB partitions takes about a
+/// thousand.
+pub const DEFAULT_MAX_EVENTS: usize = 500_000;
+
+/// Version of the file's `otherData.sumflow_trace` layout.
+const FORMAT_VERSION: u32 = 1;
+
+/// Thread ids, which are also the tracks' sort order (see [`Track`]).
+const STEPS_TID: u32 = 1;
+const FIRST_PYTHON_TID: u32 = 100;
+const LAST_PYTHON_TID: u32 = 999;
+/// Python tracks beyond the 900th sort after everything else.
+const OVERFLOW_PYTHON_TID: u32 = 1_000_000;
+const SCHEDULER_TID: u32 = 1_000;
+const FIRST_LANE_TID: u32 = 10_000;
+/// Thread ids per server: a push and a receive track for each of up to 50 lanes.
+const TIDS_PER_SERVER: u32 = 100;
+
+/// Which steps to record, and where.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceConfig {
+    /// Where `sumflow-trace-rank{rank}.json` is written; created if missing.
+    pub dir: PathBuf,
+    /// The first recorded step, counting from 0 (the steps before the first
+    /// [`Tracer::mark_step`]).
+    pub start_step: u64,
+    /// How many steps are recorded; at least 1.
+    pub steps: u64,
+    /// Recording stops, and the file says so, once this many events were kept.
+    pub max_events: usize,
+}
+
+impl TraceConfig {
+    /// The default window in `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> TraceConfig {
+        TraceConfig {
+            dir: dir.into(),
+            start_step: DEFAULT_START_STEP,
+            steps: DEFAULT_STEPS,
+            max_events: DEFAULT_MAX_EVENTS,
+        }
+    }
+
+    /// Checks the settings and creates the directory, so that a bad one fails a worker's
+    /// start rather than the end of its window.
+    pub fn prepare(&self) -> Result<(), TraceError> {
+        if self.steps == 0 {
+            return Err(TraceError::Invalid(
+                "the number of traced steps must be at least 1".into(),
+            ));
+        }
+        if self.max_events == 0 {
+            return Err(TraceError::Invalid(
+                "the maximum number of trace events must be at least 1".into(),
+            ));
+        }
+        if self.start_step.checked_add(self.steps).is_none() {
+            return Err(TraceError::Invalid(format!(
+                "the trace window's start step {} plus {} steps overflows",
+                self.start_step, self.steps
+            )));
+        }
+        fs::create_dir_all(&self.dir).map_err(|source| TraceError::Directory {
+            path: self.dir.clone(),
+            source,
+        })
+    }
+
+    /// The file a worker of rank `rank` writes.
+    pub fn path(&self, rank: u32) -> PathBuf {
+        self.dir.join(format!("sumflow-trace-rank{rank}.json"))
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum TraceError {
+    #[error("invalid trace setting: {0}")]
+    Invalid(String),
+    #[error("cannot create the trace directory {}: {source}", path.display())]
+    Directory { path: PathBuf, source: io::Error },
+    #[error("cannot write the trace {}: {source}", path.display())]
+    Write { path: PathBuf, source: io::Error },
+}
+
+/// A written trace file.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TraceFile {
+    pub path: PathBuf,
+    /// Which steps it holds ("steps 10 to 14"), or why it holds none.
+    pub recorded: String,
+    /// Events in it, besides the tracks' names.
+    pub events: usize,
+}
+
+impl std::fmt::Display for TraceFile {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "trace {}: {}, {} events",
+            self.path.display(),
+            self.recorded,
+            self.events
+        )
+    }
+}
+
+/// Where an event is drawn: one track (a "thread" of the worker's process) per kind of
+/// activity, so that each track's slices never overlap.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum Track {
+    /// One slice per recorded step, from one [`Tracer::mark_step`] to the next; written by
+    /// the tracer itself.
+    Steps,
+    /// Spans the training script records (forward, backward, waits), one track per name.
+    Python(String),
+    /// The scheduler's decisions, as instants.
+    Scheduler,
+    /// What one lane (connection) to a server sends; `lane` counts within the server.
+    Push { server: u32, lane: u32 },
+    /// What one lane receives from its server.
+    Receive { server: u32, lane: u32 },
+}
+
+impl Track {
+    fn category(&self) -> &'static str {
+        match self {
+            Track::Steps => "step",
+            Track::Python(_) => "python",
+            Track::Scheduler => "scheduler",
+            Track::Push { .. } => "push",
+            Track::Receive { .. } => "receive",
+        }
+    }
+
+    fn label(&self) -> String {
+        match self {
+            Track::Steps => "steps".into(),
+            Track::Python(name) => name.clone(),
+            Track::Scheduler => "scheduler".into(),
+            Track::Push { server, lane } => format!("push → server {server} lane {lane}"),
+            Track::Receive { server, lane } => format!("receive ← server {server} lane {lane}"),
+        }
+    }
+}
+
+/// A value of an event's arguments, shown when the event is selected.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Arg<'a> {
+    Int(i64),
+    Uint(u64),
+    Float(f64),
+    Str(&'a str),
+}
+
+impl From<i64> for Arg<'_> {
+    fn from(v: i64) -> Self {
+        Arg::Int(v)
+    }
+}
+impl From<u64> for Arg<'_> {
+    fn from(v: u64) -> Self {
+        Arg::Uint(v)
+    }
+}
+impl From<u32> for Arg<'_> {
+    fn from(v: u32) -> Self {
+        Arg::Uint(v.into())
+    }
+}
+impl From<usize> for Arg<'_> {
+    fn from(v: usize) -> Self {
+        Arg::Uint(v as u64)
+    }
+}
+impl From<f64> for Arg<'_> {
+    fn from(v: f64) -> Self {
+        Arg::Float(v)
+    }
+}
+impl<'a> From<&'a str> for Arg<'a> {
+    fn from(v: &'a str) -> Self {
+        Arg::Str(v)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Span,
+    Instant,
+    Counter,
+}
+
+#[derive(Debug)]
+struct Event {
+    kind: Kind,
+    tid: u32,
+    cat: &'static str,
+    name: Cow<'static, str>,
+    at: Instant,
+    dur: Duration,
+    /// The arguments as a JSON object, serialized when recorded.
+    args: Option<Box<str>>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Window {
+    /// Counting steps up to the first recorded one.
+    Before,
+    Recording,
+    /// `max_events` reached at this step: steps are still counted, nothing else kept.
+    Full {
+        at_step: u64,
+    },
+    /// The file was written (or the tracer is disabled).
+    Closed,
+}
+
+#[derive(Debug)]
+struct State {
+    /// The current step: how many times [`Tracer::mark_step`] was called.
+    step: u64,
+    step_began: Instant,
+    window: Window,
+    events: Vec<Event>,
+    /// Every track used so far: its label and category, by thread id.
+    tracks: BTreeMap<u32, (String, &'static str)>,
+    python_tids: HashMap<String, u32>,
+}
+
+impl State {
+    fn tid(&mut self, track: Track) -> u32 {
+        let tid = match &track {
+            Track::Steps => STEPS_TID,
+            Track::Scheduler => SCHEDULER_TID,
+            Track::Push { server, lane } => {
+                FIRST_LANE_TID + server * TIDS_PER_SERVER + 2 * (*lane).min(49)
+            }
+            Track::Receive { server, lane } => {
+                FIRST_LANE_TID + server * TIDS_PER_SERVER + 2 * (*lane).min(49) + 1
+            }
+            Track::Python(name) => match self.python_tids.get(name) {
+                Some(&tid) => tid,
+                None => {
+                    let n = self.python_tids.len() as u32;
+                    let tid = if FIRST_PYTHON_TID + n <= LAST_PYTHON_TID {
+                        FIRST_PYTHON_TID + n
+                    } else {
+                        OVERFLOW_PYTHON_TID + n
+                    };
+                    self.python_tids.insert(name.clone(), tid);
+                    tid
+                }
+            },
+        };
+        self.tracks
+            .entry(tid)
+            .or_insert_with(|| (track.label(), track.category()));
+        tid
+    }
+}
+
+struct Recorder {
+    cfg: TraceConfig,
+    rank: u32,
+    name: String,
+    state: Mutex<State>,
+}
+
+/// Records one worker's trace; shared by the pipeline's threads and the binding through
+/// an `Arc`. See the [module documentation](self).
+pub struct Tracer {
+    /// Whether events are kept now: the one thing every call reads.
+    recording: AtomicBool,
+    anchor: Instant,
+    /// Nanoseconds since the Unix epoch at `anchor`.
+    anchor_wall_ns: u128,
+    /// `None`: tracing is off for this worker.
+    recorder: Option<Recorder>,
+}
+
+impl std::fmt::Debug for Tracer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tracer")
+            .field("config", &self.recorder.as_ref().map(|r| &r.cfg))
+            .field("recording", &self.active())
+            .finish()
+    }
+}
+
+impl Tracer {
+    /// A tracer that never records.
+    pub fn disabled() -> Tracer {
+        let (anchor, anchor_wall_ns) = anchors();
+        Tracer {
+            recording: AtomicBool::new(false),
+            anchor,
+            anchor_wall_ns,
+            recorder: None,
+        }
+    }
+
+    /// A tracer for worker `rank` (shown as "worker {rank} ({name})"); checks the settings
+    /// and creates the directory ([`TraceConfig::prepare`]).
+    pub fn new(cfg: TraceConfig, rank: u32, name: &str) -> Result<Tracer, TraceError> {
+        cfg.prepare()?;
+        let (anchor, anchor_wall_ns) = anchors();
+        let window = if cfg.start_step == 0 {
+            Window::Recording
+        } else {
+            Window::Before
+        };
+        Ok(Tracer {
+            recording: AtomicBool::new(window == Window::Recording),
+            anchor,
+            anchor_wall_ns,
+            recorder: Some(Recorder {
+                cfg,
+                rank,
+                name: name.to_string(),
+                state: Mutex::new(State {
+                    step: 0,
+                    step_began: anchor,
+                    window,
+                    events: Vec::new(),
+                    tracks: BTreeMap::new(),
+                    python_tids: HashMap::new(),
+                }),
+            }),
+        })
+    }
+
+    /// Whether events are being kept now. Callers building arguments check this first.
+    #[inline]
+    pub fn active(&self) -> bool {
+        self.recording.load(Ordering::Relaxed)
+    }
+
+    /// Whether this worker traces at all (a window is set, open or not).
+    pub fn enabled(&self) -> bool {
+        self.recorder.is_some()
+    }
+
+    /// Nanoseconds since this tracer's start on its monotonic clock: the time base of
+    /// spans recorded from Python ([`Tracer::time_at`] turns it back into an `Instant`).
+    pub fn now_ns(&self) -> u64 {
+        u64::try_from(self.anchor.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// The instant `ns` nanoseconds after this tracer's start.
+    pub fn time_at(&self, ns: u64) -> Instant {
+        self.anchor + Duration::from_nanos(ns)
+    }
+
+    /// Ends the current step and begins the next. Recording starts when the step count
+    /// reaches `start_step` and stops `steps` steps later, when the file is written; the
+    /// file is returned by the call that wrote it.
+    pub fn mark_step(&self) -> Result<Option<TraceFile>, TraceError> {
+        let Some(rec) = &self.recorder else {
+            return Ok(None);
+        };
+        let now = Instant::now();
+        let mut st = rec.state.lock().expect("trace state lock");
+        let ended = st.step;
+        if matches!(st.window, Window::Recording | Window::Full { .. }) {
+            // Steps are drawn even past max_events: they show where recording stopped.
+            let tid = st.tid(Track::Steps);
+            let began = st.step_began;
+            st.events.push(Event {
+                kind: Kind::Span,
+                tid,
+                cat: "step",
+                name: Cow::Owned(format!("step {ended}")),
+                at: began,
+                dur: now.saturating_duration_since(began),
+                args: Some(format!("{{\"step\":{ended}}}").into()),
+            });
+        }
+        st.step += 1;
+        st.step_began = now;
+        if st.step == rec.cfg.start_step && st.window == Window::Before {
+            st.window = Window::Recording;
+            self.recording.store(true, Ordering::Relaxed);
+        }
+        if st.step == rec.cfg.start_step + rec.cfg.steps && st.window != Window::Closed {
+            return self.close(rec, st).map(Some);
+        }
+        Ok(None)
+    }
+
+    /// Records a slice from `start` to `end` on `track`.
+    pub fn span(
+        &self,
+        track: Track,
+        name: impl Into<Cow<'static, str>>,
+        start: Instant,
+        end: Instant,
+        args: &[(&str, Arg<'_>)],
+    ) {
+        if self.active() {
+            let dur = end.saturating_duration_since(start);
+            self.record(Kind::Span, track, name.into(), start, dur, args);
+        }
+    }
+
+    /// Records a moment on `track`: a decision, a switch of settings.
+    pub fn instant(
+        &self,
+        track: Track,
+        name: impl Into<Cow<'static, str>>,
+        at: Instant,
+        args: &[(&str, Arg<'_>)],
+    ) {
+        if self.active() {
+            self.record(Kind::Instant, track, name.into(), at, Duration::ZERO, args);
+        }
+    }
+
+    /// Records the values of counter `name` (a track of its own, one line per value:
+    /// bytes in flight, credit left) from `at` until its next record.
+    pub fn counter(&self, name: impl Into<Cow<'static, str>>, at: Instant, values: &[(&str, f64)]) {
+        if self.active() {
+            let args: Vec<(&str, Arg<'_>)> =
+                values.iter().map(|&(k, v)| (k, Arg::Float(v))).collect();
+            self.record(
+                Kind::Counter,
+                Track::Scheduler,
+                name.into(),
+                at,
+                Duration::ZERO,
+                &args,
+            );
+        }
+    }
+
+    /// Writes what was recorded if the window began but did not end (the job stopped
+    /// early), or a file explaining why nothing was recorded if it never began; returns
+    /// it. Nothing when tracing is off or the file was already written.
+    pub fn flush(&self) -> Result<Option<TraceFile>, TraceError> {
+        let Some(rec) = &self.recorder else {
+            return Ok(None);
+        };
+        let st = rec.state.lock().expect("trace state lock");
+        if st.window == Window::Closed {
+            return Ok(None);
+        }
+        self.close(rec, st).map(Some)
+    }
+
+    fn record(
+        &self,
+        kind: Kind,
+        track: Track,
+        name: Cow<'static, str>,
+        at: Instant,
+        dur: Duration,
+        args: &[(&str, Arg<'_>)],
+    ) {
+        let Some(rec) = &self.recorder else {
+            return;
+        };
+        let args = (!args.is_empty()).then(|| args_json(args));
+        let mut st = rec.state.lock().expect("trace state lock");
+        // The window may have closed between the caller's check and this lock.
+        if st.window != Window::Recording {
+            return;
+        }
+        if st.events.len() >= rec.cfg.max_events {
+            let at_step = st.step;
+            st.window = Window::Full { at_step };
+            self.recording.store(false, Ordering::Relaxed);
+            warn!(
+                max_events = rec.cfg.max_events,
+                step = at_step,
+                "trace stopped recording: {} events kept, the most allowed \
+                 (SUMFLOW_TRACE_MAX_EVENTS); the trace ends at step {at_step}",
+                rec.cfg.max_events
+            );
+            let tid = st.tid(Track::Steps);
+            st.events.push(Event {
+                kind: Kind::Instant,
+                tid,
+                cat: "step",
+                name: Cow::Owned(format!(
+                    "trace stopped: max_events ({}) reached",
+                    rec.cfg.max_events
+                )),
+                at: Instant::now(),
+                dur: Duration::ZERO,
+                args: None,
+            });
+            return;
+        }
+        let cat = track.category();
+        let tid = st.tid(track);
+        st.events.push(Event {
+            kind,
+            tid,
+            cat,
+            name,
+            at,
+            dur,
+            args,
+        });
+    }
+
+    /// Takes the recording, closes the window and writes the file (outside the lock).
+    fn close(
+        &self,
+        rec: &Recorder,
+        mut st: std::sync::MutexGuard<'_, State>,
+    ) -> Result<TraceFile, TraceError> {
+        let window = st.window;
+        let step = st.step;
+        st.window = Window::Closed;
+        self.recording.store(false, Ordering::Relaxed);
+        let mut events = std::mem::take(&mut st.events);
+        let tracks = std::mem::take(&mut st.tracks);
+        drop(st);
+        let cfg = &rec.cfg;
+        let last = cfg.start_step + cfg.steps - 1;
+        let (note, truncated_at) = match window {
+            Window::Before => (
+                format!(
+                    "nothing recorded: the job ended during step {step}, before the window's \
+                     first step {} (SUMFLOW_TRACE_START_STEP)",
+                    cfg.start_step
+                ),
+                None,
+            ),
+            Window::Recording if step > last => {
+                (format!("steps {} to {last}", cfg.start_step), None)
+            }
+            Window::Recording => (
+                format!(
+                    "steps {} to {}: the job stopped before the window's last step {last}",
+                    cfg.start_step, step
+                ),
+                None,
+            ),
+            Window::Full { at_step } => (
+                format!(
+                    "steps {} to {at_step} only: max_events ({}) was reached during step {at_step}",
+                    cfg.start_step, cfg.max_events
+                ),
+                Some(at_step),
+            ),
+            Window::Closed => unreachable!("a closed window is never closed again"),
+        };
+        events.sort_by_key(|e| e.at);
+        let path = cfg.path(rec.rank);
+        let meta = serde_json::json!({
+            "sumflow_trace": FORMAT_VERSION,
+            "rank": rec.rank,
+            "worker": rec.name,
+            "window": {"start_step": cfg.start_step, "steps": cfg.steps},
+            "recorded": note,
+            "events": events.len(),
+            "max_events": cfg.max_events,
+            "truncated_at_step": truncated_at,
+            "clock": "ts: microseconds since the Unix epoch, this worker's wall clock read \
+                      once at its start plus monotonic time since",
+        });
+        self.write(rec, &path, &tracks, &events, &meta)
+            .map_err(|source| TraceError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        let file = TraceFile {
+            path,
+            recorded: note,
+            events: events.len(),
+        };
+        if window == Window::Before {
+            warn!("{file}");
+        } else {
+            info!("{file}");
+        }
+        Ok(file)
+    }
+
+    /// Streams the file to a temporary name and renames it, so a reader never sees half.
+    fn write(
+        &self,
+        rec: &Recorder,
+        path: &Path,
+        tracks: &BTreeMap<u32, (String, &'static str)>,
+        events: &[Event],
+        meta: &serde_json::Value,
+    ) -> io::Result<()> {
+        let tmp = path.with_extension("json.partial");
+        let mut w = BufWriter::new(File::create(&tmp)?);
+        let pid = pid_of(rec.rank);
+        let process = if rec.name == format!("worker {}", rec.rank) || rec.name.is_empty() {
+            format!("worker {}", rec.rank)
+        } else {
+            format!("worker {} ({})", rec.rank, rec.name)
+        };
+        writeln!(w, "{{\"traceEvents\":[")?;
+        let mut metadata = vec![
+            (0, "process_name", serde_json::json!({ "name": process })),
+            (
+                0,
+                "process_sort_index",
+                serde_json::json!({ "sort_index": rec.rank }),
+            ),
+        ];
+        for (&tid, (label, _)) in tracks {
+            metadata.push((tid, "thread_name", serde_json::json!({ "name": label })));
+            metadata.push((
+                tid,
+                "thread_sort_index",
+                serde_json::json!({ "sort_index": tid }),
+            ));
+        }
+        for (i, (tid, name, args)) in metadata.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ",\n" };
+            write!(
+                w,
+                "{sep}{{\"ph\":\"M\",\"pid\":{pid},\"tid\":{tid},\"name\":\"{name}\",\"args\":{args}}}"
+            )?;
+        }
+        for e in events {
+            let ph = match e.kind {
+                Kind::Span => "X",
+                Kind::Instant => "i",
+                Kind::Counter => "C",
+            };
+            write!(w, ",\n{{\"ph\":\"{ph}\",\"cat\":\"{}\",\"name\":", e.cat)?;
+            serde_json::to_writer(&mut w, e.name.as_ref())?;
+            write!(w, ",\"pid\":{pid},\"tid\":{},\"ts\":", e.tid)?;
+            write_micros(&mut w, self.wall_ns(e.at))?;
+            match e.kind {
+                Kind::Span => {
+                    write!(w, ",\"dur\":")?;
+                    write_micros(&mut w, e.dur.as_nanos())?;
+                }
+                Kind::Instant => write!(w, ",\"s\":\"t\"")?,
+                Kind::Counter => {}
+            }
+            if let Some(args) = &e.args {
+                write!(w, ",\"args\":{args}")?;
+            }
+            write!(w, "}}")?;
+        }
+        write!(w, "\n],\n\"displayTimeUnit\":\"ms\",\n\"otherData\":")?;
+        serde_json::to_writer(&mut w, meta)?;
+        writeln!(w, "}}")?;
+        w.into_inner().map_err(|e| e.into_error())?.sync_all()?;
+        fs::rename(&tmp, path)
+    }
+
+    /// Nanoseconds since the Unix epoch at `at`, on this worker's clock.
+    fn wall_ns(&self, at: Instant) -> u128 {
+        match at.checked_duration_since(self.anchor) {
+            Some(after) => self.anchor_wall_ns + after.as_nanos(),
+            None => self
+                .anchor_wall_ns
+                .saturating_sub(self.anchor.duration_since(at).as_nanos()),
+        }
+    }
+}
+
+/// Chrome's process id for worker `rank`: Perfetto treats pid 0 as the kernel's idle task,
+/// so ranks are shifted by one (the process is named by its rank).
+pub fn pid_of(rank: u32) -> u64 {
+    u64::from(rank) + 1
+}
+
+fn anchors() -> (Instant, u128) {
+    let anchor = Instant::now();
+    let wall = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    (anchor, wall)
+}
+
+/// Writes nanoseconds as Chrome's microseconds, exactly.
+fn write_micros(w: &mut impl Write, ns: u128) -> io::Result<()> {
+    write!(w, "{}.{:03}", ns / 1000, ns % 1000)
+}
+
+/// The arguments as a JSON object, written directly: a map would cost an allocation per
+/// key on the recording threads.
+fn args_json(args: &[(&str, Arg<'_>)]) -> Box<str> {
+    let mut out = Vec::with_capacity(2 + 24 * args.len());
+    out.push(b'{');
+    for (i, &(key, value)) in args.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // Writing into a Vec cannot fail, and strings and finite numbers always serialize.
+        let _ = serde_json::to_writer(&mut out, key);
+        out.push(b':');
+        let _ = match value {
+            Arg::Int(v) => serde_json::to_writer(&mut out, &v),
+            Arg::Uint(v) => serde_json::to_writer(&mut out, &v),
+            Arg::Float(v) if v.is_finite() => serde_json::to_writer(&mut out, &v),
+            // Not JSON numbers: shown as null.
+            Arg::Float(_) => serde_json::to_writer(&mut out, &()),
+            Arg::Str(v) => serde_json::to_writer(&mut out, v),
+        };
+    }
+    out.push(b'}');
+    String::from_utf8(out)
+        .expect("serde_json writes UTF-8")
+        .into_boxed_str()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::Value;
+
+    fn temp_dir(test: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("sumflow-trace-test-{}-{test}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        dir
+    }
+
+    fn config(test: &str, start_step: u64, steps: u64, max_events: usize) -> TraceConfig {
+        TraceConfig {
+            dir: temp_dir(test),
+            start_step,
+            steps,
+            max_events,
+        }
+    }
+
+    fn read(path: &Path) -> Value {
+        serde_json::from_str(&fs::read_to_string(path).unwrap()).unwrap()
+    }
+
+    fn events<'a>(trace: &'a Value, ph: &str) -> Vec<&'a Value> {
+        trace["traceEvents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|e| e["ph"] == ph)
+            .collect()
+    }
+
+    fn names(trace: &Value, ph: &str) -> Vec<String> {
+        events(trace, ph)
+            .iter()
+            .map(|e| e["name"].as_str().unwrap().to_string())
+            .collect()
+    }
+
+    /// One span named after the current step on a Python track.
+    fn span_now(t: &Tracer, name: &str) {
+        let now = Instant::now();
+        t.span(
+            Track::Python("loop".into()),
+            name.to_string(),
+            now,
+            now,
+            &[],
+        );
+    }
+
+    #[test]
+    fn records_only_the_window_and_writes_when_it_ends() {
+        let t = Tracer::new(config("window", 2, 3, 1000), 1, "worker 1").unwrap();
+        let mut written = Vec::new();
+        for step in 0..8 {
+            assert_eq!(t.active(), (2..5).contains(&step), "step {step}");
+            span_now(&t, &format!("work {step}"));
+            if let Some(f) = t.mark_step().unwrap() {
+                written.push((step, f.path));
+            }
+        }
+        let path = t.recorder.as_ref().unwrap().cfg.path(1);
+        assert_eq!(written, vec![(4, path.clone())]);
+        let trace = read(&path);
+        let spans = names(&trace, "X");
+        assert_eq!(
+            spans,
+            ["step 2", "work 2", "step 3", "work 3", "step 4", "work 4"],
+            "sorted by time; a step's slice starts before its work"
+        );
+        assert_eq!(trace["otherData"]["recorded"], "steps 2 to 4");
+        assert_eq!(trace["otherData"]["events"], 6);
+        assert_eq!(t.flush().unwrap(), None, "already written");
+        fs::remove_dir_all(&t.recorder.as_ref().unwrap().cfg.dir).unwrap();
+    }
+
+    #[test]
+    fn a_window_from_step_zero_records_from_the_start() {
+        let t = Tracer::new(config("zero", 0, 1, 1000), 0, "w").unwrap();
+        assert!(t.active());
+        span_now(&t, "declare");
+        let path = t
+            .mark_step()
+            .unwrap()
+            .expect("the one step ended the window")
+            .path;
+        assert!(!t.active());
+        assert_eq!(names(&read(&path), "X"), ["step 0", "declare"]);
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn stops_at_max_events_and_says_so() {
+        let t = Tracer::new(config("bounded", 0, 3, 4), 0, "worker 0").unwrap();
+        for i in 0..10 {
+            span_now(&t, &format!("e{i}"));
+        }
+        assert!(!t.active(), "recording stopped at the bound");
+        t.mark_step().unwrap();
+        span_now(&t, "after");
+        t.mark_step().unwrap();
+        let path = t.mark_step().unwrap().expect("window end").path;
+        let trace = read(&path);
+        assert_eq!(
+            names(&trace, "X"),
+            ["step 0", "e0", "e1", "e2", "e3", "step 1", "step 2"]
+        );
+        let stop = names(&trace, "i");
+        assert_eq!(stop, ["trace stopped: max_events (4) reached"]);
+        assert_eq!(trace["otherData"]["truncated_at_step"], 0);
+        assert_eq!(
+            trace["otherData"]["recorded"],
+            "steps 0 to 0 only: max_events (4) was reached during step 0"
+        );
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn writes_valid_chrome_json_with_named_sorted_tracks() {
+        let t = Tracer::new(config("json", 0, 1, 1000), 3, "trainer \"a\"\n").unwrap();
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_micros(1500);
+        t.span(
+            Track::Push { server: 1, lane: 2 },
+            "push",
+            t0,
+            t1,
+            &[
+                ("tensor", "fc.weight".into()),
+                ("bytes", 4096u64.into()),
+                ("prio", (-3i64).into()),
+            ],
+        );
+        t.span(Track::Receive { server: 1, lane: 2 }, "pull", t0, t1, &[]);
+        t.instant(
+            Track::Scheduler,
+            "admit",
+            t1,
+            &[
+                ("credit", 0.5.into()),
+                ("rate", f64::NAN.into()),
+                ("why \"q\"", "a\nb".into()),
+            ],
+        );
+        t.counter("in flight", t1, &[("bytes", 4096.0)]);
+        t.span(Track::Python("backward".into()), "layer \"x\"", t0, t1, &[]);
+        let file = t.mark_step().unwrap().unwrap();
+        assert_eq!(file.recorded, "steps 0 to 0");
+        let path = file.path;
+        assert_eq!(path.file_name().unwrap(), "sumflow-trace-rank3.json");
+        let trace = read(&path);
+
+        let meta = events(&trace, "M");
+        let value = |name: &str, tid: u64| {
+            meta.iter()
+                .find(|e| e["name"] == name && e["tid"] == tid)
+                .map(|e| e["args"].clone())
+        };
+        assert_eq!(
+            value("process_name", 0).unwrap()["name"],
+            "worker 3 (trainer \"a\"\n)"
+        );
+        assert!(meta.iter().all(|e| e["pid"] == 4), "pid = rank + 1");
+        let thread = |label: &str| {
+            meta.iter()
+                .find(|e| e["name"] == "thread_name" && e["args"]["name"] == label)
+                .map(|e| e["tid"].as_u64().unwrap())
+                .unwrap_or_else(|| panic!("no track {label}"))
+        };
+        let order = [
+            thread("steps"),
+            thread("backward"),
+            thread("scheduler"),
+            thread("push → server 1 lane 2"),
+            thread("receive ← server 1 lane 2"),
+        ];
+        for tid in order {
+            assert_eq!(value("thread_sort_index", tid).unwrap()["sort_index"], tid);
+        }
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+
+        let push = events(&trace, "X")
+            .into_iter()
+            .find(|e| e["name"] == "push")
+            .unwrap();
+        assert_eq!(push["cat"], "push");
+        assert_eq!(push["dur"].as_f64().unwrap(), 1500.0);
+        assert_eq!(push["args"]["tensor"], "fc.weight");
+        assert_eq!(push["args"]["bytes"], 4096);
+        assert_eq!(push["args"]["prio"], -3);
+        let wall_us = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_micros() as f64;
+        let ts = push["ts"].as_f64().unwrap();
+        assert!(
+            (wall_us - ts).abs() < 60e6,
+            "ts {ts} is wall-clock microseconds ({wall_us})"
+        );
+        let admit = &events(&trace, "i")[0];
+        assert_eq!(
+            (admit["s"].as_str(), admit["args"]["credit"].as_f64()),
+            (Some("t"), Some(0.5))
+        );
+        // Epoch microseconds read as f64 keep a quarter of a microsecond.
+        assert!((admit["ts"].as_f64().unwrap() - ts - 1500.0).abs() <= 0.5);
+        assert!(admit["args"]["rate"].is_null());
+        assert_eq!(admit["args"]["why \"q\""], "a\nb");
+        let counter = &events(&trace, "C")[0];
+        assert_eq!(
+            (counter["name"].as_str(), counter["args"]["bytes"].as_f64()),
+            (Some("in flight"), Some(4096.0))
+        );
+        assert!(names(&trace, "X").contains(&"layer \"x\"".to_string()));
+        assert_eq!(trace["otherData"]["rank"], 3);
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn flush_writes_a_window_cut_short_once() {
+        let t = Tracer::new(config("flush", 1, 10, 1000), 0, "worker 0").unwrap();
+        t.mark_step().unwrap();
+        span_now(&t, "work");
+        t.mark_step().unwrap();
+        let path = t.flush().unwrap().expect("the window began").path;
+        let trace = read(&path);
+        assert_eq!(names(&trace, "X"), ["step 1", "work"]);
+        assert_eq!(
+            trace["otherData"]["recorded"],
+            "steps 1 to 2: the job stopped before the window's last step 10"
+        );
+        assert!(!t.active());
+        assert_eq!(t.flush().unwrap(), None);
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn flush_before_the_window_explains_the_empty_file() {
+        let t = Tracer::new(config("never", 10, 5, 1000), 0, "worker 0").unwrap();
+        t.mark_step().unwrap();
+        span_now(&t, "work");
+        let file = t.flush().unwrap().unwrap();
+        assert_eq!(
+            file.to_string(),
+            format!(
+                "trace {}: nothing recorded: the job ended during step 1, before the \
+                 window's first step 10 (SUMFLOW_TRACE_START_STEP), 0 events",
+                file.path.display()
+            )
+        );
+        let path = file.path;
+        let trace = read(&path);
+        assert!(events(&trace, "X").is_empty());
+        assert_eq!(
+            trace["otherData"]["recorded"],
+            "nothing recorded: the job ended during step 1, before the window's first step 10 \
+             (SUMFLOW_TRACE_START_STEP)"
+        );
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+
+    #[test]
+    fn a_disabled_tracer_records_nothing() {
+        let t = Tracer::disabled();
+        assert!(!t.active() && !t.enabled());
+        span_now(&t, "x");
+        assert_eq!(t.mark_step().unwrap(), None);
+        assert_eq!(t.flush().unwrap(), None);
+    }
+
+    #[test]
+    fn bad_settings_are_refused() {
+        for (cfg, want) in [
+            (config("bad", 0, 0, 1), "steps must be at least 1"),
+            (config("bad", 0, 1, 0), "events must be at least 1"),
+            (config("bad", u64::MAX, 2, 1), "overflows"),
+        ] {
+            let e = Tracer::new(cfg, 0, "w").unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let file = temp_dir("file");
+        fs::create_dir_all(file.parent().unwrap()).unwrap();
+        fs::write(&file, "").unwrap();
+        let e = Tracer::new(TraceConfig::new(file.join("sub")), 0, "w").unwrap_err();
+        assert!(matches!(e, TraceError::Directory { .. }), "{e}");
+        fs::remove_file(&file).unwrap();
+    }
+
+    #[test]
+    fn events_from_many_threads_all_land() {
+        let t = std::sync::Arc::new(Tracer::new(config("threads", 0, 1, 100_000), 0, "w").unwrap());
+        let threads: Vec<_> = (0..4u32)
+            .map(|lane| {
+                let t = std::sync::Arc::clone(&t);
+                std::thread::spawn(move || {
+                    for i in 0..500u64 {
+                        let now = Instant::now();
+                        t.span(
+                            Track::Push { server: 0, lane },
+                            "push",
+                            now,
+                            now,
+                            &[("i", i.into())],
+                        );
+                    }
+                })
+            })
+            .collect();
+        for th in threads {
+            th.join().unwrap();
+        }
+        let path = t.mark_step().unwrap().unwrap().path;
+        assert_eq!(events(&read(&path), "X").len(), 4 * 500 + 1);
+        fs::remove_dir_all(path.parent().unwrap()).unwrap();
+    }
+}
