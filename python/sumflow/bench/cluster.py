@@ -415,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "config": {
             "workers": args.workers,
             "cpu_servers": args.ks,
+            "cpu_hosts": cpu_hosts,
             "rate_mbit": args.rate_mbit,
             "delay_ms": args.delay_ms,
             "mtu": args.mtu,

@@ -20,7 +20,8 @@ def markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     flag = cfg["cpu_flag"]
     lines = [
-        f"Emulated cluster: {cfg['workers']} worker hosts + up to {max(cfg['cpu_servers'])} "
+        f"Emulated cluster: {cfg['workers']} worker hosts + up to "
+        f"{cfg.get('cpu_hosts', max(cfg['cpu_servers']))} "
         f"CPU-server hosts, {cfg['rate_mbit']:g} Mbit/s per direction per host, MTU "
         f"{cfg['mtu']}, delay {cfg['delay_ms']:g} ms.",
         "",

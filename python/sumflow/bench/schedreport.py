@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sumflow.bench import targets
+from sumflow.bench import targets, theory
 
 
 def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:
@@ -36,11 +36,31 @@ def rates(results: dict[str, Any]) -> dict[tuple[str, float], dict[str, float]]:
     }
 
 
+def ceiling(results: dict[str, Any], cell: dict[str, Any]) -> float | None:
+    """The most iterations/s the cell allows: communication at BytePS Eq. 6's optimum over
+    the measured link (for k = 0, a ring all-reduce's time) with the compute entirely
+    hidden under it, or the compute alone if that is longer. No system can beat it; a
+    system that overlaps nothing gets 1 / (communication + compute). None without a link
+    check."""
+    link = results.get("link")
+    if not link:
+        return None
+    cfg = results["config"]
+    comm_s = theory.optimal_time(
+        cfg["workers"], cfg.get("scheduler_k", 0), cell["megabytes"] * 1e6, link["b_mbit"] * 1e6 / 8
+    )
+    return 1 / max(comm_s, cell["compute_s"])
+
+
 def _table(
-    results: dict[str, Any], title: str, value: Callable[[dict[str, Any], str], str | None]
+    results: dict[str, Any],
+    title: str,
+    value: Callable[[dict[str, Any], str], str | None],
+    last: tuple[str, Callable[[dict[str, Any]], str | None]] | None = None,
 ) -> list[str]:
     """One table: rows (model, system), columns bandwidths; `value(cell, system)` is the
-    entry, None for a system the cell lacks (shown as "-")."""
+    entry, None for a system the cell lacks (shown as "-"). `last`, (label, entry of a
+    cell), adds a row per model after its systems."""
     cells = _cells(results)
     models, gbits, systems = _axes(cells)
     by_key = {(c["model"], c["reference_gbit"]): c for c in cells}
@@ -67,6 +87,13 @@ def _table(
             lead = f"| {model} |" if first else "| |"
             lines.append(f"{lead} {label} | " + " | ".join(row) + " |")
             first = False
+        if last is not None and not first:
+            last_label, last_entry = last
+            texts = [
+                (last_entry(by_key[model, g]) if (model, g) in by_key else None) or "-"
+                for g in gbits
+            ]
+            lines.append(f"| | *{last_label}* | " + " | ".join(texts) + " |")
     lines.append("")
     return lines
 
@@ -110,8 +137,29 @@ def markdown(results: dict[str, Any]) -> str:
         + ".",
         "",
     ]
-    lines += _table(results, "iterations/s", lambda cell, name: _rate(cell, name, flag))
-    lines += _table(results, "ratio to fifo / to DDP-gloo (iterations/s)", _ratios)
+
+    def top(cell: dict[str, Any]) -> str | None:
+        best = ceiling(results, cell)
+        return None if best is None else f"{best:.2f}"
+
+    def headroom(cell: dict[str, Any]) -> str | None:
+        best = ceiling(results, cell)
+        if best is None:
+            return None
+        return " / ".join(
+            f"{best / cell['summary'][b]['iterations_per_s']:.2f}x" if b in cell["summary"] else "-"
+            for b in ("fifo", "ddp")
+        )
+
+    lines += _table(
+        results,
+        "iterations/s",
+        lambda cell, name: _rate(cell, name, flag),
+        ("ceiling: Eq. 6 communication, compute hidden", top),
+    )
+    lines += _table(
+        results, "ratio to fifo / to DDP-gloo (iterations/s)", _ratios, ("ceiling", headroom)
+    )
     lines += _table(results, "idle (waiting, not computing) ms per iteration, median", _idle)
     lines += _tuning(results)
     lines += ["**Targets**", ""]

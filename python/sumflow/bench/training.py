@@ -67,29 +67,33 @@ def training_runs(
     cells: list[dict[str, Any]],
 ) -> None:
     """Runs `steps` in order; appends each cell's results to `cells` as soon as the cell
-    is done (so a failure later keeps what was measured)."""
+    is done, and the unfinished cell's when a job fails or the run is stopped (so what was
+    measured is kept)."""
     scales, estimates = step_estimates(args, steps)
     current: dict[str, Any] | None = None
-    for step, estimate in zip(steps, estimates):
-        if current is None or current["cell"] != step.cell:
-            if current is not None:
-                cells.append(finish_cell(current))
-            current = new_cell(step.cell, scales[step.cell], args)
-            print(f"    {current['scaling']}", file=sys.stderr, flush=True)
-        progress.step(step.what, estimate)
-        result = run_step(args, cluster, sampler, tmp, step, current)
-        if step.tune:
-            current["tuning"].append(result)
-        else:
-            current["runs"].append(result)
-            print(
-                f"    {step.system.label}: {result['iterations_per_s']:.2f} iterations/s, "
-                f"idle {result['idle_ms']:.0f} ms per iteration",
-                file=sys.stderr,
-                flush=True,
-            )
-    if current is not None:
-        cells.append(finish_cell(current))
+    try:
+        for step, estimate in zip(steps, estimates):
+            if current is None or current["cell"] != step.cell:
+                if current is not None:
+                    cells.append(finish_cell(current))
+                current = new_cell(step.cell, scales[step.cell], args)
+                print(f"    {current['scaling']}", file=sys.stderr, flush=True)
+            progress.step(step.what, estimate)
+            result = run_step(args, cluster, sampler, tmp, step, current)
+            if step.tune:
+                current["tuning"].append(result)
+            else:
+                current["runs"].append(result)
+                print(
+                    f"    {step.system.label}: {result['iterations_per_s']:.2f} iterations/s, "
+                    f"idle {result['idle_ms']:.0f} ms per iteration",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        # The cell in progress too: what it measured before a failure or an interrupt.
+        if current is not None:
+            cells.append(finish_cell(current))
 
 
 def new_cell(cell: Cell, scales: EmulationScales, args: argparse.Namespace) -> dict[str, Any]:
