@@ -70,6 +70,7 @@ class CommunicationService:
         scheduler: str = "bytescheduler",
         credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
+        prophet_stage_factor: float = 0.0,
         connections_per_cpu_server: int | None = None,
         join_timeout: float = 300.0,
         declare_timeout: float = 300.0,
@@ -91,7 +92,9 @@ class CommunicationService:
         ``"p3"``, ``"bytescheduler"`` or ``"prophet"`` (docs/scheduling.md);
         ``credit_bytes`` (default: 2 partitions; 0: unbounded) is the credit of
         ByteScheduler and Prophet, the bytes pushed to one server that it has not
-        acknowledged yet. At most ``push_window_bytes`` (default: 4 partitions; 0:
+        acknowledged yet. ``prophet_stage_factor``: a gap between gradients longer than
+        this times the mean gap ends one of Prophet's stages (0: every gap does). At most
+        ``push_window_bytes`` (default: 4 partitions; 0:
         unbounded) may be pushed to one server before their sums come back, which keeps
         the workers' pushes to a server in step so its sums stream back while pushes go
         out. ``connections_per_cpu_server`` (1 to 16; default: round(c/g) of BytePS's

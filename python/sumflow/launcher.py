@@ -249,6 +249,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest partition a tensor is cut into (SUMFLOW_PARTITION_BYTES for workers)",
     )
     job.add_argument(
+        "--scheduler",
+        choices=("fifo", "p3", "bytescheduler", "prophet"),
+        help="when partitions enter the network (SUMFLOW_SCHEDULER for workers; "
+        "docs/scheduling.md) [default: bytescheduler]",
+    )
+    job.add_argument(
+        "--credit-bytes",
+        type=int,
+        metavar="BYTES",
+        help="unacknowledged bytes per server for bytescheduler and prophet, 0 for no limit "
+        "(SUMFLOW_CREDIT_BYTES for workers) [default: 2 partitions]",
+    )
+    job.add_argument(
         "--timeout",
         type=float,
         metavar="SECS",
@@ -573,6 +586,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--engine-threads must be at least 1, got {args.engine_threads}")
     if args.partition_bytes is not None and args.partition_bytes < 1:
         raise ConfigError(f"--partition-bytes must be at least 1, got {args.partition_bytes}")
+    if args.credit_bytes is not None and args.credit_bytes < 0:
+        raise ConfigError(f"--credit-bytes must be at least 0, got {args.credit_bytes}")
     for value, flag in (
         (args.timeout, "--timeout"),
         (args.heartbeat_timeout, "--heartbeat-timeout"),
@@ -713,6 +728,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         worker_env["MASTER_PORT"] = str(_free_port() if hosts is None else 29500)
     if args.partition_bytes is not None:
         worker_env["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
+    if args.scheduler is not None:
+        worker_env["SUMFLOW_SCHEDULER"] = args.scheduler
+    if args.credit_bytes is not None:
+        worker_env["SUMFLOW_CREDIT_BYTES"] = str(args.credit_bytes)
     if args.timeout is not None:
         worker_env["SUMFLOW_TIMEOUT"] = repr(float(args.timeout))
     worker_env.update(_trace_env(args))

@@ -226,6 +226,8 @@ def test_help_documents_every_option() -> None:
         "--local-size",
         "--engine-threads",
         "--partition-bytes",
+        "--scheduler",
+        "--credit-bytes",
         "--timeout",
         "--heartbeat-timeout",
         "--join-timeout",
@@ -414,6 +416,10 @@ def test_worker_environment(tmp_path: Path) -> None:
             "2",
             "--partition-bytes",
             "65536",
+            "--scheduler",
+            "prophet",
+            "--credit-bytes",
+            "131072",
             "--timeout",
             "12.5",
             "--heartbeat-timeout",
@@ -450,6 +456,8 @@ def test_worker_environment(tmp_path: Path) -> None:
         assert env["SUMFLOW_WORKER_NAME"] == f"worker {r}"
         assert re.fullmatch(r"127\.0\.0\.1:\d+", env["SUMFLOW_COORDINATOR"])
         assert env["SUMFLOW_PARTITION_BYTES"] == "65536"
+        assert env["SUMFLOW_SCHEDULER"] == "prophet"
+        assert env["SUMFLOW_CREDIT_BYTES"] == "131072"
         assert float(env["SUMFLOW_TIMEOUT"]) == 12.5
         assert float(env["SUMFLOW_HEARTBEAT_TIMEOUT"]) == 7
         assert float(env["SUMFLOW_JOIN_TIMEOUT"]) == 40

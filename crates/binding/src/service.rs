@@ -82,7 +82,7 @@ impl PyCommunicationService {
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
         partition_bytes = 4 << 20, scheduler = "bytescheduler", credit_bytes = None,
-        push_window_bytes = None,
+        push_window_bytes = None, prophet_stage_factor = 0.0,
         connections_per_cpu_server = None, join_timeout = 300.0, declare_timeout = 300.0,
         connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
         trace_dir = None, trace_start_step = None, trace_steps = None, trace_max_events = None,
@@ -99,6 +99,7 @@ impl PyCommunicationService {
         scheduler: &str,
         credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
+        prophet_stage_factor: f64,
         connections_per_cpu_server: Option<u32>,
         join_timeout: f64,
         declare_timeout: f64,
@@ -121,6 +122,12 @@ impl PyCommunicationService {
         cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
         cfg.credit_bytes = credit_bytes;
         cfg.push_window_bytes = push_window_bytes;
+        if !(prophet_stage_factor.is_finite() && prophet_stage_factor >= 0.0) {
+            return Err(PyValueError::new_err(format!(
+                "prophet_stage_factor must be a number >= 0, not {prophet_stage_factor}"
+            )));
+        }
+        cfg.prophet.stage_factor = prophet_stage_factor;
         cfg.connections_per_cpu_server = connections_per_cpu_server;
         cfg.join_timeout = seconds("join_timeout", join_timeout)?;
         cfg.declare_timeout = seconds("declare_timeout", declare_timeout)?;

@@ -347,7 +347,8 @@ impl Pipeline {
         self.shared.scheduler().schedule().clone()
     }
 
-    /// The measured rate at which partitions complete, in bytes per second.
+    /// The measured rate at which servers acknowledge this worker's pushes, bytes per
+    /// second of busy network.
     pub fn bandwidth(&self) -> Option<f64> {
         self.shared.scheduler().bandwidth()
     }
@@ -579,9 +580,10 @@ fn acknowledged(sh: &Shared, key: u64, round: u64) {
         }
         _ => return,
     };
+    let now = Instant::now();
     let mut s = sh.scheduler();
-    s.acknowledged(order);
-    sh.dispatch(s.poll(Instant::now()));
+    s.acknowledged(order, now);
+    sh.dispatch(s.poll(now));
 }
 
 /// A partition's sum is back (or it failed): its credit returns, which may start the

@@ -17,6 +17,7 @@ use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
+use crate::scheduler::prophet::ProphetConfig;
 use crate::scheduler::{Schedule, SchedulerKind};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
@@ -61,6 +62,8 @@ pub struct CommConfig {
     /// (the push window that paces workers against each other); `None`: 4 partitions;
     /// 0: unbounded.
     pub push_window_bytes: Option<u64>,
+    /// Prophet's knobs (only the `prophet` scheduler reads them).
+    pub prophet: ProphetConfig,
     /// Connections to each CPU server, each partition for it cut into one piece per
     /// connection; colocated servers get one. `None`: round(c/g) of Eq. 1 and 2, so that
     /// TCP's per-connection fairness gives each server its share of every link (see
@@ -88,6 +91,7 @@ impl CommConfig {
             scheduler: SchedulerKind::ByteScheduler,
             credit_bytes: None,
             push_window_bytes: None,
+            prophet: ProphetConfig::default(),
             connections_per_cpu_server: None,
             join_timeout: Duration::from_secs(300),
             declare_timeout: Duration::from_secs(300),
@@ -254,6 +258,7 @@ impl CommunicationService {
         if let Some(window) = cfg.push_window_bytes {
             schedule.window_bytes = window;
         }
+        schedule.prophet = cfg.prophet.clone();
         let pipeline = Pipeline::start(
             links,
             Arc::clone(&handles),

@@ -34,6 +34,18 @@ from sumflow.launcher import program
 DEFAULT_TIMEOUT = 300.0
 
 
+def _env_factor(name: str) -> float:
+    """A factor >= 0 from the environment; 0 when unset."""
+    raw = os.environ.get(name) or "0"
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise ValueError(f"{name}={raw!r} must be a finite number >= 0")
+    return value
+
+
 def _env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
@@ -310,6 +322,7 @@ def init() -> Runtime:
                 scheduler=os.environ.get("SUMFLOW_SCHEDULER") or "bytescheduler",
                 credit_bytes=_env_int("SUMFLOW_CREDIT_BYTES"),
                 push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
+                prophet_stage_factor=_env_factor("SUMFLOW_PROPHET_STAGE_FACTOR"),
                 connections_per_cpu_server=_env_int("SUMFLOW_CPU_SERVER_CONNECTIONS"),
                 join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),
                 heartbeat_timeout=_env_float("SUMFLOW_HEARTBEAT_TIMEOUT", 10.0),

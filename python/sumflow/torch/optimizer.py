@@ -164,11 +164,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_push_missing()
         handles, self._sf_handles = self._sf_handles, {}
         errors = []
-        for h in handles.values():
-            try:
-                ops.synchronize(h)
-            except Exception as e:
-                errors.append(e)
+        with trace.span("waits", "optimizer.synchronize()"):
+            for h in handles.values():
+                try:
+                    ops.synchronize(h)
+                except Exception as e:
+                    errors.append(e)
         self._sf_passes.clear()
         self._sf_synchronized = True
         if errors:

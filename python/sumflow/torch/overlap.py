@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from sumflow import SumflowTimeoutError
-from sumflow.torch import ops
+from sumflow.torch import ops, trace
 
 
 @dataclass
@@ -139,15 +139,22 @@ class CrossBarrier:
         timeout = self._timeout()
         deadline = time.monotonic() + timeout
         with self._cond:
-            while True:
-                self.raise_failure()
-                waiting_for = late()
-                if not waiting_for:
-                    return
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SumflowTimeoutError(self._timeout_message(waiter, waiting_for, timeout))
-                self._cond.wait(left)
+            self.raise_failure()
+            if not late():
+                return
+            # The GPU idles here: the trace shows it as a wait.
+            with trace.span("waits", waiter):
+                while True:
+                    self.raise_failure()
+                    waiting_for = late()
+                    if not waiting_for:
+                        return
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise SumflowTimeoutError(
+                            self._timeout_message(waiter, waiting_for, timeout)
+                        )
+                    self._cond.wait(left)
 
     def _timeout_message(self, waiter: str, late: list[Update], timeout: float) -> str:
         shown = ", ".join(
@@ -191,7 +198,8 @@ class CrossBarrier:
                     ops.synchronize(u.handle)
                     with self._cond:
                         self._doing = f"running the optimizer for '{name}'"
-                    u.apply()
+                    with trace.span("cross-barrier updates", name, step=u.step):
+                        u.apply()
                     # Under the lock, with marking it done: a zero_grad() in between would
                     # otherwise be lost.
                     with self._cond:

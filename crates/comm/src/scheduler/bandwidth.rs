@@ -1,12 +1,15 @@
-//! The bandwidth monitor: how fast this worker's partitions complete, measured from the
+//! The bandwidth monitor: how fast this worker's pushes get through, measured from the
 //! transfers themselves (Prophet needs B; its prototype hard-coded 1 Gbit/s).
 //!
-//! A completed push_pull of b bytes moved b bytes out and b bytes back; what Prophet's
-//! budget needs is how many bytes *complete* per second while the network is busy, so the
-//! monitor divides completed bytes by busy time (time with at least one partition in
-//! flight), never by wall time: idle gaps between iterations would otherwise read as a
-//! slow network. Samples of at least [`MIN_SAMPLE`] busy time are smoothed exponentially
-//! so one slow transfer does not swing the budget.
+//! A transfer counts as done when the server acknowledges the push: Prophet's budget is
+//! about what a push released now delays, and sums flow the other way on a duplex link.
+//! (Counting until the sum returns would measure the slowest worker instead: a sum waits
+//! for everyone's push, and a worker holding partitions back would see the others' pushes
+//! as a slow network, shrink its budgets, hold more, and spiral down; seen on loopback.)
+//! The monitor divides acknowledged bytes by busy time (time with at least one push
+//! unacknowledged), never by wall time: idle gaps between iterations would otherwise read
+//! as a slow network. Samples of at least [`MIN_SAMPLE`] busy time are smoothed
+//! exponentially so one slow transfer does not swing the budget.
 
 use std::time::{Duration, Instant};
 
@@ -47,7 +50,7 @@ impl BandwidthMonitor {
         self.in_flight += 1;
     }
 
-    /// A partition of `bytes` completed.
+    /// A partition of `bytes` was acknowledged.
     pub fn finished(&mut self, bytes: u64, now: Instant) {
         if self.in_flight == 0 {
             return;

@@ -192,9 +192,10 @@ pub struct Scheduler<T> {
     held: HashMap<Order, (usize, Queued<T>)>,
     prophet: Option<Prophet>,
     bandwidth: BandwidthMonitor,
-    /// Started and unfinished: order -> (server, bytes).
-    in_flight: HashMap<Order, (usize, u64)>,
-    /// Bytes released (eligible or started) whose sums have not come back.
+    /// Started and unfinished: order -> (server, bytes, acknowledged).
+    in_flight: HashMap<Order, (usize, u64, bool)>,
+    /// Bytes released (eligible or started) that no server has acknowledged yet: what is
+    /// ahead of a partition released now on the way out.
     outstanding: u64,
     /// Ready calls so far: the FIFO order.
     arrivals: i64,
@@ -227,7 +228,8 @@ impl<T> Scheduler<T> {
         &self.schedule
     }
 
-    /// The measured rate at which partitions complete, bytes per second.
+    /// The measured rate at which servers acknowledge this worker's pushes, bytes per
+    /// second of busy network.
     pub fn bandwidth(&self) -> Option<f64> {
         self.bandwidth.bytes_per_sec()
     }
@@ -338,7 +340,7 @@ impl<T> Scheduler<T> {
                 s.credit.sent(order, q.bytes);
                 s.window.sent(order, q.bytes, now);
                 self.bandwidth.started(now);
-                self.in_flight.insert(order, (server, q.bytes));
+                self.in_flight.insert(order, (server, q.bytes, false));
                 out.push(Started {
                     server,
                     order,
@@ -361,30 +363,37 @@ impl<T> Scheduler<T> {
         stalls.chain(prophet).min()
     }
 
-    /// The server acknowledged a started partition's push: its credit returns.
-    pub fn acknowledged(&mut self, order: Order) {
-        if let Some(&(server, _)) = self.in_flight.get(&order) {
-            self.servers[server].credit.acknowledged(order);
+    /// The server acknowledged a started partition's push: its credit returns, and the
+    /// bandwidth monitor counts it (pushes complete whatever the other workers do, so the
+    /// rate measured is this worker's, not the slowest one's).
+    pub fn acknowledged(&mut self, order: Order, now: Instant) {
+        if let Some((server, bytes, acked)) = self.in_flight.get_mut(&order) {
+            if !*acked {
+                *acked = true;
+                self.servers[*server].credit.acknowledged(order);
+                self.bandwidth.finished(*bytes, now);
+                self.outstanding -= *bytes;
+            }
         }
     }
 
-    /// A started partition's sum came back.
+    /// A started partition's sum came back (its push was acknowledged by then).
     pub fn finished(&mut self, order: Order, now: Instant) {
-        if let Some((server, bytes)) = self.in_flight.remove(&order) {
-            self.servers[server].credit.acknowledged(order);
+        self.acknowledged(order, now);
+        if let Some((server, _, _)) = self.in_flight.remove(&order) {
             self.servers[server].window.finished(order, now);
-            self.bandwidth.finished(bytes, now);
-            self.outstanding -= bytes;
         }
     }
 
     /// A started partition failed: its credit returns, and it does not count as throughput.
     pub fn abandoned(&mut self, order: Order, now: Instant) {
-        if let Some((server, bytes)) = self.in_flight.remove(&order) {
+        if let Some((server, bytes, acked)) = self.in_flight.remove(&order) {
             self.servers[server].credit.acknowledged(order);
             self.servers[server].window.finished(order, now);
-            self.bandwidth.abandoned();
-            self.outstanding -= bytes;
+            if !acked {
+                self.bandwidth.abandoned();
+                self.outstanding -= bytes;
+            }
         }
     }
 
@@ -421,7 +430,7 @@ impl<T> Scheduler<T> {
         out
     }
 
-    /// Bytes let out (eligible or started) whose sums have not come back.
+    /// Bytes let out (eligible or started) that no server has acknowledged yet.
     pub fn outstanding(&self) -> u64 {
         self.outstanding
     }

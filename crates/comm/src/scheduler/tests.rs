@@ -138,7 +138,7 @@ fn credit_returns_on_acknowledgement_before_the_sum() {
     s.ready(0, 0, (0..3).map(|k| part(k, 0, 100)).collect(), t);
     let first = s.poll(t);
     assert_eq!(keys(&first), [0]);
-    s.acknowledged(first[0].order);
+    s.acknowledged(first[0].order, t);
     assert_eq!(
         keys(&s.poll(t)),
         [1],

@@ -1,0 +1,51 @@
+"""Communication scheduling from Python: every scheduler trains exactly, and the partition
+size and credit switch during a job (docs/scheduling.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+from jobs import run_worker_processes
+from test_torch import ATOL, reference, results, run
+
+WORKER = str(Path(__file__).with_name("scheduling_worker.py"))
+
+
+@pytest.mark.parametrize("scheduler", ["fifo", "p3", "prophet"])
+def test_every_scheduler_trains_like_one_process(tmp_path: Path, scheduler: str) -> None:
+    want = reference("sgd", 2)
+    outcomes = run(tmp_path, 2, "train-sgd-1", env={"SUMFLOW_SCHEDULER": scheduler})
+    for got in results(tmp_path, outcomes):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+
+
+def test_partition_size_and_credit_switch_during_a_job(tmp_path: Path) -> None:
+    outcomes = run_worker_processes(
+        tmp_path, 2, [WORKER, str(tmp_path)], 1, env={"SUMFLOW_SCHEDULER": "prophet"}
+    )
+    for o in outcomes:
+        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
+    lines = [(tmp_path / f"rank{r}.txt").read_text().splitlines() for r in range(2)]
+    refused = lines[0][0]
+    assert "reconfigure() with 1 push_pull operation(s) in flight" in refused, refused
+    for worker in lines:
+        first, switched, last = (ast.literal_eval(line) for line in worker[1:])
+        assert first["scheduler"] == "prophet"
+        assert (first["partition_bytes"], first["credit_bytes"]) == (4 << 20, 8 << 20)
+        assert (switched["partition_bytes"], switched["credit_bytes"]) == (256, 512)
+        assert (last["partition_bytes"], last["credit_bytes"]) == (4 << 20, 512)
+
+
+def test_an_unknown_scheduler_is_refused_by_name(tmp_path: Path) -> None:
+    outcomes = run_worker_processes(
+        tmp_path, 1, [WORKER, str(tmp_path)], 0, env={"SUMFLOW_SCHEDULER": "lifo"}
+    )
+    assert outcomes[0].returncode != 0
+    assert "unknown scheduler 'lifo': choose one of fifo, p3, bytescheduler, prophet" in (
+        outcomes[0].stderr
+    ), outcomes[0].stderr[-2000:]
