@@ -63,6 +63,20 @@ def test_distributed_optimizer_equals_one_process_on_the_whole_batch(
     assert BATCH % passes == 0
 
 
+def test_an_lr_scheduler_created_before_wrapping_does_not_bypass_the_averaging(
+    tmp_path: Path,
+) -> None:
+    # torch's LR schedulers patch optimizer.step on the instance, whose attributes the
+    # wrapper shares: without care, step() would skip synchronizing and each worker would
+    # train on its own batch only.
+    want = reference("sgd", 2)
+    outcomes = run(tmp_path, 2, "train-sgd-1", env={"LR_SCHEDULER_FIRST": "1"})
+    for got in results(tmp_path, outcomes):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+
+
 def test_broadcasts_make_every_worker_equal_the_root(tmp_path: Path) -> None:
     got = results(tmp_path, run(tmp_path, 3, "broadcasts"))
     root = got[1]

@@ -43,8 +43,13 @@ def make_optimizer(name: str, params: object) -> torch.optim.Optimizer:
 
 def train(opt_name: str, passes: int) -> dict[str, torch.Tensor]:
     m = model()
+    base = make_optimizer(opt_name, m.parameters())
+    # LR_SCHEDULER_FIRST=1: an LR scheduler (a constant one, so the result is unchanged)
+    # created before wrapping, which patches base.step on the instance.
+    lr_first = os.environ.get("LR_SCHEDULER_FIRST") == "1"
+    schedule = torch.optim.lr_scheduler.LambdaLR(base, lambda _: 1.0) if lr_first else None
     opt = hvd.DistributedOptimizer(
-        make_optimizer(opt_name, m.parameters()),
+        base,
         named_parameters=m.named_parameters(),
         backward_passes_per_step=passes,
     )
@@ -59,6 +64,8 @@ def train(opt_name: str, passes: int) -> dict[str, torch.Tensor]:
             loss = torch.nn.functional.cross_entropy(m(x[rows]), y[rows]) / passes
             loss.backward()
         opt.step()
+        if schedule is not None:
+            schedule.step()
     return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
 

@@ -497,7 +497,8 @@ fn push_loop(sh: &Shared, lane: usize) {
             init.and_then(|()| tx.push(key, round, dtype, data.bytes()))
                 .and_then(|()| tx.pull(key, round))
         };
-        sh.handles.end_access(handle, None);
+        // Recorded before the access ends: the waiter cannot return (and a step close the
+        // trace window) before it is.
         if let Some((tensor, part)) = label {
             let pushed = Instant::now();
             if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
@@ -522,6 +523,7 @@ fn push_loop(sh: &Shared, lane: usize) {
                 ],
             );
         }
+        sh.handles.end_access(handle, None);
         if let Err(e) = sent {
             if sh.stop.load(Ordering::Acquire) {
                 break;

@@ -125,6 +125,27 @@ struct Tensor {
     rounds: Vec<u64>,
 }
 
+impl Tensor {
+    fn new(
+        id: u32,
+        name: &str,
+        dtype: Dtype,
+        elements: u64,
+        group: Option<usize>,
+        parts: Parts,
+    ) -> Tensor {
+        Tensor {
+            id,
+            name: Arc::from(name),
+            dtype,
+            elements,
+            group,
+            parts,
+            rounds: Vec::new(),
+        }
+    }
+}
+
 /// A tensor's partitions: (key, server rank, byte offset, byte length).
 type Parts = Vec<(u64, u32, usize, usize)>;
 
@@ -325,18 +346,9 @@ impl CommunicationService {
         let mut table = self.table.lock().expect("table lock");
         if !table.tensors.contains_key(&id) {
             let parts = self.lay_out_single(&table, id, name, dtype, elements)?;
-            table.tensors.insert(
-                id,
-                Tensor {
-                    id,
-                    name: Arc::from(name),
-                    dtype,
-                    elements,
-                    group: None,
-                    parts,
-                    rounds: Vec::new(),
-                },
-            );
+            table
+                .tensors
+                .insert(id, Tensor::new(id, name, dtype, elements, None, parts));
         }
         Ok(id)
     }
@@ -364,18 +376,8 @@ impl CommunicationService {
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
         for ((id, name, dtype, elements), parts) in fresh.into_iter().zip(laid) {
-            table.tensors.insert(
-                id,
-                Tensor {
-                    id,
-                    name: Arc::from(name),
-                    dtype,
-                    elements,
-                    group: Some(group),
-                    parts,
-                    rounds: Vec::new(),
-                },
-            );
+            let t = Tensor::new(id, name, dtype, elements, Some(group), parts);
+            table.tensors.insert(id, t);
         }
         Ok(ids)
     }

@@ -25,6 +25,7 @@ import torch
 from sumflow.torch import ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.overlap import CrossBarrier, Update, zero_grad_of
+from sumflow.tune import plugin as autotune
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -213,6 +214,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 )
             if not (self._sf_skip or self._sf_synchronized):
                 self._sf_step_across_barrier()
+                autotune.after_step(self)
                 return None
             self._sf_overlap.wait_all("optimizer.step()")
         if not (self._sf_skip or self._sf_synchronized):
@@ -229,7 +231,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self.synchronize()
         self._sf_synchronized = False
-        return super(self.__class__, self).step(closure)
+        loss = super(self.__class__, self).step(closure)
+        autotune.after_step(self)  # SUMFLOW_AUTOTUNE: docs/autotune.md
+        return loss
 
     def _sf_step_across_barrier(self) -> None:
         overlap = self._sf_overlap
@@ -371,6 +375,7 @@ def DistributedOptimizer(
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__
+    _route_patched_step(wrapped)
     wrapped._sf_setup(
         optimizer.__class__,
         list(named_parameters) if named_parameters is not None else [],
@@ -381,6 +386,33 @@ def DistributedOptimizer(
         model,
     )
     return wrapped
+
+
+def _route_patched_step(wrapped: torch.optim.Optimizer) -> None:
+    """Makes ``wrapped.step`` this class's even when ``step`` was replaced on the instance.
+
+    An LR scheduler created before wrapping replaces ``optimizer.step`` on the instance
+    (to track that it was called), and the wrapper shares the instance's attributes: that
+    bound method of the original class would then shadow ours, and step() would update
+    the parameters without averaging any gradient. The replacement is swapped for one
+    that runs our step, keeping torch's marks that the scheduler looks for.
+    """
+    patched = wrapped.__dict__.get("step")
+    if patched is None:
+        return
+    ours = type(wrapped).step
+    tracked = getattr(patched, "_wrapped_by_lr_sched", False)
+
+    @functools.wraps(ours)
+    def step(*args: Any, **kwargs: Any) -> Any:
+        if tracked:
+            # What torch's own patch records: the scheduler warns without it.
+            wrapped.__dict__["_opt_called"] = True
+        return ours(wrapped, *args, **kwargs)
+
+    if tracked:
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    wrapped.__dict__["step"] = step
 
 
 def broadcast_parameters(
