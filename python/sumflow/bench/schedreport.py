@@ -176,7 +176,7 @@ def _tuning(results: dict[str, Any]) -> list[str]:
         "**Tuning runs** (bytescheduler tuned: the tuner's trials in a tuning run; the "
         "measured run applies the best configuration it stored)",
         "",
-        "| profile | Gbit/s | trials | best configuration | its step vs the first trial's | "
+        "| profile | Gbit/s | trials | best configuration | first trial's step / best's | "
         "measured run |",
         "|---|---|---|---|---|---|",
     ]
@@ -185,7 +185,7 @@ def _tuning(results: dict[str, Any]) -> list[str]:
             tuner = run.get("tuner") or {}
             trials = tuner.get("trials") or []
             scores = [t["score_s"] for t in trials if t.get("score_s")]
-            gain = f"{scores[0] / min(scores):.2f}x faster" if scores else "-"
+            gain = f"{scores[0] / min(scores):.2f}x" if scores else "-"
             measured = [r for r in cell["runs"] if r["name"] == run["name"]]
             lines.append(
                 f"| {cell['model']} | {cell['reference_gbit']:g} | {len(trials)} | "
