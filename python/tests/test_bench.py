@@ -13,7 +13,20 @@ from typing import Any
 
 import pytest
 
-from sumflow.bench import cluster, cpu, jobs, netns, report, theory
+from sumflow.bench import (
+    cluster,
+    cpu,
+    grid,
+    jobs,
+    matrix,
+    netns,
+    report,
+    schedreport,
+    targets,
+    theory,
+    training,
+)
+from sumflow.tune.space import Configuration, SearchSpace
 
 GB = 1e9
 
@@ -224,13 +237,18 @@ def test_jobs_fail_with_the_reason_and_the_last_lines(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------
 
 
-def test_two_host_emulated_run(tmp_path: Path) -> None:
+def skip_without_namespaces() -> None:
+    """Skips the test, saying why, where this machine cannot run the emulated cluster."""
     reason = netns.unavailable_reason()
     if reason is None and subprocess.run(["which", "iperf3"], capture_output=True).returncode:
         reason = "iperf3 is not installed"
     if reason is not None:
         print(f"skipping the emulated run: {reason}")
         pytest.skip(reason)
+
+
+def test_two_host_emulated_run(tmp_path: Path) -> None:
+    skip_without_namespaces()
     out = tmp_path / "out"
     done = subprocess.run(
         [
@@ -259,4 +277,401 @@ def test_two_host_emulated_run(tmp_path: Path) -> None:
     assert all(r["iterations_per_s"] > 0 and r["checked"] for r in model["runs"])
     assert {"results.md", "goodput.png", "training.png"} <= {p.name for p in out.iterdir()}
     # Torn down: no namespace of the harness is left behind.
+    assert netns.namespaces_with_prefix() == []
+
+
+# ----------------------------------------------------------------------------------------
+# The scheduler benchmark (issue 6): options, plan, verdicts, report, grid
+# ----------------------------------------------------------------------------------------
+
+ALL_SYSTEMS = "fifo,p3,bytescheduler,bytescheduler-tuned,prophet,ddp"
+
+
+def test_scheduler_options() -> None:
+    args = cluster.parse_args(["--schedulers", ALL_SYSTEMS, "--reference-gbits", "1, 2,5,10"])
+    assert args.scheduler_names == ALL_SYSTEMS.split(",")
+    assert args.gbits == [1.0, 2.0, 5.0, 10.0]
+    # The standard run: no schedulers, one bandwidth; the old spelling still works.
+    standard = cluster.parse_args(["--reference-gbit", "25"])
+    assert standard.scheduler_names is None
+    assert standard.gbits == [25.0]
+    assert cluster.parse_args([]).gbits == [10.0]
+    for bad, message in (
+        (["--schedulers", "fifo,bytesched"], "unknown 'bytesched'"),
+        (["--schedulers", "fifo,fifo"], "fifo more than once"),
+        (["--schedulers", ""], "empty"),
+        (["--reference-gbits", "1,x"], "comma-separated numbers"),
+        (["--reference-gbits", "0"], "> 0"),
+        (["--reference-gbits", "1,1"], "more than once"),
+        (["--schedulers", "fifo", "--grid", "g.json"], "separate runs"),
+        (["--schedulers", "fifo", "--models", ""], "at least one profile"),
+        (["--repeats", "0"], "--repeats"),
+        (["--scheduler-k", "-1"], "--scheduler-k"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            matrix_error(bad)
+
+
+def matrix_error(argv: list[str]) -> None:
+    """parse_args(argv), turning argparse's exit into a ValueError with its message."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            cluster.parse_args(argv)
+        except SystemExit:
+            raise ValueError(err.getvalue()) from None
+
+
+def test_plan_runs_a_cells_systems_back_to_back_lowest_bandwidth_first() -> None:
+    systems = matrix.scheduler_systems(ALL_SYSTEMS.split(","), k=0)
+    steps = matrix.plan(["vgg16", "resnet50"], [1, 10], systems, repeats=2)
+    cells = list(dict.fromkeys((s.cell.model, s.cell.reference_gbit) for s in steps))
+    assert cells == [("vgg16", 1), ("resnet50", 1), ("vgg16", 10), ("resnet50", 10)]
+    # Each cell's steps are contiguous: tuning first, then the systems round after round.
+    first = [s for s in steps if s.cell == matrix.Cell("vgg16", 1)]
+    assert steps[: len(first)] == first
+    assert first[0].tune
+    assert first[0].system.name == "bytescheduler-tuned"
+    names = [s.system.name for s in first[1:]]
+    assert names == ALL_SYSTEMS.split(",") * 2
+    assert [s.repeat for s in first[1:]] == [0] * 6 + [1] * 6
+    assert len(steps) == 4 * (1 + 6 * 2)
+    assert len({s.key for s in steps}) == len(steps)  # log and result files never collide
+    by_name = {s.name: s for s in systems}
+    assert by_name["ddp"].kind == "ddp-gloo"
+    assert not by_name["ddp"].cross_barrier
+    assert by_name["prophet"].scheduler == "prophet"
+    assert by_name["prophet"].cross_barrier
+    assert by_name["bytescheduler-tuned"].scheduler == "bytescheduler"
+    assert [s.label for s in matrix.standard_systems(4)] == [
+        "DDP/gloo",
+        "sumflow k=0",
+        "sumflow k=4",
+    ]
+    with pytest.raises(ValueError, match="repeats"):
+        matrix.plan(["vgg16"], [1], systems, repeats=0)
+
+
+def test_compute_aim_and_estimates() -> None:
+    assert matrix.compute_aim_s(10) == pytest.approx(0.3)  # the standard run's
+    assert matrix.compute_aim_s(40) == pytest.approx(0.3)
+    assert matrix.compute_aim_s(5) == pytest.approx(0.15)
+    assert matrix.compute_aim_s(1) == pytest.approx(0.1)
+    # The communication/computation ratio is the reference's whatever the aim: halving the
+    # bandwidth doubles the bytes per second of compute.
+    ratios = []
+    for gbit in (1, 2, 5, 10):
+        s = matrix.cell_scales(matrix.Cell("vgg16", gbit), 250.0)
+        ratios.append(s.param_bytes / s.compute_s * gbit)
+    assert max(ratios) / min(ratios) == pytest.approx(1.0, rel=0.01)
+    cell = matrix.Cell("vgg16", 1)
+    scales = matrix.cell_scales(cell, 250.0)
+    (fifo,) = matrix.scheduler_systems(["fifo"], 0)
+    one = matrix.estimate_seconds(
+        matrix.Step(cell, fifo), scales, workers=4, rate_mbit=250, iterations=10,
+        tune_iterations=50,
+    )  # fmt: skip
+    tune = matrix.estimate_seconds(
+        matrix.Step(cell, fifo, tune=True), scales, workers=4, rate_mbit=250, iterations=10,
+        tune_iterations=50,
+    )  # fmt: skip
+    comm = 1.5 * scales.param_bytes / (250e6 / 8)
+    assert one == pytest.approx(matrix.JOB_OVERHEAD_S + 10 * (scales.compute_s + comm))
+    assert tune > one
+
+
+def fake_run(name: str, label: str, rate: float, idle_ms: float, repeat: int = 0) -> dict[str, Any]:
+    return {
+        "name": name, "label": label, "iterations_per_s": rate, "idle_ms": idle_ms,
+        "compute_ms": 100.0, "cpu": 0.4, "repeat": repeat, "iteration_s": [1 / rate] * 3,
+    }  # fmt: skip
+
+
+def fake_cell(model: str, gbit: float, rates: dict[str, float]) -> dict[str, Any]:
+    systems = {s.name: s for s in matrix.scheduler_systems(ALL_SYSTEMS.split(","), 0)}
+    cell = {
+        "cell": matrix.Cell(model, gbit), "model": model, "reference_gbit": gbit,
+        "megabytes": 10.0, "compute_s": 0.1, "partition_bytes": 100_000, "scaling": "why",
+        "runs": [
+            fake_run(name, systems[name].label, rate, 1000 / rate - 100)
+            for name, rate in rates.items()
+        ],
+        "tuning": [],
+    }  # fmt: skip
+    return training.finish_cell(cell)
+
+
+def test_cells_summarise_repeats_and_ratios() -> None:
+    cell = {
+        "cell": matrix.Cell("vgg16", 1), "model": "vgg16", "reference_gbit": 1,
+        "runs": [
+            fake_run("fifo", "fifo", 1.0, 900), fake_run("ddp", "DDP/gloo", 0.5, 1900),
+            fake_run("fifo", "fifo", 1.4, 600, 1), fake_run("ddp", "DDP/gloo", 0.7, 1300, 1),
+            fake_run("fifo", "fifo", 1.3, 700, 2), fake_run("ddp", "DDP/gloo", 0.6, 1500, 2),
+        ],
+        "tuning": [],
+    }  # fmt: skip
+    done = training.finish_cell(cell)
+    assert "cell" not in done  # results stay JSON
+    fifo = done["summary"]["fifo"]
+    assert (fifo["runs"], fifo["iterations_per_s"], fifo["idle_ms"]) == (3, 1.3, 700)
+    assert (fifo["min_iterations_per_s"], fifo["max_iterations_per_s"]) == (1.0, 1.4)
+    assert list(done["summary"]) == ["fifo", "ddp"]
+    assert done["runs"][0]["vs_ddp"] == pytest.approx(1.0 / 0.6)
+    assert done["runs"][1]["vs_fifo"] == pytest.approx(0.5 / 1.3)
+
+
+def fake_scheduler_results() -> dict[str, Any]:
+    cells = []
+    for gbit in (1, 2, 5, 10):
+        for model in ("vgg16", "resnet50"):
+            low = gbit <= 2
+            rates = {
+                "fifo": 1.0, "p3": 0.9, "bytescheduler": 1.2,
+                "bytescheduler-tuned": 1.35 if model == "vgg16" else 1.25,
+                "prophet": 1.5 if low else 1.3, "ddp": 1.1,
+            }  # fmt: skip
+            cells.append(fake_cell(model, gbit, rates))
+    config = {"partition_bytes": 65536, "credit_bytes": 262144}
+    cells[0]["tuning"].append(
+        {"name": "bytescheduler-tuned", "iterations_per_s": 1.1,
+         "tuner": {"events": ["start", "trial", "finish"], "applied": config,
+                   "trials": [{"score_s": 1.0}] + [{"score_s": 0.8}] * 6}}
+    )  # fmt: skip
+    cells[0]["runs"][3]["tuner"] = {"events": ["start", "reuse"], "applied": config}
+    return {
+        "config": {
+            "workers": 4, "cpu_servers": [0], "rate_mbit": 250.0, "mtu": 9000, "delay_ms": 0.0,
+            "cpu_flag": 0.8, "schedulers": ALL_SYSTEMS.split(","), "scheduler_k": 0,
+            "iterations": 20, "warmup_iterations": 3, "repeats": 1,
+        },
+        "link": {"seconds": 3, "forward_mbit": 250, "reverse_mbit": 250, "b_mbit": 250,
+                 "ratio": 1.0},
+        "training": cells,
+    }  # fmt: skip
+
+
+def test_verdicts() -> None:
+    rates = schedreport.rates(fake_scheduler_results())
+    verdicts = targets.verdicts(rates)
+    by = {(v.baseline, v.threshold, v.model, v.reference_gbit): v for v in verdicts}
+    tuned = by["fifo", 1.3, "vgg16", 1]
+    assert tuned.met
+    assert tuned.ratio == pytest.approx(1.35)
+    assert by["bytescheduler-tuned", 1.1, "vgg16", 1].ratio == pytest.approx(1.5 / 1.35)
+    assert by["bytescheduler-tuned", 1.1, "vgg16", 2].met
+    # At the highest bandwidth prophet need only stay near: 1.3 / 1.35 = 0.963 < 0.97.
+    assert by["bytescheduler-tuned", 0.97, "vgg16", 10].met is False
+    assert by["bytescheduler-tuned", 0.97, "resnet50", 10].met  # 1.3 / 1.25
+    assert ("bytescheduler-tuned", 1.1, "vgg16", 5) not in by  # only the two lowest
+    best = by["ddp", 1.2, "resnet50", 1]
+    assert best.system == "prophet"
+    assert best.ratio == pytest.approx(1.5 / 1.1)
+    assert best.met
+    assert len(verdicts) == 1 + 2 * 3 + 2
+    assert (
+        "NOT met: prophet / bytescheduler-tuned = 0.96x"
+        in by["bytescheduler-tuned", 0.97, "vgg16", 10].line()
+    )
+    # A cell without the baseline cannot be judged, and says so.
+    partial = targets.verdicts({("vgg16", 1.0): {"fifo": 1.0, "prophet": 1.2}})
+    unjudged = [v for v in partial if v.met is None]
+    assert {v.baseline for v in unjudged} == {"fifo", "bytescheduler-tuned", "ddp"}
+    assert all(v.line().startswith("not measured") for v in unjudged)
+    assert targets.verdicts({}) == []
+
+
+def test_scheduler_report_and_plots(tmp_path: Path) -> None:
+    results = fake_scheduler_results()
+    text = schedreport.markdown(results)
+    assert "| profile | system | 1 Gbit/s | 2 Gbit/s | 5 Gbit/s | 10 Gbit/s |" in text
+    assert "| vgg16 | fifo | 1.00 | 1.00 | 1.00 | 1.00 |" in text
+    assert "| | prophet | 1.50 | 1.50 | 1.30 | 1.30 |" in text
+    # ratios to fifo / to DDP; DDP's own row has 1.00x to itself.
+    assert "| | DDP/gloo | 1.10x / 1.00x |" in text
+    assert (
+        "| vgg16 | 1 | 7 | partition 65536 B, credit 262144 B (4 partitions) | 1.25x | reused it |"
+    ) in text
+    assert "- met: bytescheduler-tuned / fifo = 1.35x (target >= 1.3x) on vgg16 at 1 Gbit/s" in (
+        text
+    )
+    assert text.count("NOT met") == 1
+    # 10 MB over 4 workers' ring: 1.5 x 10 MB at 31.25 MB/s = 0.48 s, 0.1 s of compute hidden.
+    assert schedreport.ceiling(results, results["training"][0]) == pytest.approx(1 / 0.48)
+    assert "| | *ceiling: Eq. 6 communication, compute hidden* | 2.08 | 2.08 |" in text
+    assert "| | *ceiling* | 2.08x / 1.89x |" in text
+    # The whole output: the link part, then this; the standard training table is left out.
+    full = report.markdown(results)
+    assert "vs DDP/gloo |" not in full
+    cluster.write_outputs(results, tmp_path)
+    for name in ("schedulers.png", "idle.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "training.png").exists()
+    assert "**Targets**" in (tmp_path / "results.md").read_text()
+
+
+def test_repeated_runs_show_their_range() -> None:
+    results = fake_scheduler_results()
+    cell = results["training"][0]
+    cell["runs"].append(fake_run("fifo", "fifo", 0.8, 1150, repeat=1))
+    results["training"][0] = training.finish_cell({**cell, "cell": None})
+    results["config"]["repeats"] = 2
+    text = schedreport.markdown(results)
+    assert "| vgg16 | fifo | 0.90 (0.80-1.00) |" in text
+    assert "2 runs per system" in text
+
+
+def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
+    args = cluster.parse_args(
+        ["--schedulers", ALL_SYSTEMS, "-x", "SUMFLOW_X=1", "--out", str(tmp_path)]
+    )
+    assert args.tune_iterations == 10 * (2 + 5) + matrix.TUNE_SLACK_ITERATIONS
+    systems = {s.name: s for s in matrix.scheduler_systems(ALL_SYSTEMS.split(","), 0)}
+    cell = {"size_scale": 0.1, "time_scale": 0.5, "bucket_cap_mb": 2.5, "partition_bytes": 4096}
+    step = matrix.Step(matrix.Cell("vgg16", 1), systems["bytescheduler-tuned"], tune=True)
+    argv = training.worker_argv(args, step, cell, tmp_path / "o.json")
+    assert argv[argv.index("--iterations") + 1] == str(args.tune_iterations)
+    assert argv[argv.index("--warmup") + 1] == "0"
+    assert "--cross-barrier" in argv
+    assert argv[argv.index("--partition-bytes") + 1] == "4096"
+    store, log = training.tuner_files(args, step)
+    # 64 KiB and 32 MiB scaled by 0.1, in whole pages: 6553.6 -> 8192, 3355443 -> 3354624.
+    assert training.sumflow_env(args, step, cell) == [
+        "-x", "SUMFLOW_X=1", "-x", "SUMFLOW_SCHEDULER=bytescheduler",
+        "-x", "SUMFLOW_AUTOTUNE=1", "-x", f"SUMFLOW_AUTOTUNE_FILE={store}",
+        "-x", f"SUMFLOW_AUTOTUNE_LOG={log}",
+        "-x", "SUMFLOW_AUTOTUNE_PARTITION_BYTES=8192:3354624",
+        "-x", "SUMFLOW_AUTOTUNE_TRIALS=10", "-x", "SUMFLOW_AUTOTUNE_WARMUP_STEPS=2",
+        "-x", "SUMFLOW_AUTOTUNE_MEASURE_STEPS=5",
+    ]  # fmt: skip
+    # The measured run: the same store (it reuses what tuning stored), its own log.
+    measured = matrix.Step(step.cell, step.system)
+    assert training.tuner_files(args, measured) == (store, log.with_name(f"{measured.key}.jsonl"))
+    env = training.sumflow_env(args, measured, cell)
+    assert f"SUMFLOW_AUTOTUNE_FILE={store}" in env
+    ddp = training.worker_argv(args, matrix.Step(step.cell, systems["ddp"]), cell, tmp_path)
+    assert "--cross-barrier" not in ddp
+    assert ddp[ddp.index("--bucket-cap-mb") + 1] == "2.5"
+    fifo = training.sumflow_env(args, matrix.Step(step.cell, systems["fifo"]), cell)
+    assert fifo[-1] == "SUMFLOW_SCHEDULER=fifo"
+    assert not any("AUTOTUNE" in item for item in fifo)
+    assert matrix.tuning_space(1e-6) == (4096, 4096)  # never below a page
+
+
+def test_tuner_log_is_read_into_trials(tmp_path: Path) -> None:
+    config = {"partition_bytes": 8192, "credit_bytes": 32768}
+    log = tmp_path / "t.jsonl"
+    log.write_text(
+        "\n".join(
+            json.dumps(e)
+            for e in (
+                {"event": "start", "time": 1},
+                {"event": "propose", "trial": 1},
+                {"event": "trial", "trial": 1, "config": config, "score_s": 0.5,
+                 "reason": "start", "step_s": [0.5]},
+                {"event": "finish", "best": {"trial": 1, "config": config, "score_s": 0.5}},
+            )
+        ) + "\n"
+    )  # fmt: skip
+    got = training.read_tuner_log(log)
+    assert got["events"] == ["start", "propose", "trial", "finish"]
+    assert got["trials"] == [
+        {"trial": 1, "config": config, "score_s": 0.5, "reason": "start", "step_s": [0.5]}
+    ]
+    assert got["applied"] == config
+    reuse = tmp_path / "r.jsonl"
+    reuse.write_text(json.dumps({"event": "reuse", "config": config}) + "\n")
+    assert training.read_tuner_log(reuse) == {"events": ["reuse"], "trials": [], "applied": config}
+    assert training.read_tuner_log(tmp_path / "none.jsonl")["applied"] is None
+
+
+def test_progress_reports_time_left(capsys: pytest.CaptureFixture[str]) -> None:
+    progress = cluster.Progress(3, estimate_s=600.0)
+    progress.step("link check")
+    progress.step("a", 300.0)
+    progress._current = (300.0, progress._current[1] - 100.0)  # type: ignore[index]
+    progress.step("b", 300.0)
+    lines = capsys.readouterr().err.splitlines()
+    assert "about 10 min left] link check" in lines[0]
+    assert "about 10 min left] a" in lines[1]
+    # "a" took a third of its estimate, so the 300 s left are about 100 s.
+    assert "about 100 s left] b" in lines[2]
+
+
+def test_grid_points_span_the_tuners_space_and_make_grid_json() -> None:
+    space = SearchSpace(8192, 262144, 16.0)
+    points = grid.grid_points(space, partitions=6, credits=5)
+    ps = sorted({p for p, _ in points})
+    assert ps == [8192, 16384, 32768, 65536, 131072, 262144]
+    assert sorted({c // p for p, c in points}) == [1, 2, 4, 8, 16]
+    assert len(points) == 30
+    # Every point is one the tuner could choose.
+    assert all(space.contains(Configuration(p, c)) for p, c in points)
+    with pytest.raises(ValueError, match="not distinct"):
+        grid.grid_points(SearchSpace(4096, 8192, 16.0), partitions=5, credits=2)
+    systems = grid.grid_systems(points[:2], k=0)
+    assert systems[0].credit_bytes == 8192
+    assert systems[0].partition_bytes == 8192
+    assert systems[0].scheduler == "bytescheduler"
+    cell = {
+        "model": "vgg16", "reference_gbit": 1.0, "partition_bytes": 65536, "scaling": "why",
+        "runs": [
+            {**fake_run(systems[0].name, "", 2.0, 0), "iteration_s": [0.5, 0.6]},
+            {**fake_run(systems[1].name, "", 2.0, 0), "iteration_s": [0.4, 0.45]},
+        ],
+    }  # fmt: skip
+    data = grid.grid_json(cell, systems, {"workers": 4})
+    assert data["configs"][1] == {
+        "partition_bytes": 8192, "credit_bytes": 16384, "step_s": [0.4, 0.45]
+    }  # fmt: skip
+    assert data["meta"]["workers"] == 4
+    assert data["meta"]["model"] == "vgg16"
+    text = grid.markdown(data)
+    assert "| 8192 | 550 | **425** |" in text
+    # What the tuner's comparison reads.
+    path_data = compare_grid(data)
+    assert path_data.best_s == pytest.approx(0.425)
+
+
+def compare_grid(data: dict[str, Any]) -> Any:
+    """GRID.json `data` loaded by the tuner's comparison."""
+    import tempfile
+
+    from sumflow.tune import compare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "GRID.json"
+        path.write_text(json.dumps(data))
+        return compare.load_grid(path)
+
+
+def test_two_host_scheduler_run(tmp_path: Path) -> None:
+    """The scheduler benchmark end to end, small: one job, prophet across the barrier."""
+    skip_without_namespaces()
+    out = tmp_path / "out"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "sumflow.bench.cluster", "--skip-goodput"),
+            *("--workers", "2", "--rate-mbit", "400", "--link-seconds", "1"),
+            *("--schedulers", "prophet", "--models", "resnet50", "--reference-gbits", "10"),
+            *("--iterations", "3", "--warmup-iterations", "1"),
+            *("--subnet", "10.213.0.0/24", "--job-timeout", "120", "--out", str(out)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (cell,) = json.loads((out / "results.json").read_text())["training"]
+    (run,) = cell["runs"]
+    assert run["scheduler"] == "prophet"
+    assert run["cross_barrier"]
+    assert run["checked"]
+    assert run["iterations_per_s"] > 0
+    assert "**Targets**" in (out / "results.md").read_text()
+    assert "not measured" in done.stderr  # no fifo, tuned bytescheduler or DDP in this run
+    assert {"schedulers.png", "idle.png"} <= {p.name for p in out.iterdir()}
     assert netns.namespaces_with_prefix() == []

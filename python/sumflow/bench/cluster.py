@@ -10,12 +10,15 @@ hosts, every link shaped to the same rate), then, side by side in one invocation
 2. goodput (BytePS Fig. 12): sumflow push_pull for every k, gloo all_reduce once (it cannot
    use CPU hosts), against Eq. 6's optimum and Table 1's formulas;
 3. training on scaled layer profiles (:mod:`sumflow.profiles`): sumflow's
-   DistributedOptimizer (k = 0, and k = n) against DDP with gloo, in iterations/s.
+   DistributedOptimizer (k = 0, and k = n) against DDP with gloo, in iterations/s; or,
+   with ``--schedulers``, issue 6's comparison of sumflow's schedulers with DDP over
+   profiles x ``--reference-gbits`` (:mod:`sumflow.bench.matrix`), or, with ``--grid``,
+   bytescheduler over a grid of partition sizes x credits (:mod:`sumflow.bench.grid`).
 
 Every run records the machine's CPU utilisation over its measured window and is flagged
 when it passed ``--cpu-flag``: then the 2 CPUs, not the emulated network, may have set the
-pace. Results go to ``--out``: results.json, results.md, goodput.png, training.png and a log
-per job. See docs/benchmarks.md.
+pace. Results go to ``--out``: results.json, results.md, the plots (goodput.png,
+training.png or schedulers.png and idle.png) and a log per job. See docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow.bench import report, theory
+from sumflow.bench import grid, matrix, report, schedreport, theory
 from sumflow.bench.cpu import CpuSampler
 from sumflow.bench.jobs import JobFailed, read_result, run_sumflow_job, run_torch_job
 from sumflow.bench.netns import (
@@ -42,7 +45,8 @@ from sumflow.bench.netns import (
     LinkShape,
     started,
 )
-from sumflow.bench.training import training_runs
+from sumflow.bench.training import step_estimates, training_runs
+from sumflow.tune.space import SearchSpace
 
 GBIT = 1e9 / 8
 IPERF_PORT = 5201
@@ -85,7 +89,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         action="append",
         default=[],
         metavar="NAME=VALUE",
-        help="set a variable for sumflow's workers (repeatable), e.g. "
+        help="set a variable for sumflow's workers, goodput and training (repeatable), e.g. "
         "SUMFLOW_CPU_SERVER_CONNECTIONS=1 to compare with one connection per server",
     )
     tr = p.add_argument_group("training")
@@ -93,10 +97,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--models", default="vgg16,resnet50,transformer", help="layer profiles ('' skips)"
     )
     tr.add_argument(
+        "--reference-gbits",
         "--reference-gbit",
-        type=float,
-        default=10.0,
-        help="bandwidth of the real cluster whose communication/computation ratio is kept",
+        default="10",
+        help="bandwidths of the real clusters whose communication/computation ratio is kept, "
+        "comma-separated, in run order (each profile is one cell per bandwidth)",
     )
     tr.add_argument(
         "--train-partition-bytes",
@@ -105,6 +110,61 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     tr.add_argument("--iterations", type=int, default=15, help="measured iterations per run")
     tr.add_argument("--warmup-iterations", type=int, default=3, help="iterations before measuring")
+    sc = p.add_argument_group("scheduler benchmark (issue 6)")
+    sc.add_argument(
+        "--schedulers",
+        help="compare these systems instead of the standard training runs, comma-separated "
+        f"from {','.join(matrix.SCHEDULER_SYSTEMS)} (sumflow's schedulers cross the global "
+        "barrier; bytescheduler-tuned is a tuning run, then a run reusing its best "
+        "configuration; ddp is DDP over gloo)",
+    )
+    sc.add_argument(
+        "--scheduler-k",
+        type=int,
+        default=0,
+        help="CPU-server hosts for sumflow in the scheduler benchmark (0: the same machines as "
+        "DDP)",
+    )
+    sc.add_argument(
+        "--tune-trials",
+        type=int,
+        default=10,
+        help="trials of a tuning run (SUMFLOW_AUTOTUNE_TRIALS), its starting configuration "
+        "included",
+    )
+    sc.add_argument(
+        "--tune-warmup-steps",
+        type=int,
+        default=2,
+        help="steps after each switch of configuration before measuring "
+        "(SUMFLOW_AUTOTUNE_WARMUP_STEPS)",
+    )
+    sc.add_argument(
+        "--tune-measure-steps",
+        type=int,
+        default=5,
+        help="steps measured per trial (SUMFLOW_AUTOTUNE_MEASURE_STEPS)",
+    )
+    sc.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="rounds of a cell's systems (interleaved), to see the noise; tables show medians",
+    )
+    gr = p.add_argument_group("grid search of bytescheduler's partition size x credit")
+    gr.add_argument(
+        "--grid",
+        type=Path,
+        metavar="GRID.json",
+        help="instead of the training comparison, measure bytescheduler (with --scheduler-k "
+        "CPU-server hosts) on --grid-model at the lowest --reference-gbits over a "
+        "log-spaced grid of partition sizes x credits across the tuner's search space "
+        "(scaled) and write GRID.json (for python -m sumflow.tune.compare); --iterations "
+        "per point",
+    )
+    gr.add_argument("--grid-model", default="vgg16", help="the grid's layer profile")
+    gr.add_argument("--grid-partitions", type=int, default=6, help="partition sizes in the grid")
+    gr.add_argument("--grid-credits", type=int, default=5, help="credits in the grid")
     out = p.add_argument_group("output")
     out.add_argument(
         "--out", type=Path, default=Path("bench/results/cluster"), help="output folder"
@@ -120,26 +180,74 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         args.ks = sorted({int(k) for k in args.cpu_servers.split(",") if k.strip()})
     except ValueError:
         p.error(f"--cpu-servers {args.cpu_servers!r}: give comma-separated integers")
-    args.models = [m.strip() for m in args.models.split(",") if m.strip()]
+    try:
+        args.models = matrix.parse_list(args.models, "--models")
+        args.gbits = matrix.parse_gbits(args.reference_gbits)
+        args.scheduler_names = (
+            matrix.parse_schedulers(args.schedulers) if args.schedulers is not None else None
+        )
+    except ValueError as e:
+        p.error(str(e))
     if args.workers < 2:
         p.error("--workers must be at least 2")
     if any(k < 0 for k in args.ks) or not args.ks:
         p.error("--cpu-servers needs values >= 0")
     if args.rounds < 1 or args.iterations < 1:
         p.error("--rounds and --iterations must be at least 1")
+    if args.warmup_iterations < 0:
+        p.error("--warmup-iterations must be at least 0")
+    if min(args.tune_trials, args.tune_measure_steps, args.repeats) < 1:
+        p.error("--tune-trials, --tune-measure-steps and --repeats must be at least 1")
+    if args.tune_warmup_steps < 0:
+        p.error("--tune-warmup-steps must be at least 0")
+    args.tune_iterations = matrix.tune_iterations(
+        args.tune_trials, args.tune_warmup_steps, args.tune_measure_steps
+    )
+    if args.scheduler_k < 0:
+        p.error("--scheduler-k must be at least 0")
+    if args.scheduler_names is not None and not args.models:
+        p.error("--schedulers needs at least one profile in --models")
+    if args.grid is not None and args.scheduler_names is not None:
+        p.error("--grid and --schedulers are separate runs: give one")
+    if args.grid_partitions < 1 or args.grid_credits < 1:
+        p.error("--grid-partitions and --grid-credits must be at least 1")
     return args
 
 
 class Progress:
-    """Numbered steps with elapsed time on stderr."""
+    """Numbered steps on stderr with the elapsed time and, for steps given an estimate,
+    the time left: the estimates still to run, rescaled by how long the estimated steps
+    done so far took against their estimates."""
 
-    def __init__(self, total: int) -> None:
+    def __init__(self, total: int, estimate_s: float = 0.0) -> None:
         self.total, self.done, self.start = total, 0, time.monotonic()
+        self.left_s = estimate_s
+        self.estimated_done_s = 0.0
+        self.took_s = 0.0
+        self._current: tuple[float, float] | None = None
 
-    def step(self, text: str) -> None:
+    def step(self, text: str, estimate_s: float = 0.0) -> None:
+        now = time.monotonic()
+        if self._current is not None:
+            estimated, started = self._current
+            self.estimated_done_s += estimated
+            self.took_s += now - started
+        self._current = (estimate_s, now) if estimate_s > 0 else None
         self.done += 1
-        elapsed = time.monotonic() - self.start
-        print(f"[{self.done}/{self.total} {elapsed:5.0f} s] {text}", file=sys.stderr, flush=True)
+        eta = ""
+        if estimate_s > 0 or self.left_s > 0:
+            pace = self.took_s / self.estimated_done_s if self.estimated_done_s else 1.0
+            eta = f", about {duration(self.left_s * pace)} left"
+            self.left_s = max(0.0, self.left_s - estimate_s)
+        elapsed = now - self.start
+        print(
+            f"[{self.done}/{self.total} {elapsed:5.0f} s{eta}] {text}", file=sys.stderr, flush=True
+        )
+
+
+def duration(seconds: float) -> str:
+    """``95 s``, ``12 min``: seconds below two minutes, minutes above."""
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
 
 
 def link_check(cluster: EmulatedCluster, seconds: float) -> dict[str, Any]:
@@ -258,17 +366,56 @@ def goodput_runs(
     }
 
 
+def grid_space(args: argparse.Namespace) -> SearchSpace:
+    """The tuner's search space for the grid's cell, partitions scaled like its tensors."""
+    scales = matrix.cell_scales(matrix.Cell(args.grid_model, min(args.gbits)), args.rate_mbit)
+    low, high = matrix.tuning_space(scales.size_scale)
+    return SearchSpace(low, high, SearchSpace().max_credit_partitions)
+
+
+def training_plan(args: argparse.Namespace) -> list[matrix.Step]:
+    """The training jobs: the grid search's with ``--grid``, the scheduler benchmark's
+    with ``--schedulers``, else the standard comparison (DDP, sumflow k = 0, sumflow k = n
+    when CPU hosts exist). ValueError if a cell cannot be scaled."""
+    if args.grid is not None:
+        cell = matrix.Cell(args.grid_model, min(args.gbits))
+        points = grid.grid_points(grid_space(args), args.grid_partitions, args.grid_credits)
+        systems = grid.grid_systems(points, args.scheduler_k)
+        return matrix.plan([cell.model], [cell.reference_gbit], systems)
+    if args.scheduler_names is not None:
+        systems = matrix.scheduler_systems(args.scheduler_names, args.scheduler_k)
+    else:
+        systems = matrix.standard_systems(min(args.workers, max(args.ks)))
+    return matrix.plan(args.models, args.gbits, systems, args.repeats)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    hosts = args.workers + max(args.ks)
-    steps = 1 + (0 if args.skip_goodput else 1 + len(args.ks)) + 3 * len(args.models)
-    progress = Progress(steps)
+    try:
+        steps = training_plan(args)
+        _, estimates = step_estimates(args, steps)
+    except ValueError as e:
+        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        return 2
+    cpu_hosts = max(
+        [*(args.ks if not (args.skip_goodput or args.grid) else ()), *(s.system.k for s in steps)]
+    )
+    hosts = args.workers + cpu_hosts
+    if steps:
+        print(
+            f"training: {len(steps)} jobs, about {duration(sum(estimates))} (estimated "
+            "from the links' rate and the profiles' compute)",
+            file=sys.stderr,
+        )
+    goodput = not (args.skip_goodput or args.grid)
+    progress = Progress(1 + (1 + len(args.ks) if goodput else 0) + len(steps), sum(estimates))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
     results: dict[str, Any] = {
         "config": {
             "workers": args.workers,
             "cpu_servers": args.ks,
+            "cpu_hosts": cpu_hosts,
             "rate_mbit": args.rate_mbit,
             "delay_ms": args.delay_ms,
             "mtu": args.mtu,
@@ -278,12 +425,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warmup": args.warmup,
             "partition_bytes": args.partition_bytes,
             "worker_env": args.worker_env,
-            "reference_gbit": args.reference_gbit,
+            "reference_gbits": args.gbits,
+            "schedulers": args.scheduler_names,
+            "grid": None if args.grid is None else str(args.grid),
+            "scheduler_k": args.scheduler_k,
+            "iterations": args.iterations,
+            "warmup_iterations": args.warmup_iterations,
+            "tune_trials": args.tune_trials,
+            "tune_warmup_steps": args.tune_warmup_steps,
+            "tune_measure_steps": args.tune_measure_steps,
+            "tune_iterations": args.tune_iterations,
+            "repeats": args.repeats,
+            "estimated_training_s": sum(estimates),
             "cpu_flag": args.cpu_flag,
             "command": " ".join(sys.argv),
             "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         }
     }
+    started = time.monotonic()
     try:
         shape = LinkShape(args.rate_mbit, delay_ms=args.delay_ms, mtu=args.mtu)
         with (
@@ -301,11 +460,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 file=sys.stderr,
             )
             b = link["b_mbit"] * 1e6 / 8
-            if not args.skip_goodput:
+            if not (args.skip_goodput or args.grid):
                 results["goodput"] = goodput_runs(args, cluster, sampler, b, tmp, progress)
-            if args.models:
+            if steps:
                 results["training"] = []
-                training_runs(args, cluster, sampler, tmp, progress, results["training"])
+                training_runs(args, cluster, sampler, tmp, progress, steps, results["training"])
+            if args.grid is not None:
+                systems = [s.system for s in steps]
+                results["grid"] = write_grid(args, results, systems, grid_space(args))
     except (ClusterUnavailable, ClusterError) as e:
         print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
         return 2
@@ -313,23 +475,66 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
         return 1
     finally:
+        results["config"]["took_s"] = time.monotonic() - started
         if len(results) > 1:
             write_outputs(results, args.out)
     return 0
 
 
+def write_grid(
+    args: argparse.Namespace,
+    results: dict[str, Any],
+    systems: list[matrix.System],
+    space: SearchSpace,
+) -> dict[str, Any]:
+    """GRID.json from the grid run's one cell and its `systems` (the grid points, in the
+    tuner's `space`); returns it."""
+    (cell,) = results["training"]
+    meta = {
+        "workers": args.workers,
+        "cpu_servers": args.scheduler_k,
+        "rate_mbit": args.rate_mbit,
+        "space": space.to_json(),
+        "iterations": args.iterations,
+        "warmup_iterations": args.warmup_iterations,
+        "command": results["config"]["command"],
+        "date": results["config"]["date"],
+    }
+    data = grid.grid_json(cell, systems, meta)
+    args.grid.parent.mkdir(parents=True, exist_ok=True)
+    args.grid.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"grid search: {len(data['configs'])} points in {args.grid}", file=sys.stderr)
+    return data
+
+
 def write_outputs(results: dict[str, Any], out: Path) -> None:
     """results.json, results.md and the plots of whatever finished."""
     (out / "results.json").write_text(json.dumps(results, indent=1))
-    (out / "results.md").write_text(report.markdown(results))
+    scheduler_run = results["config"].get("schedulers") is not None
+    grid_run = "grid" in results
+    text = report.markdown(results)
+    if scheduler_run and results.get("training"):
+        text += "\n" + schedreport.markdown(results)
+    if results.get("grid"):
+        text += "\n" + grid.markdown(results["grid"])
+    (out / "results.md").write_text(text)
     plots: list[tuple[str, Callable[[dict[str, Any], Path], None], str]] = [
-        ("goodput", report.plot_goodput, "goodput.png"),
-        ("training", report.plot_training, "training.png"),
+        ("goodput", report.plot_goodput, "goodput.png")
     ]
+    if scheduler_run:
+        plots += [
+            ("training", schedreport.plot_rates, "schedulers.png"),
+            ("training", schedreport.plot_idle, "idle.png"),
+        ]
+    elif not grid_run:
+        plots.append(("training", report.plot_training, "training.png"))
     for key, plot, name in plots:
         if results.get(key):
             plot(results, out / name)
     print(f"results in {out}/ (results.md, results.json, *.png, logs/)", file=sys.stderr)
+    if scheduler_run and results.get("training"):
+        for line in schedreport.verdict_lines(results):
+            print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

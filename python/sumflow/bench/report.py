@@ -20,7 +20,8 @@ def markdown(results: dict[str, Any]) -> str:
     cfg = results["config"]
     flag = cfg["cpu_flag"]
     lines = [
-        f"Emulated cluster: {cfg['workers']} worker hosts + up to {max(cfg['cpu_servers'])} "
+        f"Emulated cluster: {cfg['workers']} worker hosts + up to "
+        f"{cfg.get('cpu_hosts', max(cfg['cpu_servers']))} "
         f"CPU-server hosts, {cfg['rate_mbit']:g} Mbit/s per direction per host, MTU "
         f"{cfg['mtu']}, delay {cfg['delay_ms']:g} ms.",
         "",
@@ -56,22 +57,28 @@ def markdown(results: dict[str, Any]) -> str:
             )
         lines.append("")
     training = results.get("training")
-    if training:
+    if training and cfg.get("schedulers") is None and cfg.get("grid") is None:
         lines += [
             "| model (scaled) | system | iterations/s | vs DDP/gloo | compute per iteration | "
             "idle per iteration | CPU |",
             "|---|---|---|---|---|---|---|",
         ]
-        for model in training:
-            for run in model["runs"]:
+        for cell in training:
+            for run in cell["runs"]:
                 lines.append(
-                    f"| {model['model']} ({model['megabytes']:.1f} MB) | {run['label']} | "
-                    f"{run['iterations_per_s']:.2f} | **{run['vs_ddp']:.2f}x** | "
-                    f"{run['compute_ms']:.0f} ms | {run['idle_ms']:.0f} ms | "
-                    f"{_cpu(run, flag)} |"
+                    f"| {cell_name(cell, training)} ({cell['megabytes']:.1f} MB) | "
+                    f"{run['label']} | {run['iterations_per_s']:.2f} | "
+                    f"**{run['vs_ddp']:.2f}x** | {run['compute_ms']:.0f} ms | "
+                    f"{run['idle_ms']:.0f} ms | {_cpu(run, flag)} |"
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def cell_name(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
+    """A training cell's model, with its reference bandwidth when the run has several."""
+    gbits = {c.get("reference_gbit") for c in cells}
+    return cell["model"] + (f" @ {cell['reference_gbit']:g} Gbit/s" if len(gbits) > 1 else "")
 
 
 def plot_goodput(results: dict[str, Any], path: Path) -> None:
@@ -143,7 +150,7 @@ def plot_training(results: dict[str, Any], path: Path) -> None:
         ]
         ax.bar(xs, ys, width, label=label)
     ax.set_xticks(range(len(training)))
-    ax.set_xticklabels([m["model"] for m in training])
+    ax.set_xticklabels([cell_name(m, training) for m in training])
     ax.set_ylabel("iterations/s")
     cfg = results["config"]
     ax.set_title(f"training, {cfg['workers']} workers, {cfg['rate_mbit']:g} Mbit/s")

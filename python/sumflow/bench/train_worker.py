@@ -15,11 +15,17 @@ not overlap it. Systems:
 
 - ``sumflow``: ``hvd.DistributedOptimizer`` around SGD, parameters broadcast from rank 0
   (the job comes from ``sumflow-run``'s environment); ``--partition-bytes`` sets
-  ``SUMFLOW_PARTITION_BYTES``;
+  ``SUMFLOW_PARTITION_BYTES``; ``--cross-barrier`` crosses the global barrier (step()
+  returns at once, each parameter is updated when its sum arrives, and the next forward
+  waits per layer), so the order the scheduler (``SUMFLOW_SCHEDULER``) sends partitions in
+  decides how much of the next forward overlaps communication;
 - ``ddp-gloo``: ``DistributedDataParallel`` over a gloo process group (env://:
   ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``--bucket-cap-mb`` (25).
 
-An iteration is ``zero_grad``, forward, backward, step. The first one is checked, not
+An iteration is ``zero_grad``, forward, backward, step. Across the barrier, waiting moves
+from step into the next forward's layers; the timed window ends once the last step's
+parameters are all updated, so no communication escapes the measurement. The first one is
+checked, not
 timed: every gradient must be the exact average of the workers' (each worker's model has
 its own gradient values) and every parameter must be equal on all workers (per-tensor
 float64 sums compared with rank 0's via the system's own broadcast); any difference stops
@@ -79,6 +85,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sumflow: largest partition (SUMFLOW_PARTITION_BYTES) [sumflow's default]",
     )
     p.add_argument(
+        "--cross-barrier",
+        action="store_true",
+        help="sumflow: cross the global barrier (parameters updated as their sums arrive)",
+    )
+    p.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="ddp-gloo: DDP bucket size [25]"
     )
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate [0.01]")
@@ -99,6 +110,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--iterations and --progress-every must be >= 1, --warmup >= 0")
     if args.partition_bytes is not None and args.partition_bytes < 4:
         p.error(f"--partition-bytes must be >= 4, got {args.partition_bytes}")
+    if args.cross_barrier and args.system != "sumflow":
+        p.error("--cross-barrier is sumflow's (DDP always waits for its buckets in backward)")
     return args
 
 
@@ -124,6 +137,9 @@ class System:
 
     def barrier(self) -> None:
         raise NotImplementedError
+
+    def drain(self) -> None:
+        """Returns once every parameter holds the last step's update."""
 
     def broadcast_(self, t: torch.Tensor, name: str) -> None:
         """Overwrites `t` with rank 0's, in place."""
@@ -152,12 +168,27 @@ class Sumflow(System):
         self.rank, self.size = hvd.rank(), hvd.size()
         self.model = self.net = build_model(profile, seed=self.rank)
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
-        self.optimizer = hvd.DistributedOptimizer(
-            opt, named_parameters=self.model.named_parameters()
-        )
+        self.cross_barrier = args.cross_barrier
+        crossing = {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
+        try:
+            self.optimizer = hvd.DistributedOptimizer(
+                opt, named_parameters=self.model.named_parameters(), **crossing
+            )
+        except TypeError as e:
+            if not self.cross_barrier:
+                raise
+            raise SystemExit(
+                f"train_worker --cross-barrier: this sumflow.torch cannot cross the global "
+                f"barrier ({e})"
+            ) from None
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def step(self) -> float:
+        if self.cross_barrier:
+            # Returns at once: the updates happen as the sums arrive.
+            started = time.perf_counter()
+            self.optimizer.step()
+            return time.perf_counter() - started
         # synchronize() then step() inside skip_synchronize() is what step() does; split,
         # so the local update's own time can be reported.
         self.optimizer.synchronize()  # type: ignore[attr-defined]
@@ -168,6 +199,10 @@ class Sumflow(System):
 
     def barrier(self) -> None:
         self.hvd.barrier()
+
+    def drain(self) -> None:
+        if self.cross_barrier:
+            self.optimizer.synchronize()  # type: ignore[attr-defined]
 
     def broadcast_(self, t: torch.Tensor, name: str) -> None:
         self.hvd.broadcast_(t, root_rank=0, name=f"train_worker.{name}")
@@ -318,6 +353,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         f"time x{args.time_scale:g}"
     )
     iteration(system)
+    system.drain()
     check_first_step(system)
     log("first step checked: gradients are the workers' average, parameters agree")
     for _ in range(args.warmup):
@@ -337,6 +373,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
                 f"iteration {i}/{args.iterations}: {i / elapsed:.2f} it/s, last {t * 1e3:.0f} ms "
                 f"(compute {c * 1e3:.0f} ms, idle {(t - c) * 1e3:.0f} ms)"
             )
+    system.drain()
     wall = time.perf_counter() - started
     window.append(time.time())
     idles = [t - c for t, c in zip(times, computes)]
@@ -368,6 +405,8 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "tensors": profile.num_tensors,
         "profile_compute_ms": profile.compute_ms,
         "partition_bytes": args.partition_bytes if system.name == "sumflow" else None,
+        "cross_barrier": args.cross_barrier,
+        "scheduler": os.environ.get("SUMFLOW_SCHEDULER") if system.name == "sumflow" else None,
         "bucket_cap_mb": args.bucket_cap_mb if system.name == "ddp-gloo" else None,
         "warmup": args.warmup,
         "iterations": args.iterations,
@@ -414,6 +453,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.system == "ddp-gloo":
+        # Skips the interpreter's teardown: a gloo thread still joinable in a static object
+        # aborts a rank now and then at exit ("terminate called without an active
+        # exception") after everything was measured and written, failing the job.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -1,27 +1,60 @@
 """The harness's training benchmark: real training loops on sleeping layer-profile models.
 
-For each profile, the scales that keep the real cluster's communication/computation ratio
-on the emulated network (:func:`sumflow.profiles.scales_for_emulation`: ``--reference-gbit``
-real against ``--rate-mbit`` emulated), then, on the same hosts: DDP with gloo, sumflow's
-DistributedOptimizer with colocated servers only (k = 0, the same machines as DDP), and
-with k = n CPU-server hosts added.
+The plan (:mod:`sumflow.bench.matrix`) lists the jobs: for every (profile, reference
+bandwidth) cell, the scales that keep the real cluster's communication/computation ratio
+on the emulated network, then every system on the same hosts, back to back. The standard
+run compares DDP with gloo, sumflow on the same machines (k = 0) and sumflow with k = n
+CPU-server hosts; ``--schedulers`` compares sumflow's schedulers (issue 6) with DDP.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import sys
+import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from sumflow import profiles
 from sumflow.bench.cpu import CpuSampler
 from sumflow.bench.jobs import read_result, run_sumflow_job, run_torch_job
+from sumflow.bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
 from sumflow.bench.netns import EmulatedCluster
+from sumflow.profiles import EmulationScales
+
+#: Variables of sumflow's auto-tuner (docs/autotune.md).
+AUTOTUNE_ENV = "SUMFLOW_AUTOTUNE"
+AUTOTUNE_FILE_ENV = "SUMFLOW_AUTOTUNE_FILE"
+AUTOTUNE_LOG_ENV = "SUMFLOW_AUTOTUNE_LOG"
 
 
 class _Progress(Protocol):
-    def step(self, text: str) -> None: ...
+    def step(self, text: str, estimate_s: float = 0.0) -> None: ...
+
+
+def step_estimates(
+    args: argparse.Namespace, steps: Sequence[Step]
+) -> tuple[dict[Cell, EmulationScales], list[float]]:
+    """Every cell's scales, and every step's estimated seconds (ValueError if a cell cannot
+    be scaled: the emulated network is too fast for that profile and bandwidth)."""
+    scales: dict[Cell, EmulationScales] = {}
+    for step in steps:
+        if step.cell not in scales:
+            scales[step.cell] = cell_scales(step.cell, args.rate_mbit)
+    estimates = [
+        estimate_seconds(
+            step,
+            scales[step.cell],
+            workers=args.workers,
+            rate_mbit=args.rate_mbit,
+            iterations=1 + args.warmup_iterations + args.iterations,
+            tune_iterations=args.tune_iterations,
+        )
+        for step in steps
+    ]
+    return scales, estimates
 
 
 def training_runs(
@@ -30,88 +63,211 @@ def training_runs(
     sampler: CpuSampler,
     tmp: Path,
     progress: _Progress,
-    models: list[dict[str, Any]],
+    steps: Sequence[Step],
+    cells: list[dict[str, Any]],
 ) -> None:
-    """Every profile in ``args.models``, three systems each, appended to ``models`` as each
-    profile finishes (so a failure later keeps what was measured)."""
+    """Runs `steps` in order; appends each cell's results to `cells` as soon as the cell
+    is done, and the unfinished cell's when a job fails or the run is stopped (so what was
+    measured is kept)."""
+    scales, estimates = step_estimates(args, steps)
+    current: dict[str, Any] | None = None
+    try:
+        for step, estimate in zip(steps, estimates):
+            if current is None or current["cell"] != step.cell:
+                if current is not None:
+                    cells.append(finish_cell(current))
+                current = new_cell(step.cell, scales[step.cell], args)
+                print(f"    {current['scaling']}", file=sys.stderr, flush=True)
+            progress.step(step.what, estimate)
+            result = run_step(args, cluster, sampler, tmp, step, current)
+            if step.tune:
+                current["tuning"].append(result)
+            else:
+                current["runs"].append(result)
+                print(
+                    f"    {step.system.label}: {result['iterations_per_s']:.2f} iterations/s, "
+                    f"idle {result['idle_ms']:.0f} ms per iteration",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    finally:
+        # The cell in progress too: what it measured before a failure or an interrupt.
+        if current is not None:
+            cells.append(finish_cell(current))
+
+
+def new_cell(cell: Cell, scales: EmulationScales, args: argparse.Namespace) -> dict[str, Any]:
+    """A cell's result record before its runs."""
+    return {
+        "cell": cell,
+        "model": cell.model,
+        "reference_gbit": cell.reference_gbit,
+        "megabytes": scales.param_bytes / 1e6,
+        "size_scale": scales.size_scale,
+        "time_scale": scales.time_scale,
+        "compute_s": scales.compute_s,
+        "partition_bytes": args.train_partition_bytes or scales.partition_bytes,
+        "bucket_cap_mb": scales.bucket_cap_mb,
+        "scaling": scales.reason,
+        "runs": [],
+        "tuning": [],
+    }
+
+
+def finish_cell(cell: dict[str, Any]) -> dict[str, Any]:
+    """The cell's per-system summary (median over repeats) and every run's ratios to DDP
+    and to fifo, where the cell has them."""
+    del cell["cell"]
+    cell["summary"] = summarize(cell["runs"])
+    for base in ("ddp", "fifo"):
+        if base in cell["summary"]:
+            ref = cell["summary"][base]["iterations_per_s"]
+            for run in cell["runs"]:
+                run[f"vs_{base}"] = run["iterations_per_s"] / ref
+    return cell
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per system (by name, in run order): median iterations/s over its runs, their
+    spread, and the median idle time per iteration."""
+    out: dict[str, dict[str, Any]] = {}
+    for name in dict.fromkeys(r["name"] for r in runs):
+        mine = [r for r in runs if r["name"] == name]
+        rates = [r["iterations_per_s"] for r in mine]
+        out[name] = {
+            "label": mine[0]["label"],
+            "runs": len(mine),
+            "iterations_per_s": statistics.median(rates),
+            "min_iterations_per_s": min(rates),
+            "max_iterations_per_s": max(rates),
+            "idle_ms": statistics.median(r["idle_ms"] for r in mine),
+            "compute_ms": statistics.median(r["compute_ms"] for r in mine),
+            "cpu": max((r["cpu"] for r in mine if r.get("cpu") is not None), default=None),
+        }
+    return out
+
+
+def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out: Path) -> list[str]:
+    """The train_worker command line of `step`."""
+    system = step.system
+    iterations = args.tune_iterations if step.tune else args.iterations
+    argv = [
+        *(sys.executable, "-m", "sumflow.bench.train_worker", "--profile", step.cell.model),
+        *("--size-scale", repr(cell["size_scale"]), "--time-scale", repr(cell["time_scale"])),
+        *("--iterations", str(iterations)),
+        *("--warmup", "0" if step.tune else str(args.warmup_iterations)),
+        *("--system", system.kind, "--json", str(out)),
+    ]
+    if system.kind == "ddp-gloo":
+        return [*argv, "--bucket-cap-mb", repr(cell["bucket_cap_mb"])]
+    argv += ["--partition-bytes", str(system.partition_bytes or cell["partition_bytes"])]
+    if system.cross_barrier:
+        argv.append("--cross-barrier")
+    return argv
+
+
+def tuner_files(args: argparse.Namespace, step: Step) -> tuple[Path, Path]:
+    """Where a tuned system's tuner keeps its best configuration (one file per cell and
+    system, shared by the tuning run and the measured run) and where `step` logs."""
+    folder = args.out / "tuned"
+    return folder / f"{step.cell.key}-{step.system.name}.json", folder / f"{step.key}.jsonl"
+
+
+def sumflow_env(args: argparse.Namespace, step: Step, cell: dict[str, Any]) -> list[str]:
+    """``-x NAME=VALUE`` settings of a sumflow job: the user's (``-x``), then the
+    scheduler and credit, then for a tuned system the auto-tuner's. Both of its runs tune
+    "or reuse a stored result" (``SUMFLOW_AUTOTUNE=1``) with the same file: the tuning run
+    starts without one (:func:`run_step` removes it) and tunes, the measured run finds the
+    tuning run's best and applies it. The tuner's partition range is its default scaled
+    like the tensors."""
+    env = list(args.worker_env)
+    system = step.system
+    if system.scheduler is not None:
+        env.append(f"SUMFLOW_SCHEDULER={system.scheduler}")
+    if system.credit_bytes is not None:
+        env.append(f"SUMFLOW_CREDIT_BYTES={system.credit_bytes}")
+    if system.tuned:
+        store, log = tuner_files(args, step)
+        low, high = tuning_space(cell["size_scale"])
+        env += [
+            f"{AUTOTUNE_ENV}=1",
+            f"{AUTOTUNE_FILE_ENV}={store}",
+            f"{AUTOTUNE_LOG_ENV}={log}",
+            f"SUMFLOW_AUTOTUNE_PARTITION_BYTES={low}:{high}",
+            f"SUMFLOW_AUTOTUNE_TRIALS={args.tune_trials}",
+            f"SUMFLOW_AUTOTUNE_WARMUP_STEPS={args.tune_warmup_steps}",
+            f"SUMFLOW_AUTOTUNE_MEASURE_STEPS={args.tune_measure_steps}",
+        ]
+    return [a for item in env for a in ("-x", item)]
+
+
+def read_tuner_log(path: Path) -> dict[str, Any]:
+    """What a tuner's JSON-lines log says: its events in order, the trials (configuration,
+    score, why it was tried) and the configuration it finished with or reused."""
+    events: list[dict[str, Any]] = []
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                events.append(json.loads(line))
+    trials = [
+        {k: e.get(k) for k in ("trial", "config", "score_s", "reason", "step_s")}
+        for e in events
+        if e.get("event") == "trial"
+    ]
+    applied = None
+    for e in events:
+        if e.get("event") == "finish":
+            applied = e["best"]["config"]
+        elif e.get("event") == "reuse":
+            applied = e["config"]
+    return {"events": [e.get("event") for e in events], "trials": trials, "applied": applied}
+
+
+def run_step(
+    args: argparse.Namespace,
+    cluster: EmulatedCluster,
+    sampler: CpuSampler,
+    tmp: Path,
+    step: Step,
+    cell: dict[str, Any],
+) -> dict[str, Any]:
+    """Runs one job; returns its result (train_worker's JSON plus the plan's labels)."""
     n = args.workers
     workers, spare = cluster.hosts[:n], cluster.hosts[n:]
-    k_extra = min(n, len(spare))
-    logs = args.out / "logs"
-    for name in args.models:
-        profile = profiles.load(name)
-        scales = profiles.scales_for_emulation(
-            profile,
-            reference_gbps=args.reference_gbit,
-            emulated_gbps=args.rate_mbit / 1e3,
+    system = step.system
+    out = tmp / f"train-{step.key}.json"
+    log_path = args.out / "logs" / f"train-{step.key}.log"
+    argv = worker_argv(args, step, cell, out)
+    store, log = tuner_files(args, step)
+    if system.tuned:
+        store.parent.mkdir(parents=True, exist_ok=True)
+        log.unlink(missing_ok=True)
+        if step.tune:
+            # A tuning run starts from nothing; with a stale file it would reuse instead.
+            store.unlink(missing_ok=True)
+    if system.kind == "ddp-gloo":
+        run_torch_job(
+            cluster, workers, argv, what=step.what, log_path=log_path, timeout=args.job_timeout
         )
-        print(f"    {scales.reason}", file=sys.stderr, flush=True)
-        partition_bytes = args.train_partition_bytes or scales.partition_bytes
-        worker = [
-            *(sys.executable, "-m", "sumflow.bench.train_worker", "--profile", name),
-            *("--size-scale", repr(scales.size_scale), "--time-scale", repr(scales.time_scale)),
-            *("--iterations", str(args.iterations), "--warmup", str(args.warmup_iterations)),
-        ]
-        runs = []
-        configs: list[tuple[str, str, int]] = [
-            ("DDP/gloo", "ddp-gloo", 0),
-            ("sumflow k=0", "sumflow", 0),
-        ]
-        if k_extra:
-            configs.append((f"sumflow k={k_extra}", "sumflow", k_extra))
-        for label, system, k in configs:
-            progress.step(f"training {name}: {label}")
-            out = tmp / f"train-{name}-{system}-k{k}.json"
-            tag = f"train-{name}-{system}-k{k}"
-            if system == "ddp-gloo":
-                argv = [*worker, "--system", system, "--bucket-cap-mb", repr(scales.bucket_cap_mb)]
-                run_torch_job(
-                    cluster,
-                    workers,
-                    [*argv, "--json", str(out)],
-                    what=f"training {name} {label}",
-                    log_path=logs / f"{tag}.log",
-                    timeout=args.job_timeout,
-                )
-            else:
-                argv = [
-                    *worker,
-                    "--system",
-                    system,
-                    "--partition-bytes",
-                    str(partition_bytes),
-                ]
-                run_sumflow_job(
-                    cluster,
-                    workers,
-                    spare[:k],
-                    [*argv, "--json", str(out)],
-                    what=f"training {name} {label}",
-                    log_path=logs / f"{tag}.log",
-                    timeout=args.job_timeout,
-                )
-            run = read_result(out, f"training {name} {label}")
-            run["label"] = label
-            run["k"] = k
-            run["cpu"] = sampler.utilisation(*run["window"])
-            runs.append(run)
-            print(
-                f"    {label}: {run['iterations_per_s']:.2f} iterations/s",
-                file=sys.stderr,
-                flush=True,
-            )
-        ddp = runs[0]["iterations_per_s"]
-        for run in runs:
-            run["vs_ddp"] = run["iterations_per_s"] / ddp
-        models.append(
-            {
-                "model": name,
-                "megabytes": scales.param_bytes / 1e6,
-                "size_scale": scales.size_scale,
-                "time_scale": scales.time_scale,
-                "partition_bytes": partition_bytes,
-                "bucket_cap_mb": scales.bucket_cap_mb,
-                "scaling": scales.reason,
-                "runs": runs,
-            }
+    else:
+        run_sumflow_job(
+            cluster,
+            workers,
+            spare[: system.k],
+            argv,
+            what=step.what,
+            log_path=log_path,
+            timeout=args.job_timeout,
+            launcher_args=sumflow_env(args, step, cell),
         )
+    run = read_result(out, step.what)
+    run.update(name=system.name, label=system.label, k=system.k, repeat=step.repeat)
+    run["cpu"] = sampler.utilisation(*run["window"])
+    if system.tuned:
+        run["tuner"] = {"store": str(store), "log": str(log), **read_tuner_log(log)}
+    if step.tune:
+        # What the tuner tried is in the log; the result keeps only its summary.
+        for key in ("iteration_s", "compute_s", "idle_s", "update_s", "per_rank"):
+            run.pop(key, None)
+    run["finished"] = time.strftime("%H:%M:%S")
+    return run
