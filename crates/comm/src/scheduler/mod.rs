@@ -336,6 +336,13 @@ impl<T> Scheduler<T> {
         if let Some(p) = &mut self.prophet {
             let expired = p.expire(now);
             self.release(&expired, false);
+            // Work-conserving: Prophet never leaves the network idle while it holds
+            // partitions (see `Prophet::release_first`).
+            if self.outstanding == 0 {
+                if let Some(first) = self.prophet.as_mut().and_then(|p| p.release_first()) {
+                    self.release(&[first], true);
+                }
+            }
         }
         let mut out = Vec::new();
         for (server, s) in self.servers.iter_mut().enumerate() {
