@@ -5,6 +5,7 @@ failures (declaration mismatch, a killed worker)."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -166,12 +167,27 @@ def test_a_killed_worker_is_named_by_the_others_within_the_heartbeat_timeout(
     assert elapsed < 60, elapsed
 
 
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free, below Linux's ephemeral range (32768 up): torchrun's
+    sumflow coordinator binds MASTER_PORT + 1, and a port-0 bind (the summation server's,
+    any client socket's) could take an ephemeral P + 1 first (seen once in CI)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free pair of ports in 20000-32000")
+
+
 def test_workers_started_by_torchrun(tmp_path: Path) -> None:
     """torchrun's RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT are enough: rank 0
     starts the coordinator and local rank 0 the machine's summation server."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port_pair()
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
     env["SUMFLOW_JOB_TOKEN"] = "torchrun-test-token-0123456789"
     out = subprocess.run(
