@@ -556,13 +556,9 @@ impl CommunicationService {
                 generation, "partition size changed"
             );
         }
-        let partition = table.partition_bytes();
-        if let Some(credit) = credit_bytes {
-            self.pipeline.set_credit(credit, partition);
-        } else {
-            let credit = self.pipeline.schedule().credit_bytes;
-            self.pipeline.set_credit(credit, partition);
-        }
+        // P3's credit follows the partition size even when the credit stays.
+        let credit = credit_bytes.unwrap_or_else(|| self.pipeline.schedule().credit_bytes);
+        self.pipeline.set_credit(credit, table.partition_bytes());
         Ok(())
     }
 
