@@ -246,7 +246,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--partition-bytes",
         type=int,
         metavar="BYTES",
-        help="largest partition a tensor is cut into (SUMFLOW_PARTITION_BYTES for workers)",
+        help="largest partition a tensor is cut into (SUMFLOW_PARTITION_BYTES for workers; "
+        "the fifo scheduler sends whole tensors)",
     )
     job.add_argument(
         "--scheduler",

@@ -115,7 +115,7 @@ def test_a_traced_job_writes_each_workers_window_and_merges(tmp_path: Path) -> N
             if names[e["tid"]] == "scheduler" and e["name"] == "allreduce.x"
         ]
         assert len(ready) == 3, ready
-        assert all(e["args"]["released"] == 1 for e in ready), ready
+        assert all(e["args"]["partitions"] == 1 for e in ready), ready
         pushes = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("push → server")]
         sums = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("receive ← server")]
         assert [e["name"] for e in pushes] == ["allreduce.x [0]"] * 3, pushes

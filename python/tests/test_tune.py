@@ -690,3 +690,15 @@ def test_a_tuned_job_switches_every_worker_at_the_same_step_and_sums_right(
     assert set(again[0]["schedules"]) == {(best.partition_bytes, best.credit_bytes)}
     events = [json.loads(x) for x in (tmp_path / "again" / "trials.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "reuse"]
+
+
+def test_auto_tuning_fifo_is_refused_on_every_worker(tmp_path: Path) -> None:
+    from jobs import run_worker_processes
+
+    env = {"SUMFLOW_AUTOTUNE": "1", "SUMFLOW_SCHEDULER": "fifo"}
+    outcomes = run_worker_processes(tmp_path, 2, [TUNE_WORKER, str(tmp_path), "sync"], 1, env=env)
+    for o in outcomes:
+        assert o.returncode != 0, f"worker {o.rank} trained"
+        assert "the fifo scheduler sends whole tensors without a credit" in o.stderr, o.stderr[
+            -2000:
+        ]

@@ -11,12 +11,19 @@
 
 use std::collections::HashMap;
 
-use sumflow_wire::Dtype;
+use sumflow_wire::message::DATA_META_LEN;
+use sumflow_wire::{Dtype, DEFAULT_MAX_BODY};
 use thiserror::Error;
 
 /// BytePS's partition size, which its authors found to work well (§4.1, footnote 6); tune it
 /// per job when messages are too many (raise it) or placement too lumpy (lower it).
 pub const DEFAULT_PARTITION_BYTES: u64 = 4 << 20;
+
+/// The partition size of the `fifo` scheduler, which sends whole tensors as the frameworks
+/// it stands for do (ByteScheduler's baseline): the largest push a server takes by default
+/// (its frame limit less a push's header), in whole pages. Only tensors larger than that
+/// are cut.
+pub const WHOLE_TENSOR_BYTES: u64 = (DEFAULT_MAX_BODY as u64 - DATA_META_LEN as u64) & !4095;
 
 /// A contiguous run of a tensor's elements, pushed and summed as one key.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

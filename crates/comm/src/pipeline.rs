@@ -195,9 +195,10 @@ impl Shared {
         let why = d.why.as_ref().map(|w| w.describe());
         let mut args = vec![
             ("priority", Arg::Int(priority)),
-            ("released", Arg::Uint(d.released as u64)),
+            ("partitions", Arg::Uint(d.ready as u64)),
         ];
         if let Some(why) = &why {
+            args.push(("block", Arg::Uint(d.block as u64)));
             args.push(("prophet", Arg::Str(why)));
         }
         self.tracer
@@ -329,8 +330,13 @@ impl Pipeline {
     pub fn mark_step(&self) {
         let sh = &self.shared;
         let mut s = sh.scheduler();
-        let decision = s.mark_step();
+        s.mark_step();
         sh.dispatch(s.poll(Instant::now()));
+        let decision = Decision {
+            ready: 0,
+            block: 0,
+            why: None,
+        };
         sh.trace_decision(&s, "step", 0, &decision);
     }
 
@@ -432,8 +438,7 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
     sh.handles.fail_all(Some(server), |t| lost(t, name, why));
 }
 
-/// Runs the scheduler's time-driven decisions: a full credit's stall rule, Prophet's
-/// deadline for held partitions.
+/// Runs the scheduler's time-driven decisions: a full push window's stall rule.
 fn timer_loop(sh: &Shared) {
     let mut s = sh.scheduler();
     while !sh.stop.load(Ordering::Acquire) {

@@ -13,7 +13,7 @@ use tracing::{info, warn};
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::lanes;
-use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES};
+use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::placement::{place, ServerSet};
 use crate::scatter::scatter;
@@ -51,10 +51,10 @@ pub struct CommConfig {
     pub name: String,
     /// Machine identity: workers with the same one share a machine and its colocated server.
     pub host_id: String,
+    /// The size tensors are cut into, except under `fifo`, which sends whole tensors.
     pub partition_bytes: u64,
     /// Which scheduler decides when partitions go out (see [`crate::scheduler`]).
     pub scheduler: SchedulerKind,
-    /// Bytes a worker may have pushed to one server whose sums have not come back yet
     /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
     /// `None`: 2 partitions; 0: unbounded.
     pub credit_bytes: Option<u64>,
@@ -98,6 +98,16 @@ impl CommConfig {
             coordinator_options: CoordinatorOptions::default(),
             connect_timeout: Duration::from_secs(60),
             trace: None,
+        }
+    }
+
+    /// The size tensors are cut into: `partition_bytes`, or under `fifo` whole tensors
+    /// (up to [`WHOLE_TENSOR_BYTES`]).
+    pub fn layout_partition_bytes(&self) -> u64 {
+        if self.scheduler.sends_whole_tensors() {
+            WHOLE_TENSOR_BYTES
+        } else {
+            self.partition_bytes
         }
     }
 }
@@ -188,6 +198,14 @@ impl CommunicationService {
                 "the partition size must be positive".into(),
             ));
         }
+        let partition_bytes = cfg.layout_partition_bytes();
+        if partition_bytes != cfg.partition_bytes && cfg.partition_bytes != DEFAULT_PARTITION_BYTES
+        {
+            info!(
+                partition_bytes = cfg.partition_bytes,
+                "the fifo scheduler sends whole tensors: the partition size does not apply"
+            );
+        }
         if let Some(c) = cfg.connections_per_cpu_server {
             if !(1..=lanes::MAX).contains(&c) {
                 return Err(CommError::Invalid(format!(
@@ -261,7 +279,7 @@ impl CommunicationService {
         // by the coordinator like any declaration: a worker that differs fails every
         // worker at once with a DeclarationMismatchError naming the setting and both values.
         for (name, value) in [
-            (LAYOUT_PARTITION_BYTES, cfg.partition_bytes),
+            (LAYOUT_PARTITION_BYTES, partition_bytes),
             (LAYOUT_CPU_SERVER_LANES, u64::from(cpu_lanes)),
         ] {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
@@ -272,7 +290,7 @@ impl CommunicationService {
             None => Tracer::disabled(),
         });
         let handles = Arc::new(Handles::default());
-        let mut schedule = Schedule::new(cfg.scheduler, cfg.partition_bytes);
+        let mut schedule = Schedule::new(cfg.scheduler, partition_bytes);
         if let Some(credit) = cfg.credit_bytes {
             schedule.credit_bytes = credit;
         }
@@ -284,7 +302,7 @@ impl CommunicationService {
             links,
             Arc::clone(&handles),
             schedule,
-            cfg.partition_bytes,
+            partition_bytes,
             Arc::clone(&tracer),
         )?;
         let local = local_rank(&map, job.rank());
@@ -305,7 +323,7 @@ impl CommunicationService {
             table: Mutex::new(Table {
                 tensors: HashMap::new(),
                 groups: Vec::new(),
-                layouts: vec![cfg.partition_bytes],
+                layouts: vec![partition_bytes],
                 generation: 0,
             }),
             lanes,
@@ -502,6 +520,13 @@ impl CommunicationService {
             )));
         }
         if let Some(bytes) = partition_bytes.filter(|&b| b != table.partition_bytes()) {
+            let kind = self.pipeline.schedule().kind;
+            if kind.sends_whole_tensors() {
+                return Err(CommError::Invalid(format!(
+                    "the {kind} scheduler sends whole tensors: it has no partition size to \
+                     change (bytescheduler and prophet cut tensors into partitions)"
+                )));
+            }
             if bytes == 0 {
                 return Err(CommError::Invalid(
                     "the partition size must be positive".into(),

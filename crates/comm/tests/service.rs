@@ -5,6 +5,8 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::partition::WHOLE_TENSOR_BYTES;
+use sumflow_comm::scheduler::SchedulerKind;
 use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
 use sumflow_summation::{
@@ -289,5 +291,62 @@ fn a_crashed_worker_fails_the_others_operations_by_name() {
     assert!(err.to_string().contains("trainer 1"), "{err}");
     assert!(!matches!(err, CommError::Timeout { .. }));
     drop(c);
+    finish(job);
+}
+
+#[test]
+fn fifo_sends_whole_tensors() {
+    // Two colocated servers: cut into 4 KiB partitions, two tensors of 120 kB and 20 kB
+    // would be spread half and half; whole, each sits on one server.
+    let job = job(2, 0);
+    let addr = job.addr.clone();
+    let threads: Vec<_> = (0..2u32)
+        .map(|w| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let mut cfg = CommConfig::new(&addr, token(), &format!("machine-{w}"));
+                cfg.rank = Some(w);
+                cfg.name = format!("trainer {w}");
+                cfg.partition_bytes = 4096;
+                cfg.scheduler = SchedulerKind::Fifo;
+                cfg.coordinator_options = options();
+                cfg.declare_timeout = Duration::from_secs(10);
+                let c = CommunicationService::start(cfg).unwrap();
+                let (kind, partition, _) = c.schedule();
+                assert_eq!((kind, partition), (SchedulerKind::Fifo, WHOLE_TENSOR_BYTES));
+                let ids = c
+                    .declare_group(&[("big", Dtype::F32, 30_000), ("small", Dtype::F32, 5_000)])
+                    .unwrap();
+                assert_eq!(
+                    c.placement_report(),
+                    [
+                        "server 0: 0.1 MB, 85.7% of declared bytes",
+                        "server 1: 0.0 MB, 14.3% of declared bytes"
+                    ]
+                );
+                let err = c.reconfigure(Some(8192), None).unwrap_err();
+                assert!(
+                    err.to_string()
+                        .contains("the fifo scheduler sends whole tensors"),
+                    "{err}"
+                );
+                let mut big: Vec<f32> = (0..30_000).map(|i| (i % 7 + w as usize) as f32).collect();
+                let mut small = vec![w as f32 + 1.0; 5_000];
+                let h1 = push_pull(&c, ids[0], &mut big, 0, ReduceOp::Sum);
+                let h2 = push_pull(&c, ids[1], &mut small, 1, ReduceOp::Sum);
+                c.wait(h1, Duration::from_secs(20)).unwrap();
+                c.wait(h2, Duration::from_secs(20)).unwrap();
+                for (i, v) in big.iter().enumerate() {
+                    assert_eq!(*v, (2 * (i % 7) + 1) as f32, "element {i}");
+                }
+                assert!(small.iter().all(|&v| v == 3.0));
+                c.barrier(Duration::from_secs(10)).unwrap();
+                c.shutdown("done").unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
     finish(job);
 }

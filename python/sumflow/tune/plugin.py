@@ -92,6 +92,14 @@ def _start(schedule: dict[str, Any]) -> Configuration | None:
 
 def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
     service = _runtime.current().service
+    scheduler = str(service.schedule()["scheduler"])
+    if scheduler == "fifo":
+        # Every worker reaches this at its first step, so the job stops at once everywhere.
+        raise ValueError(
+            "SUMFLOW_AUTOTUNE: the fifo scheduler sends whole tensors without a credit, so it "
+            "has no partition size or credit to tune; choose bytescheduler, prophet or p3 "
+            "(SUMFLOW_SCHEDULER), or turn auto-tuning off"
+        )
 
     def drain() -> None:
         # The service may not switch under a push_pull in flight. After a synchronous
@@ -114,8 +122,8 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
         )
         space = settings.space.capped(max((b for _, _, b in tensors), default=0) or 1)
         if key.scheduler not in CREDIT_SCHEDULERS:
-            # fifo sends everything, p3 one partition per server: the credit is not theirs
-            # to use, and trials spent on it would measure noise.
+            # p3 sends one partition per server: the credit is not its to use, and trials
+            # spent on it would measure noise.
             space = dataclasses.replace(space, max_credit_partitions=1.0)
         tuned = dataclasses.replace(settings, space=space)
         store = TuningStore(tuned.resolved_store_path())

@@ -12,8 +12,8 @@
 //!   arrival (FIFO);
 //! - the *credit* of each server: bytes pushed to it that it has not acknowledged yet,
 //!   which nothing ready later can overtake (ByteScheduler §4.2, [`credit`]);
-//! - *release*: whether a ready partition may compete for credit at once, or is held until
-//!   Prophet's block assembly lets it out ([`prophet`]).
+//! - *blocks*: whether some ready partitions go past the credit, in blocks Prophet sizes to
+//!   the gaps of the backward pass ([`prophet`]).
 //!
 //! Under all of them, each server's push window ([`window`]) paces workers against each
 //! other: bytes pushed whose sums have not come back.
@@ -42,15 +42,15 @@ pub type Order = (i64, u64);
 /// The schedulers a job can run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SchedulerKind {
-    /// Partitions in the order their tensors became ready, straight into the network (no
+    /// Whole tensors in the order they became ready, straight into the network (no
     /// credit): the baseline of every framework.
     Fifo,
     /// P3: priority order, one partition per server in flight (stop-and-wait).
     P3,
     /// ByteScheduler Algorithm 1: priority order under a byte credit per server.
     ByteScheduler,
-    /// Prophet: priority order; during backward, held partitions go out in blocks sized to
-    /// the predicted gaps at the measured bandwidth.
+    /// Prophet: ByteScheduler, plus blocks that go past the credit during backward, sized
+    /// to the predicted gaps at the measured bandwidth.
     Prophet,
 }
 
@@ -73,6 +73,12 @@ impl SchedulerKind {
 
     fn by_priority(self) -> bool {
         self != SchedulerKind::Fifo
+    }
+
+    /// Whether it sends whole tensors rather than partitions of the job's partition size
+    /// (see [`crate::partition::WHOLE_TENSOR_BYTES`]).
+    pub fn sends_whole_tensors(self) -> bool {
+        self == SchedulerKind::Fifo
     }
 }
 
@@ -165,15 +171,18 @@ pub struct Started<T> {
 /// What the scheduler decided at one event, for logs and the trace.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Decision {
-    /// Partitions made eligible for credit at this event.
-    pub released: usize,
+    /// Partitions that became ready at this event.
+    pub ready: usize,
+    /// Of all ready partitions, those that went past the credit at this event (Prophet's
+    /// block).
+    pub block: usize,
     /// Prophet's reason, when it decided.
     pub why: Option<Release>,
 }
 
 struct Queued<T> {
     bytes: u64,
-    /// Let out by Prophet for a gap it was sized to: the budget is its credit.
+    /// In a block Prophet sized to a gap: the budget is its credit.
     budgeted: bool,
     item: T,
 }
@@ -190,14 +199,13 @@ pub struct Scheduler<T> {
     schedule: Schedule,
     partition_bytes: u64,
     servers: Vec<ServerQueue<T>>,
-    /// Held by Prophet, not yet eligible: order -> (server, partition).
-    held: HashMap<Order, (usize, Queued<T>)>,
     prophet: Option<Prophet>,
+    /// Bytes of Prophet's blocks not sent yet.
+    block_bytes: u64,
     bandwidth: BandwidthMonitor,
     /// Started and unfinished: order -> (server, bytes, acknowledged).
     in_flight: HashMap<Order, (usize, u64, bool)>,
-    /// Bytes released (eligible or started) that no server has acknowledged yet: what is
-    /// ahead of a partition released now on the way out.
+    /// Bytes ready or sent that no server has acknowledged yet.
     outstanding: u64,
     /// Ready calls so far: the FIFO order.
     arrivals: i64,
@@ -218,7 +226,7 @@ impl<T> Scheduler<T> {
                 .collect(),
             schedule,
             partition_bytes,
-            held: HashMap::new(),
+            block_bytes: 0,
             bandwidth: BandwidthMonitor::default(),
             in_flight: HashMap::new(),
             outstanding: 0,
@@ -266,84 +274,57 @@ impl<T> Scheduler<T> {
             self.arrivals
         };
         self.arrivals += 1;
-        let mut orders = Vec::with_capacity(parts.len());
+        let ready = parts.len();
+        let mut orders = Vec::with_capacity(ready);
         for p in parts {
             let order = (first, p.key);
             orders.push((order, p.bytes));
-            self.held.insert(
+            self.outstanding += p.bytes;
+            self.servers[p.server].ready.insert(
                 order,
-                (
-                    p.server,
-                    Queued {
-                        bytes: p.bytes,
-                        budgeted: false,
-                        item: p.item,
-                    },
-                ),
+                Queued {
+                    bytes: p.bytes,
+                    budgeted: false,
+                    item: p.item,
+                },
             );
         }
-        let (released, why) = match &mut self.prophet {
-            Some(prophet) => {
-                let (out, why) = prophet.ready(
-                    tensor,
-                    orders,
-                    now,
-                    self.outstanding,
-                    self.bandwidth.bytes_per_sec(),
-                );
-                (out, Some(why))
-            }
-            None => (orders.into_iter().map(|o| o.0).collect(), None),
+        let Some(prophet) = &mut self.prophet else {
+            return Decision {
+                ready,
+                block: 0,
+                why: None,
+            };
         };
-        let budgeted = matches!(why, Some(Release::Gap { .. }));
-        self.release(&released, budgeted);
+        let ahead = self.servers.iter().map(|s| s.credit.bytes()).sum::<u64>() + self.block_bytes;
+        let (block, why) =
+            prophet.ready(tensor, orders, now, ahead, self.bandwidth.bytes_per_sec());
+        // Prophet's blocks go out without waiting for credit: the budget, sized to the
+        // gap at the measured bandwidth, is theirs (the notes: "the per-gap budget adapts
+        // each stage").
+        for order in &block {
+            if let Some(q) = self.servers.iter_mut().find_map(|s| s.ready.get_mut(order)) {
+                q.budgeted = true;
+                self.block_bytes += q.bytes;
+            }
+        }
         Decision {
-            released: released.len(),
-            why,
+            ready,
+            block: block.len(),
+            why: Some(why),
         }
     }
 
     /// The plugin's step mark: this iteration's backward pass is over.
-    pub fn mark_step(&mut self) -> Decision {
-        let released = match &mut self.prophet {
-            Some(p) => p.end_iteration(),
-            None => Vec::new(),
-        };
-        self.release(&released, false);
-        Decision {
-            released: released.len(),
-            why: Some(Release::Flush("step")).filter(|_| !released.is_empty()),
-        }
-    }
-
-    /// Makes held partitions eligible; `budgeted` ones (Prophet's blocks, sized to a gap
-    /// at the measured bandwidth) go out without waiting for credit: Prophet's budget
-    /// replaces ByteScheduler's fixed credit during backward (the notes: "the per-gap
-    /// budget adapts each stage"), and only what is flushed afterwards waits for it.
-    fn release(&mut self, orders: &[Order], budgeted: bool) {
-        for order in orders {
-            if let Some((server, mut q)) = self.held.remove(order) {
-                self.outstanding += q.bytes;
-                q.budgeted = budgeted;
-                self.servers[server].ready.insert(*order, q);
-            }
-        }
-    }
-
-    /// Lets out every eligible partition its server's credit allows, most urgent first
-    /// per server, and anything Prophet's deadline frees.
-    pub fn poll(&mut self, now: Instant) -> Vec<Started<T>> {
+    pub fn mark_step(&mut self) {
         if let Some(p) = &mut self.prophet {
-            let expired = p.expire(now);
-            self.release(&expired, false);
-            // Work-conserving: Prophet never leaves the network idle while it holds
-            // partitions (see `Prophet::release_first`).
-            if self.outstanding == 0 {
-                if let Some(first) = self.prophet.as_mut().and_then(|p| p.release_first()) {
-                    self.release(&[first], true);
-                }
-            }
+            p.end_iteration();
         }
+    }
+
+    /// Lets out every ready partition its server's credit allows (or that is in one of
+    /// Prophet's blocks), most urgent first per server.
+    pub fn poll(&mut self, now: Instant) -> Vec<Started<T>> {
         let mut out = Vec::new();
         for (server, s) in self.servers.iter_mut().enumerate() {
             while let Some(entry) = s.ready.first_entry() {
@@ -356,6 +337,12 @@ impl<T> Scheduler<T> {
                     break;
                 }
                 let q = entry.remove();
+                if q.budgeted {
+                    self.block_bytes -= q.bytes;
+                }
+                if let Some(p) = &mut self.prophet {
+                    p.sent(&order);
+                }
                 s.credit.sent(order, q.bytes);
                 s.window.sent(order, q.bytes, now);
                 self.bandwidth.started(now);
@@ -371,15 +358,13 @@ impl<T> Scheduler<T> {
     }
 
     /// When [`poll`](Self::poll) may have something new without any event: a push
-    /// window's stall rule or Prophet's deadline.
+    /// window's stall rule.
     pub fn next_deadline(&self, now: Instant) -> Option<Instant> {
-        let stalls = self
-            .servers
+        self.servers
             .iter()
             .filter(|s| !s.ready.is_empty() && s.window.bytes() > 0)
-            .map(|s| now + s.window.until_stall(now));
-        let prophet = self.prophet.as_ref().and_then(|p| p.deadline());
-        stalls.chain(prophet).min()
+            .map(|s| now + s.window.until_stall(now))
+            .min()
     }
 
     /// The server acknowledged a started partition's push: its credit returns, and the
@@ -430,33 +415,26 @@ impl<T> Scheduler<T> {
             for o in gone {
                 let q = s.ready.remove(&o).expect("listed");
                 self.outstanding -= q.bytes;
+                if q.budgeted {
+                    self.block_bytes -= q.bytes;
+                }
+                if let Some(p) = &mut self.prophet {
+                    p.sent(&o);
+                }
                 out.push(q.item);
             }
-        }
-        let gone: Vec<Order> = self
-            .held
-            .iter()
-            .filter(|(_, (server, q))| pred(*server, &q.item))
-            .map(|(o, _)| *o)
-            .collect();
-        for o in gone {
-            let (_, q) = self.held.remove(&o).expect("listed");
-            if let Some(p) = &mut self.prophet {
-                p.forget(&o);
-            }
-            out.push(q.item);
         }
         out
     }
 
-    /// Bytes let out (eligible or started) that no server has acknowledged yet.
+    /// Bytes ready or sent that no server has acknowledged yet.
     pub fn outstanding(&self) -> u64 {
         self.outstanding
     }
 
     /// Partitions not started yet.
     pub fn waiting(&self) -> usize {
-        self.held.len() + self.servers.iter().map(|s| s.ready.len()).sum::<usize>()
+        self.servers.iter().map(|s| s.ready.len()).sum::<usize>()
     }
 
     /// Started partitions whose sums have not come back.

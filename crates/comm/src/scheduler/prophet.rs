@@ -1,11 +1,17 @@
 //! Prophet (ICPP'21, restated in docs/scheduling.md): gradients appear in bursts during
 //! backward, separated by gaps while the GPU computes the next layers. From a profile of
-//! past iterations Prophet predicts each gap and, when one begins, lets out only as many
-//! held partitions as the measured bandwidth completes before the next, more urgent burst
-//! arrives (the paper's constraint 11: a transfer started during backward must finish
-//! before any higher-priority gradient is generated). Whatever does not fit waits behind
-//! the next burst in priority order; once the last gradient of the backward pass is ready
-//! everything goes, most urgent first.
+//! past iterations Prophet predicts each gap and, when one begins, sends as a block as many
+//! waiting partitions as the measured bandwidth completes before the next, more urgent
+//! burst arrives (the paper's constraint 11: a transfer started during backward must finish
+//! before any higher-priority gradient is generated). Whatever does not fit stays queued
+//! behind the next burst in priority order.
+//!
+//! In sumflow the blocks come on top of ByteScheduler's credit: every partition competes
+//! for the credit as soon as it is ready, and a gap's block goes past it. The credit sizes
+//! the pipe for a fixed preemption delay; the block widens it exactly as far as the gap
+//! allows. Holding partitions back beyond the credit, as the notes' prototype does, only
+//! idled the link on the emulated cluster (0.74-0.94x of ByteScheduler), because a budget
+//! measured short left the network quiet while gradients waited.
 //!
 //! Everything here is a pure function of the events and times passed in.
 
@@ -18,11 +24,11 @@ use super::Order;
 #[derive(Clone, Debug, PartialEq)]
 pub struct ProphetConfig {
     /// A gap between two ready gradients is a stage boundary when it is longer than this
-    /// times the iteration's mean gap; shorter gaps are inside a burst and carry nothing.
+    /// times the iteration's mean gap; shorter gaps are inside a burst and get no block.
     /// The notes' rule is 2; the default, 0, makes every gap a boundary: a gradient may
     /// then use the gap before the next one whatever its length (Prophet's constraint 11
     /// per gradient). With 2, the 3–23 ms gaps between VGG-16's fully connected layers
-    /// read as one burst, and their 74% of the bytes waited in a quiet network.
+    /// read as one burst.
     pub stage_factor: f64,
     /// Iterations not profiled at the start (allocation and first-touch make them slow).
     pub warmup_iterations: u32,
@@ -106,17 +112,17 @@ impl Profile {
     }
 }
 
-/// Why partitions were let out (for logs and the trace).
+/// What Prophet decided at a gradient (for logs and the trace).
 #[derive(Clone, Debug, PartialEq)]
 pub enum Release {
-    /// No profile or no bandwidth measurement yet: everything goes, as with ByteScheduler.
+    /// No profile or no bandwidth measurement yet: the credit alone, as ByteScheduler.
     Unprofiled,
-    /// A gap begins: what completes within `budget` bytes goes.
+    /// A gap begins: a block of what completes within `budget` bytes goes past the credit.
     Gap { gap: Duration, budget: u64 },
-    /// Inside a burst: nothing goes.
+    /// Inside a burst: the credit alone.
     Burst,
-    /// The backward pass is over (its last gradient, a step mark, or the pattern broke):
-    /// everything goes.
+    /// The backward pass is over (its last gradient, or one the profile does not know):
+    /// the credit alone until the next iteration.
     Flush(&'static str),
 }
 
@@ -124,13 +130,13 @@ impl Release {
     /// A few words for logs and the trace.
     pub fn describe(&self) -> String {
         match self {
-            Release::Unprofiled => "not profiled yet: everything goes".into(),
+            Release::Unprofiled => "not profiled yet: the credit alone".into(),
             Release::Gap { gap, budget } => format!(
-                "gap of {:.1} ms: {budget} bytes may go",
+                "gap of {:.1} ms: a block of up to {budget} bytes goes past the credit",
                 gap.as_secs_f64() * 1e3
             ),
-            Release::Burst => "inside a burst: held".into(),
-            Release::Flush(why) => format!("{why}: everything goes"),
+            Release::Burst => "inside a burst: the credit alone".into(),
+            Release::Flush(why) => format!("{why}: the credit alone"),
         }
     }
 }
@@ -144,8 +150,8 @@ pub struct Prophet {
     history: VecDeque<Record>,
     profile: Option<Profile>,
     closed_iterations: u32,
-    /// Held partitions: order -> bytes.
-    held: BTreeMap<Order, u64>,
+    /// Partitions ready and not sent yet, which a gap's block may take: order -> bytes.
+    waiting: BTreeMap<Order, u64>,
 }
 
 impl Prophet {
@@ -156,7 +162,7 @@ impl Prophet {
             history: VecDeque::new(),
             profile: None,
             closed_iterations: 0,
-            held: BTreeMap::new(),
+            waiting: BTreeMap::new(),
         }
     }
 
@@ -164,15 +170,16 @@ impl Prophet {
         self.profile.as_ref()
     }
 
-    /// The gradient `tensor` became ready with `parts` (order, bytes). `outstanding`:
-    /// bytes released earlier that no server has acknowledged yet; `bytes_per_sec`: the monitor's
-    /// measurement. Returns the orders let out now, most urgent first, and why.
+    /// The gradient `tensor` became ready with `parts` (order, bytes). `ahead`: bytes on
+    /// their way out already (sent and not acknowledged, or in an earlier block);
+    /// `bytes_per_sec`: the monitor's measurement. Returns the block that goes past the
+    /// credit now, most urgent first, and why.
     pub fn ready(
         &mut self,
         tensor: u32,
         parts: impl IntoIterator<Item = (Order, u64)>,
         now: Instant,
-        outstanding: u64,
+        ahead: u64,
         bytes_per_sec: Option<f64>,
     ) -> (Vec<Order>, Release) {
         // A gradient seen again starts a new iteration even without a step mark (the DDP
@@ -181,82 +188,41 @@ impl Prophet {
             self.close_iteration();
         }
         self.current.push((tensor, now));
-        self.held.extend(parts);
+        self.waiting.extend(parts);
         let (Some(profile), Some(rate)) = (&self.profile, bytes_per_sec) else {
-            return (self.release_all(), Release::Unprofiled);
+            return (Vec::new(), Release::Unprofiled);
         };
         if profile.last() == Some(tensor) {
-            return (self.release_all(), Release::Flush("last gradient"));
+            return (Vec::new(), Release::Flush("last gradient"));
         }
         let Some(&gap) = profile.gap_after.get(&tensor) else {
-            return (
-                self.release_all(),
-                Release::Flush("gradient not in the profile"),
-            );
+            return (Vec::new(), Release::Flush("gradient not in the profile"));
         };
         if gap.is_zero() {
             return (Vec::new(), Release::Burst);
         }
-        let budget =
-            (((gap + self.cfg.slack).as_secs_f64() * rate) as u64).saturating_sub(outstanding);
+        let budget = (((gap + self.cfg.slack).as_secs_f64() * rate) as u64).saturating_sub(ahead);
         let mut left = budget;
-        let mut out = Vec::new();
-        while let Some((&order, &bytes)) = self.held.first_key_value() {
+        let mut block = Vec::new();
+        while let Some((&order, &bytes)) = self.waiting.first_key_value() {
             if bytes > left {
                 break;
             }
             left -= bytes;
-            self.held.remove(&order);
-            out.push(order);
+            self.waiting.remove(&order);
+            block.push(order);
         }
-        (out, Release::Gap { gap, budget })
+        (block, Release::Gap { gap, budget })
     }
 
     /// The step ended (the plugin's step mark): the backward pass is over.
-    pub fn end_iteration(&mut self) -> Vec<Order> {
+    pub fn end_iteration(&mut self) {
         self.close_iteration();
-        self.release_all()
     }
 
-    /// When held partitions must go even if no gradient arrives: twice the gap predicted
-    /// after the latest one, plus a margin. Past it the pattern broke (backward ended
-    /// early, the job paused), and holding on would only idle the network.
-    pub fn deadline(&self) -> Option<Instant> {
-        if self.held.is_empty() {
-            return None;
-        }
-        let &(tensor, at) = self.current.last()?;
-        let gap = self
-            .profile
-            .as_ref()
-            .and_then(|p| p.gap_after.get(&tensor).copied())
-            .unwrap_or_default();
-        Some(at + gap * 2 + Duration::from_millis(5))
-    }
-
-    /// The deadline passed: everything goes.
-    pub fn expire(&mut self, now: Instant) -> Vec<Order> {
-        match self.deadline() {
-            Some(d) if now >= d => self.release_all(),
-            _ => Vec::new(),
-        }
-    }
-
-    /// The most urgent held partition, let out because nothing else is on its way: a
-    /// quiet network delays the next gradient by at most this one partition, while
-    /// holding it would only waste the gap (measured on the emulated cluster: with holds
-    /// alone, Prophet idled the link whenever a budget ran out before the gap did).
-    pub fn release_first(&mut self) -> Option<Order> {
-        self.held.pop_first().map(|(order, _)| order)
-    }
-
-    /// Forgets held partitions the caller gave up on (a dead server's).
-    pub fn forget(&mut self, order: &Order) {
-        self.held.remove(order);
-    }
-
-    fn release_all(&mut self) -> Vec<Order> {
-        std::mem::take(&mut self.held).into_keys().collect()
+    /// A partition was sent (or given up on: a dead server's): no block may take it.
+    pub fn sent(&mut self, order: &Order) {
+        self.waiting.remove(order);
     }
 
     fn close_iteration(&mut self) {
@@ -324,6 +290,13 @@ mod tests {
             .collect()
     }
 
+    /// The credit sent everything that was ready.
+    fn send_all(p: &mut Prophet) {
+        for k in 0..6 {
+            p.sent(&(k, k as u64));
+        }
+    }
+
     /// The notes' stage rule: gaps over twice the mean.
     fn notes() -> ProphetConfig {
         ProphetConfig {
@@ -337,6 +310,7 @@ mod tests {
         let t = Instant::now();
         for i in 0..3 {
             backward(&mut p, t + i * 100 * MS, None);
+            send_all(&mut p);
             p.end_iteration();
         }
         (p, t + 300 * MS)
@@ -360,39 +334,40 @@ mod tests {
         let t = Instant::now();
         for i in 0..3 {
             backward(&mut p, t + i * 100 * MS, None);
+            send_all(&mut p);
             p.end_iteration();
         }
         let prof = p.profile().unwrap();
         assert_eq!(prof.stages(), 6);
         assert_eq!(prof.gap_after[&5], MS);
-        // 1 ms at 1 MB/s: the held 1000-byte partition of 5 goes in the gap after it.
+        // 1 ms at 1 MB/s: the waiting 1000-byte partition of 5 goes in the gap after it.
         let out = backward(&mut p, t + 300 * MS, Some(1e6));
         assert_eq!(out[0].1, [(5, 5)]);
     }
 
     #[test]
-    fn without_profile_or_bandwidth_everything_goes() {
+    fn without_profile_or_bandwidth_no_block_goes_past_the_credit() {
         let mut p = Prophet::new(ProphetConfig::default());
         let out = backward(&mut p, Instant::now(), Some(1e6));
-        assert!(out.iter().all(|(t, o, why)| o.len() == 1
-            && o[0].0 == i64::from(*t)
-            && *why == Release::Unprofiled));
+        assert!(out
+            .iter()
+            .all(|(_, o, why)| o.is_empty() && *why == Release::Unprofiled));
         let (mut p, t) = profiled();
         let out = backward(&mut p, t, None);
-        assert!(out.iter().all(|(_, o, _)| o.len() == 1));
+        assert!(out.iter().all(|(_, o, _)| o.is_empty()));
     }
 
     #[test]
     fn a_gap_lets_out_what_fits_most_urgent_first() {
         let (mut p, t) = profiled();
-        // 20 ms at 100 kB/s = 2000 bytes: two of the held 1000-byte partitions.
+        // 20 ms at 100 kB/s = 2000 bytes: two of the waiting 1000-byte partitions.
         let out = backward(&mut p, t, Some(100_000.0));
         assert_eq!(out[0].1, [], "inside the first burst");
         assert_eq!(out[0].2, Release::Burst);
         assert_eq!(
             out[1].1,
             [(4, 4), (5, 5)],
-            "gap after 4: both held ones fit"
+            "gap after 4: both waiting ones fit"
         );
         assert_eq!(
             out[1].2,
@@ -404,7 +379,7 @@ mod tests {
         assert_eq!(out[2].1, []);
         assert_eq!(out[3].1, []);
         assert_eq!(out[4].1, [(1, 1), (2, 2)], "3 waits behind the next burst");
-        assert_eq!(out[5].1, [(0, 0), (3, 3)], "last gradient: everything");
+        assert_eq!(out[5].1, [], "last gradient: the credit alone");
         assert_eq!(out[5].2, Release::Flush("last gradient"));
     }
 
@@ -424,14 +399,12 @@ mod tests {
     }
 
     #[test]
-    fn deadline_flushes_a_broken_pattern() {
+    fn a_block_takes_only_partitions_not_sent_yet() {
         let (mut p, t) = profiled();
-        p.ready(5, [((5, 5), 1000)], t, 0, Some(1.0));
-        let d = p.deadline().unwrap();
-        assert_eq!(d, t + 5 * MS);
-        assert!(p.expire(t + 4 * MS).is_empty());
-        assert_eq!(p.expire(d), [(5, 5)]);
-        assert_eq!(p.deadline(), None);
+        p.ready(5, [((5, 5), 1000)], t, 0, Some(100_000.0));
+        p.sent(&(5, 5));
+        let (out, _) = p.ready(4, [((4, 4), 1000)], t + MS, 0, Some(100_000.0));
+        assert_eq!(out, [(4, 4)]);
     }
 
     #[test]
@@ -459,7 +432,7 @@ mod tests {
         let (mut p, t) = profiled();
         p.ready(5, [((5, 5), 1000)], t, 0, Some(1.0));
         let (out, why) = p.ready(77, [((77, 77), 1)], t + MS, 0, Some(1.0));
-        assert_eq!(out, [(5, 5), (77, 77)]);
+        assert!(out.is_empty());
         assert_eq!(why, Release::Flush("gradient not in the profile"));
     }
 }
