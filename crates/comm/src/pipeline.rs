@@ -22,8 +22,7 @@
 //! it, so a sum is touched once (twice when averaged).
 //!
 //! The scheduler is driven inline by the events (a push_pull call, a sum arriving) and by
-//! one timer thread for what happens without an event (a credit's stall rule, Prophet's
-//! deadline).
+//! one timer thread for what happens without an event (a push window's stall rule).
 
 use std::collections::{HashMap, HashSet};
 use std::ptr::NonNull;
