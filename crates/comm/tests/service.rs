@@ -1,6 +1,7 @@
 //! The communication service in whole jobs on 127.0.0.1: coordinator, colocated and CPU
 //! summation servers, and workers as threads.
 
+use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
@@ -78,14 +79,36 @@ fn job(workers: u32, cpu: u32) -> Job {
     }
 }
 
-fn worker(addr: &str, rank: u32) -> CommunicationService {
+/// Worker `rank`'s configuration: partitions of 4 KiB, the default scheduler.
+fn config(addr: &str, rank: u32) -> CommConfig {
     let mut cfg = CommConfig::new(addr, token(), &format!("machine-{rank}"));
     cfg.rank = Some(rank);
     cfg.name = format!("trainer {rank}");
     cfg.partition_bytes = 4096;
     cfg.coordinator_options = options();
     cfg.declare_timeout = Duration::from_secs(10);
-    CommunicationService::start(cfg).unwrap()
+    cfg
+}
+
+fn worker(addr: &str, rank: u32) -> CommunicationService {
+    CommunicationService::start(config(addr, rank)).unwrap()
+}
+
+/// Runs `body(rank, coordinator address)` on a thread per worker of a job with `workers`
+/// machines and `cpu` CPU servers, then ends the job.
+fn run_job(workers: u32, cpu: u32, body: impl Fn(u32, &str) + Send + Sync + 'static) {
+    let job = job(workers, cpu);
+    let body = Arc::new(body);
+    let threads: Vec<_> = (0..workers)
+        .map(|w| {
+            let (addr, body) = (job.addr.clone(), Arc::clone(&body));
+            thread::spawn(move || body(w, &addr))
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    finish(job);
 }
 
 fn finish(job: Job) {
@@ -113,158 +136,128 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
     // n = 3, k = 1: two lanes to the CPU server, each of its partitions cut in two; the
     // partition size changes twice on the way.
     let workers = 3;
-    let job = job(workers, 1);
-    let addr = job.addr.clone();
-    let threads: Vec<_> = (0..workers)
-        .map(|w| {
-            let addr = addr.clone();
-            thread::spawn(move || {
-                let c = worker(&addr, w);
-                assert_eq!(
-                    (c.rank(), c.size(), c.local_rank(), c.local_size()),
-                    (w, 3, 0, 1)
-                );
-                // A model's parameters as a group, then tensors declared alone in an
-                // order that differs per worker.
-                let group: Vec<(String, u64)> = (0..12)
-                    .map(|i| (format!("layer{i}.weight"), 100 + 700 * i))
-                    .collect();
-                let specs: Vec<(&str, Dtype, u64)> = group
-                    .iter()
-                    .map(|(n, e)| (n.as_str(), Dtype::F32, *e))
-                    .collect();
-                let mut ids = c.declare_group(&specs).unwrap();
-                let mut extra: Vec<u32> = (0..4).collect();
-                extra.rotate_left(w as usize);
-                let mut extra_ids = vec![0; 4];
-                for e in extra {
-                    extra_ids[e as usize] = c
-                        .declare(&format!("extra{e}"), Dtype::F32, 3000 + u64::from(e))
-                        .unwrap();
+    run_job(workers, 1, move |w, addr| {
+        let c = worker(addr, w);
+        assert_eq!(
+            (c.rank(), c.size(), c.local_rank(), c.local_size()),
+            (w, 3, 0, 1)
+        );
+        // A model's parameters as a group, then tensors declared alone in an
+        // order that differs per worker.
+        let group: Vec<(String, u64)> = (0..12)
+            .map(|i| (format!("layer{i}.weight"), 100 + 700 * i))
+            .collect();
+        let specs: Vec<(&str, Dtype, u64)> = group
+            .iter()
+            .map(|(n, e)| (n.as_str(), Dtype::F32, *e))
+            .collect();
+        let mut ids = c.declare_group(&specs).unwrap();
+        let mut extra: Vec<u32> = (0..4).collect();
+        extra.rotate_left(w as usize);
+        let mut extra_ids = vec![0; 4];
+        for e in extra {
+            extra_ids[e as usize] = c
+                .declare(&format!("extra{e}"), Dtype::F32, 3000 + u64::from(e))
+                .unwrap();
+        }
+        ids.extend(extra_ids);
+        let sizes: Vec<u64> = group
+            .iter()
+            .map(|g| g.1)
+            .chain((0..4).map(|e| 3000 + e))
+            .collect();
+        assert!(
+            c.placement_report().len() >= 3,
+            "{:?}",
+            c.placement_report()
+        );
+        for round in 1..=5u64 {
+            // The auto-tuner's switch, made by every worker between the same two
+            // rounds: a new partition size re-cuts everything under new keys, and
+            // going back to the first one reuses its keys.
+            match round {
+                3 => {
+                    c.reconfigure(Some(1000), Some(3000)).unwrap();
+                    let (_, partition, credit) = c.schedule();
+                    assert_eq!((partition, credit), (1000, 3000));
                 }
-                ids.extend(extra_ids);
-                let sizes: Vec<u64> = group
-                    .iter()
-                    .map(|g| g.1)
-                    .chain((0..4).map(|e| 3000 + e))
-                    .collect();
-                assert!(
-                    c.placement_report().len() >= 3,
-                    "{:?}",
-                    c.placement_report()
-                );
-                for round in 1..=5u64 {
-                    // The auto-tuner's switch, made by every worker between the same two
-                    // rounds: a new partition size re-cuts everything under new keys, and
-                    // going back to the first one reuses its keys.
-                    match round {
-                        3 => {
-                            c.reconfigure(Some(1000), Some(3000)).unwrap();
-                            let (_, partition, credit) = c.schedule();
-                            assert_eq!((partition, credit), (1000, 3000));
-                        }
-                        5 => c.reconfigure(Some(4096), None).unwrap(),
-                        _ => {}
-                    }
-                    let op = if round == 2 {
-                        ReduceOp::Sum
-                    } else {
-                        ReduceOp::Average
-                    };
-                    let mut data: Vec<Vec<f32>> = sizes
-                        .iter()
-                        .enumerate()
-                        .map(|(t, &n)| {
-                            (0..n)
-                                .map(|i| (i as usize % 97 + t) as f32 * (w + 1) as f32)
-                                .collect()
-                        })
-                        .collect();
-                    let handles: Vec<u64> = data
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, op))
-                        .collect();
-                    for h in handles {
-                        c.wait(h, Duration::from_secs(20)).unwrap();
-                    }
-                    for (t, d) in data.iter().enumerate() {
-                        for (i, v) in d.iter().enumerate() {
-                            let base = (i % 97 + t) as f32;
-                            let sum = base * (1 + 2 + 3) as f32;
-                            let want = if op == ReduceOp::Sum { sum } else { sum / 3.0 };
-                            assert_eq!(*v, want, "worker {w} round {round} tensor {t} element {i}");
-                        }
-                    }
+                5 => c.reconfigure(Some(4096), None).unwrap(),
+                _ => {}
+            }
+            let op = if round == 2 {
+                ReduceOp::Sum
+            } else {
+                ReduceOp::Average
+            };
+            let mut data: Vec<Vec<f32>> = sizes
+                .iter()
+                .enumerate()
+                .map(|(t, &n)| {
+                    (0..n)
+                        .map(|i| (i as usize % 97 + t) as f32 * (w + 1) as f32)
+                        .collect()
+                })
+                .collect();
+            let handles: Vec<u64> = data
+                .iter_mut()
+                .enumerate()
+                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, op))
+                .collect();
+            for h in handles {
+                c.wait(h, Duration::from_secs(20)).unwrap();
+            }
+            for (t, d) in data.iter().enumerate() {
+                for (i, v) in d.iter().enumerate() {
+                    let base = (i % 97 + t) as f32;
+                    let sum = base * (1 + 2 + 3) as f32;
+                    let want = if op == ReduceOp::Sum { sum } else { sum / 3.0 };
+                    assert_eq!(*v, want, "worker {w} round {round} tensor {t} element {i}");
                 }
-                c.barrier(Duration::from_secs(10)).unwrap();
-                c.shutdown("done").unwrap();
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    finish(job);
+            }
+        }
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
 }
 
 #[test]
 fn a_declaration_mismatch_stops_every_worker_with_its_name() {
-    let job = job(2, 0);
-    let addr = job.addr.clone();
-    let threads: Vec<_> = (0..2u32)
-        .map(|w| {
-            let addr = addr.clone();
-            thread::spawn(move || {
-                let c = worker(&addr, w);
-                c.barrier(Duration::from_secs(10)).unwrap();
-                // Worker 1 has the wrong size for 'fc.weight'.
-                let declared = c.declare("fc.weight", Dtype::F32, 1000 + u64::from(w) * 24);
-                let err = match declared {
-                    Err(e) => e,
-                    Ok(id) => {
-                        let elements = 1000 + w as usize * 24;
-                        let mut data = vec![0f32; elements];
-                        // The other worker's declaration breaks the job: wait for it to land.
-                        let deadline = std::time::Instant::now() + Duration::from_secs(10);
-                        loop {
-                            // SAFETY: waited on below before `data` is dropped.
-                            match unsafe {
-                                c.push_pull(
-                                    id,
-                                    data.as_mut_ptr().cast(),
-                                    elements * 4,
-                                    0,
-                                    ReduceOp::Sum,
-                                )
-                            } {
-                                Err(e) => break e,
-                                Ok(h) => {
-                                    let _ = c.wait(h, Duration::from_millis(200));
-                                }
-                            }
-                            assert!(
-                                std::time::Instant::now() < deadline,
-                                "mismatch never reported"
-                            );
+    run_job(2, 0, move |w, addr| {
+        let c = worker(addr, w);
+        c.barrier(Duration::from_secs(10)).unwrap();
+        // Worker 1 has the wrong size for 'fc.weight'.
+        let declared = c.declare("fc.weight", Dtype::F32, 1000 + u64::from(w) * 24);
+        let err = match declared {
+            Err(e) => e,
+            Ok(id) => {
+                let elements = 1000 + w as usize * 24;
+                let mut data = vec![0f32; elements];
+                // The other worker's declaration breaks the job: wait for it to land.
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                loop {
+                    // SAFETY: waited on below before `data` is dropped.
+                    match unsafe {
+                        c.push_pull(id, data.as_mut_ptr().cast(), elements * 4, 0, ReduceOp::Sum)
+                    } {
+                        Err(e) => break e,
+                        Ok(h) => {
+                            let _ = c.wait(h, Duration::from_millis(200));
                         }
                     }
-                };
-                let msg = err.to_string();
-                assert!(
-                    msg.contains("fc.weight")
-                        && msg.contains("f32 x 1024")
-                        && msg.contains("f32 x 1000"),
-                    "{msg}"
-                );
-                drop(c);
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    finish(job);
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "mismatch never reported"
+                    );
+                }
+            }
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.contains("fc.weight") && msg.contains("f32 x 1024") && msg.contains("f32 x 1000"),
+            "{msg}"
+        );
+        drop(c);
+    });
 }
 
 #[test]
@@ -298,55 +291,39 @@ fn a_crashed_worker_fails_the_others_operations_by_name() {
 fn fifo_sends_whole_tensors() {
     // Two colocated servers: cut into 4 KiB partitions, two tensors of 120 kB and 20 kB
     // would be spread half and half; whole, each sits on one server.
-    let job = job(2, 0);
-    let addr = job.addr.clone();
-    let threads: Vec<_> = (0..2u32)
-        .map(|w| {
-            let addr = addr.clone();
-            thread::spawn(move || {
-                let mut cfg = CommConfig::new(&addr, token(), &format!("machine-{w}"));
-                cfg.rank = Some(w);
-                cfg.name = format!("trainer {w}");
-                cfg.partition_bytes = 4096;
-                cfg.scheduler = SchedulerKind::Fifo;
-                cfg.coordinator_options = options();
-                cfg.declare_timeout = Duration::from_secs(10);
-                let c = CommunicationService::start(cfg).unwrap();
-                let (kind, partition, _) = c.schedule();
-                assert_eq!((kind, partition), (SchedulerKind::Fifo, WHOLE_TENSOR_BYTES));
-                let ids = c
-                    .declare_group(&[("big", Dtype::F32, 30_000), ("small", Dtype::F32, 5_000)])
-                    .unwrap();
-                assert_eq!(
-                    c.placement_report(),
-                    [
-                        "server 0: 0.1 MB, 85.7% of declared bytes",
-                        "server 1: 0.0 MB, 14.3% of declared bytes"
-                    ]
-                );
-                let err = c.reconfigure(Some(8192), None).unwrap_err();
-                assert!(
-                    err.to_string()
-                        .contains("the fifo scheduler sends whole tensors"),
-                    "{err}"
-                );
-                let mut big: Vec<f32> = (0..30_000).map(|i| (i % 7 + w as usize) as f32).collect();
-                let mut small = vec![w as f32 + 1.0; 5_000];
-                let h1 = push_pull(&c, ids[0], &mut big, 0, ReduceOp::Sum);
-                let h2 = push_pull(&c, ids[1], &mut small, 1, ReduceOp::Sum);
-                c.wait(h1, Duration::from_secs(20)).unwrap();
-                c.wait(h2, Duration::from_secs(20)).unwrap();
-                for (i, v) in big.iter().enumerate() {
-                    assert_eq!(*v, (2 * (i % 7) + 1) as f32, "element {i}");
-                }
-                assert!(small.iter().all(|&v| v == 3.0));
-                c.barrier(Duration::from_secs(10)).unwrap();
-                c.shutdown("done").unwrap();
-            })
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    finish(job);
+    run_job(2, 0, move |w, addr| {
+        let mut cfg = config(addr, w);
+        cfg.scheduler = SchedulerKind::Fifo;
+        let c = CommunicationService::start(cfg).unwrap();
+        let (kind, partition, _) = c.schedule();
+        assert_eq!((kind, partition), (SchedulerKind::Fifo, WHOLE_TENSOR_BYTES));
+        let ids = c
+            .declare_group(&[("big", Dtype::F32, 30_000), ("small", Dtype::F32, 5_000)])
+            .unwrap();
+        assert_eq!(
+            c.placement_report(),
+            [
+                "server 0: 0.1 MB, 85.7% of declared bytes",
+                "server 1: 0.0 MB, 14.3% of declared bytes"
+            ]
+        );
+        let err = c.reconfigure(Some(8192), None).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("the fifo scheduler sends whole tensors"),
+            "{err}"
+        );
+        let mut big: Vec<f32> = (0..30_000).map(|i| (i % 7 + w as usize) as f32).collect();
+        let mut small = vec![w as f32 + 1.0; 5_000];
+        let h1 = push_pull(&c, ids[0], &mut big, 0, ReduceOp::Sum);
+        let h2 = push_pull(&c, ids[1], &mut small, 1, ReduceOp::Sum);
+        c.wait(h1, Duration::from_secs(20)).unwrap();
+        c.wait(h2, Duration::from_secs(20)).unwrap();
+        for (i, v) in big.iter().enumerate() {
+            assert_eq!(*v, (2 * (i % 7) + 1) as f32, "element {i}");
+        }
+        assert!(small.iter().all(|&v| v == 3.0));
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
 }
