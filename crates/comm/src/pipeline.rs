@@ -331,12 +331,7 @@ impl Pipeline {
         let mut s = sh.scheduler();
         s.mark_step();
         sh.dispatch(s.poll(Instant::now()));
-        let decision = Decision {
-            ready: 0,
-            block: 0,
-            why: None,
-        };
-        sh.trace_decision(&s, "step", 0, &decision);
+        sh.trace_decision(&s, "step", 0, &Decision::default());
     }
 
     /// Changes the credit per server (and the partition size P3's credit follows).

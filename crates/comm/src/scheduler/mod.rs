@@ -169,7 +169,7 @@ pub struct Started<T> {
 }
 
 /// What the scheduler decided at one event, for logs and the trace.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Decision {
     /// Partitions that became ready at this event.
     pub ready: usize,
@@ -292,8 +292,7 @@ impl<T> Scheduler<T> {
         let Some(prophet) = &mut self.prophet else {
             return Decision {
                 ready,
-                block: 0,
-                why: None,
+                ..Decision::default()
             };
         };
         let ahead = self.servers.iter().map(|s| s.credit.bytes()).sum::<u64>() + self.block_bytes;
