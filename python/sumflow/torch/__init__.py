@@ -25,6 +25,7 @@ from sumflow import (
 )
 from sumflow.torch import _runtime, _staging, ops
 from sumflow.torch.compression import Compression, Compressor
+from sumflow.torch.csc import CoarseSparseSGD
 from sumflow.torch.ddp import DDPHookState, ddp_hook
 from sumflow.torch.ops import (
     Adasum,
@@ -138,6 +139,7 @@ add_process_set = _unsupported("add_process_set", "start a separate job per subs
 __all__ = [
     "Adasum",
     "Average",
+    "CoarseSparseSGD",
     "Compression",
     "Compressor",
     "DDPHookState",
