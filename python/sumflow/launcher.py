@@ -736,6 +736,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.timeout is not None:
         worker_env["SUMFLOW_TIMEOUT"] = repr(float(args.timeout))
     worker_env.update(_trace_env(args))
+    # Local emulated machines all share this one.
+    per_host = n if hosts is None else max(size for _, _, size in machines)
+    if per_host > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # As torchrun does: several workers on a machine would each start an OpenMP pool
+        # as large as the machine, and threads spinning between parallel regions starve
+        # the others (-x OMP_NUM_THREADS=N or the launcher's environment overrides it).
+        worker_env["OMP_NUM_THREADS"] = "1"
     worker_env.update(forwarded)
     service_env = {**common, **forwarded}
 

@@ -319,6 +319,24 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     assert "--engine-threads" not in specs[0].argv
 
 
+def test_workers_sharing_a_machine_get_one_openmp_thread_unless_told(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    parser = launcher.build_parser()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+
+    def worker_env(argv: list[str]) -> dict[str, str]:
+        plan = launcher.make_plan(parser.parse_args(argv))
+        return launcher.build_processes(plan, "127.0.0.1:1")[-1].env
+
+    assert worker_env(["-np", "2", "true"])["OMP_NUM_THREADS"] == "1"
+    assert worker_env(["-np", "2", "-x", "OMP_NUM_THREADS=4", "true"])["OMP_NUM_THREADS"] == "4"
+    assert "OMP_NUM_THREADS" not in worker_env(["-np", "1", "true"])
+    # Set in the launcher's environment: inherited as it is, not overridden.
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert "OMP_NUM_THREADS" not in worker_env(["-np", "2", "true"])
+
+
 def test_remote_wrapper_passes_the_token_on_stdin_and_stops_on_eof(tmp_path: Path) -> None:
     spec = launcher.ProcSpec(
         "worker 0",

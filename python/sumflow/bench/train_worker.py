@@ -432,6 +432,12 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = parse_args(argv)
+    # The model computes by sleeping, so torch's intra-op threads have nothing to do but
+    # spin after each clone and fill, on cores the other emulated hosts need: with them, a
+    # job of 4 workers on this 2-core machine spent 229-261 ms per iteration inside layers
+    # whose profile says 100 (106 and 100 with one thread), and stretched the backward of
+    # whichever workers were receiving sums meanwhile.
+    torch.set_num_threads(1)
     try:
         profile = load_profile(args)
     except ValueError as e:
