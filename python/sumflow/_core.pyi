@@ -117,6 +117,10 @@ class CommunicationService:
         make the same call between the same two steps, with no operation in flight
         (raises ``ValueError`` otherwise). A new partition size re-cuts every declared
         tensor under keys of its own; a size used before gets its old keys back."""
+    def wire_bytes(self) -> tuple[list[tuple[str, int, int, int]], tuple[int, int]]:
+        """The bytes written to and read from the summation servers so far, counted at
+        the sockets: ``([(tensor, key, sent, received), ...], (sent, received))``, the
+        second for frames naming no key (leaving)."""
     def schedule(self) -> dict[str, Any]:
         """The schedule in use: ``scheduler`` (name), ``partition_bytes``,
         ``credit_bytes``, and ``bandwidth`` (bytes/s at which partitions complete) once

@@ -3,7 +3,8 @@
 Trains three parameters with CoarseSparseSGD on gradients drawn from `csc_reference`
 (the same per rank and step as the reference uses), and saves to OUTDIR/rank<r>.pt the
 chunks each step sent, the weights after each step, and a state_dict taken midway, with
-the weights a fresh optimizer restored from it reaches.
+the weights a fresh optimizer restored from it reaches, and the bytes it exchanged with
+the servers per tensor.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main() -> None:
             "weights": weights + rest_weights,
             "restored_sent": restored_sent,
             "restored_weights": restored_weights,
+            "wire": {k: (v.sent, v.received) for k, v in hvd.wire_bytes().items()},
+            "wire_total": hvd.total_wire_bytes(),
         },
         out / f"rank{hvd.rank()}.pt",
     )

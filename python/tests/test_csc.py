@@ -130,3 +130,30 @@ def test_a_restored_state_dict_continues_exactly(ranks: list[dict[str, Any]]) ->
         for got, want in zip(r["restored_weights"], r["weights"][half:]):
             for g, w in zip(got, want):
                 assert torch.equal(g, w)
+
+
+def test_the_wire_carries_the_sent_chunks_and_the_norms(ranks: list[dict[str, Any]]) -> None:
+    """Counted at the sockets: payload of the chunks sent and of the norm exchanges, plus
+    frame headers of at most 100 bytes per push (push, pull, acknowledgement, reply)."""
+    c = CONFIG["chunk_elements"]
+    half = STEPS // 2
+    for r in ranks:
+        wire = r["wire"]
+        sent_chunks = sum(len(s) for s in r["sent"]) + sum(len(s) for s in r["restored_sent"])
+        chunk_bytes = sent_chunks * c * 4
+        chunk_tensors = [k for k in wire if ".group" in k or ".tail" in k]
+        # allreduce_ names them "allreduce.<name>".
+        assert {k.split(".")[1] for k in chunk_tensors} == {"CoarseSparseSGD", "restored"}
+        sent = sum(wire[k][0] for k in chunk_tensors)
+        received = sum(wire[k][1] for k in chunk_tensors)
+        assert chunk_bytes < sent < chunk_bytes * 1.2 + 100 * 2 * STEPS
+        assert chunk_bytes < received < chunk_bytes * 1.2 + 100 * 2 * STEPS
+        # Norms go out after every step whose successor is sparse, which is every step
+        # here: ten of the first optimizer, five of the restored one.
+        norm_pushes = STEPS + (STEPS - half)
+        norm_bytes = norm_pushes * 7 * 4
+        names = ("allreduce.CoarseSparseSGD.norms", "allreduce.restored.norms")
+        sent_norms = sum(wire[name][0] for name in names)
+        assert norm_bytes < sent_norms < norm_bytes + 100 * norm_pushes
+        total = r["wire_total"]
+        assert (total.sent, total.received) == tuple(map(sum, zip(*wire.values())))

@@ -206,6 +206,20 @@ impl PyCommunicationService {
         Ok(d)
     }
 
+    /// The bytes this worker wrote to and read from the summation servers so far, counted
+    /// at the sockets: ``([(tensor, key, sent, received), ...], (sent, received))``, the
+    /// second for frames naming no key (leaving).
+    #[allow(clippy::type_complexity)]
+    fn wire_bytes(&self) -> (Vec<(String, u64, u64, u64)>, (u64, u64)) {
+        let (keys, other) = self.svc.wire_bytes();
+        (
+            keys.into_iter()
+                .map(|k| (k.tensor.to_string(), k.key, k.bytes.sent, k.bytes.received))
+                .collect(),
+            (other.sent, other.received),
+        )
+    }
+
     /// Declares a tensor by name; returns its id. Every worker must declare it with the
     /// same dtype and number of elements.
     fn declare(

@@ -3,6 +3,7 @@
 //! It splits into a sending half and a receiving half so that a pipeline can push later
 //! partitions while it receives the sums of earlier ones on another thread.
 
+use std::io::{Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
@@ -77,12 +78,12 @@ pub struct ServerClient {
 }
 
 pub struct ServerSender {
-    stream: TcpStream,
+    stream: Counted<TcpStream>,
     peer: String,
 }
 
 pub struct ServerReceiver {
-    reader: FrameReader<TcpStream>,
+    reader: FrameReader<Counted<TcpStream>>,
     peer: String,
 }
 
@@ -111,11 +112,11 @@ impl ServerClient {
         let read_half = stream.try_clone().map_err(|e| wire(&peer, e.into()))?;
         Ok(ServerClient {
             tx: ServerSender {
-                stream,
+                stream: Counted::new(stream),
                 peer: peer.clone(),
             },
             rx: ServerReceiver {
-                reader: FrameReader::new(read_half, opts.max_body),
+                reader: FrameReader::new(Counted::new(read_half), opts.max_body),
                 peer,
             },
         })
@@ -168,6 +169,11 @@ impl ServerClient {
 }
 
 impl ServerSender {
+    /// Bytes written to the connection since the handshake: frames whole, headers included.
+    pub fn bytes_sent(&self) -> u64 {
+        self.stream.bytes
+    }
+
     pub fn init_key(
         &mut self,
         key: u64,
@@ -208,7 +214,6 @@ impl ServerSender {
 
     /// Writes raw bytes (tests use it to send malformed frames).
     pub fn send_bytes(&mut self, bytes: &[u8]) -> Result<()> {
-        use std::io::Write;
         self.stream
             .write_all(bytes)
             .map_err(|e| wire(&self.peer, e.into()))
@@ -221,12 +226,17 @@ impl ServerSender {
         let result = io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e));
         // Both halves: the frame still goes out, and a receiver blocked on this socket in
         // another thread wakes up instead of waiting on a server that may never answer.
-        let _ = self.stream.shutdown(Shutdown::Both);
+        let _ = self.stream.inner.shutdown(Shutdown::Both);
         result
     }
 }
 
 impl ServerReceiver {
+    /// Bytes read from the connection since the handshake: frames whole, headers included.
+    pub fn bytes_received(&self) -> u64 {
+        self.reader.get_ref().bytes
+    }
+
     /// Waits for the next reply, reading a sum's payload into a new buffer (tests and the
     /// control path; the pipeline reads sums in place with [`Self::recv_header`]). Push
     /// acknowledgements are skipped: only a scheduler counting credit needs them.
@@ -334,6 +344,38 @@ impl ServerReceiver {
             peer: self.peer.clone(),
             what: format!("{reply:?}").chars().take(120).collect(),
         }
+    }
+}
+
+/// A stream that counts the bytes through it, for wire accounting.
+struct Counted<S> {
+    inner: S,
+    bytes: u64,
+}
+
+impl<S> Counted<S> {
+    fn new(inner: S) -> Counted<S> {
+        Counted { inner, bytes: 0 }
+    }
+}
+
+impl<S: Read> Read for Counted<S> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+}
+
+impl<S: Write> Write for Counted<S> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let n = self.inner.write(buf)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.inner.flush()
     }
 }
 

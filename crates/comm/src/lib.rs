@@ -19,6 +19,7 @@
 //! Steps 1 and 2 are pure functions of the declaration, the partition size and the servers;
 //! they run once per declaration, not per iteration.
 
+pub mod accounting;
 mod average;
 pub mod error;
 pub mod handles;

@@ -36,6 +36,7 @@ use sumflow_client::ClientError;
 use sumflow_wire::{Dtype, ErrorCode};
 use tracing::{debug, warn};
 
+use crate::accounting::{KeyBytes, Ledger, WireBytes};
 use crate::average::scale_in_place;
 use crate::error::CommError;
 use crate::handles::Handles;
@@ -151,6 +152,7 @@ struct Shared {
     tracer: Arc<Tracer>,
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
+    wire: Ledger,
     stop: AtomicBool,
 }
 
@@ -262,6 +264,7 @@ impl Pipeline {
             in_flight: Mutex::new(HashMap::new()),
             tracer,
             handles,
+            wire: Ledger::default(),
             stop: AtomicBool::new(false),
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -353,6 +356,12 @@ impl Pipeline {
         self.shared.scheduler().bandwidth()
     }
 
+    /// The bytes written to and read from the servers so far, per key, and those no key
+    /// names (see [`crate::accounting`]).
+    pub fn wire_bytes(&self) -> (Vec<KeyBytes>, WireBytes) {
+        self.shared.wire.snapshot()
+    }
+
     /// The name of a server, for messages.
     pub fn server_name(&self, server: usize) -> String {
         self.shared.server_names[server].clone()
@@ -370,7 +379,10 @@ impl Pipeline {
             lane.queue.close();
         }
         for lane in &self.shared.lanes {
-            let _ = lane.sender.lock().expect("sender lock").shutdown(reason);
+            let mut tx = lane.sender.lock().expect("sender lock");
+            let before = tx.bytes_sent();
+            let _ = tx.shutdown(reason);
+            self.shared.wire.sent_other(tx.bytes_sent() - before);
         }
         let threads = std::mem::take(&mut *self.threads.lock().expect("threads lock"));
         for t in threads {
@@ -470,6 +482,7 @@ fn push_loop(sh: &Shared, lane: usize) {
         let (key, round, dtype, len, handle) =
             (task.key, task.round, task.dtype, task.data.len, task.handle);
         let data = task.data;
+        let tensor_name = Arc::clone(&task.tensor);
         let label = sh
             .tracer
             .active()
@@ -488,13 +501,17 @@ fn push_loop(sh: &Shared, lane: usize) {
         );
         let sent = {
             let mut tx = sender.lock().expect("sender lock");
+            let before = tx.bytes_sent();
             let init = if initialised.insert(key) {
                 tx.init_key(key, dtype, len as u64, None)
             } else {
                 Ok(())
             };
-            init.and_then(|()| tx.push(key, round, dtype, data.bytes()))
-                .and_then(|()| tx.pull(key, round))
+            let sent = init
+                .and_then(|()| tx.push(key, round, dtype, data.bytes()))
+                .and_then(|()| tx.pull(key, round));
+            sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
+            sent
         };
         // Recorded before the access ends: the waiter cannot return (and a step close the
         // trace window) before it is.
@@ -535,13 +552,17 @@ fn push_loop(sh: &Shared, lane: usize) {
 fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     let server = sh.lanes[lane].server;
     loop {
-        let received = match rx.recv_header() {
-            Ok(Reply::Sum(head)) => receive_sum(sh, lane, &mut rx, head),
+        let mut before = rx.bytes_received();
+        let (key, received) = match rx.recv_header() {
+            // Counted inside (moving `before` past it), before the operation can complete
+            // and its waiter read the count.
+            Ok(Reply::Sum(head)) => (None, receive_sum(sh, lane, &mut rx, head, &mut before)),
             Ok(Reply::PushAck { key, round }) => {
                 acknowledged(sh, key, round);
-                Ok(())
+                (Some(key), Ok(()))
             }
-            Ok(Reply::InitAck { .. } | Reply::HeartbeatAck { .. }) => Ok(()),
+            Ok(Reply::InitAck { key }) => (Some(key), Ok(())),
+            Ok(Reply::HeartbeatAck { .. }) => (None, Ok(())),
             Err(ClientError::Remote {
                 key: Some(key),
                 code,
@@ -558,10 +579,11 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                         message: format!("{server_name}: {message}"),
                     });
                 }
-                Ok(())
+                (Some(key), Ok(()))
             }
-            Err(e) => Err(e.to_string()),
+            Err(e) => (None, Err(e.to_string())),
         };
+        sh.wire.received(key, rx.bytes_received() - before);
         if let Err(why) = received {
             if !sh.stop.load(Ordering::Acquire) {
                 server_lost(sh, server, &why);
@@ -607,7 +629,13 @@ fn receive_sum(
     lane: usize,
     rx: &mut ServerReceiver,
     head: SumHeader,
+    counted_from: &mut u64,
 ) -> Result<(), String> {
+    let mut count = |rx: &ServerReceiver| {
+        sh.wire
+            .received(Some(head.key), rx.bytes_received() - *counted_from);
+        *counted_from = rx.bytes_received();
+    };
     let arrived = Instant::now();
     let flight = sh
         .in_flight
@@ -631,7 +659,9 @@ fn receive_sum(
     finished(sh, order, true);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
-        return rx.skip_sum().map_err(|e| e.to_string());
+        let skipped = rx.skip_sum().map_err(|e| e.to_string());
+        count(rx);
+        return skipped;
     }
     let dst = task.data.bytes_mut();
     let read = rx.read_sum(dst);
@@ -662,6 +692,7 @@ fn receive_sum(
             &args,
         );
     }
+    count(rx);
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles
         .end_access(task.handle, read.is_ok().then_some(task.key));

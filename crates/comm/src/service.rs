@@ -10,6 +10,7 @@ use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
 use tracing::{info, warn};
 
+use crate::accounting::{KeyBytes, WireBytes};
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::lanes;
@@ -597,6 +598,12 @@ impl CommunicationService {
     /// The measured rate at which partitions complete (bytes per second), once measured.
     pub fn bandwidth(&self) -> Option<f64> {
         self.pipeline.bandwidth()
+    }
+
+    /// The bytes this worker wrote to and read from the summation servers so far, per key
+    /// (with its tensor), and those no key names (see [`crate::accounting`]).
+    pub fn wire_bytes(&self) -> (Vec<KeyBytes>, WireBytes) {
+        self.pipeline.wire_bytes()
     }
 
     /// Starts summing the tensor `id` across workers, in place in `ptr..ptr+len`.

@@ -6,6 +6,7 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::accounting::WireBytes;
 use sumflow_comm::partition::WHOLE_TENSOR_BYTES;
 use sumflow_comm::scheduler::SchedulerKind;
 use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
@@ -13,7 +14,7 @@ use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorServi
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };
-use sumflow_wire::{Dtype, ErrorCode, JobToken};
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Message, PushMode};
 
 fn token() -> JobToken {
     JobToken::new("service-test-token-abcdefgh").unwrap()
@@ -325,5 +326,80 @@ fn fifo_sends_whole_tensors() {
         assert!(small.iter().all(|&v| v == 3.0));
         c.barrier(Duration::from_secs(10)).unwrap();
         c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
+fn wire_accounting_counts_every_frame_per_key() {
+    // Every frame's length, from the protocol's own encoder: the counts must equal what
+    // the frames of three rounds add up to, headers and acknowledgements included.
+    let frame = |m: Message, payload: usize| (m.encode(payload).len() + payload) as u64;
+    let (key, round) = (0, 0);
+    let init = frame(
+        Message::InitKey {
+            key,
+            dtype: Dtype::F32,
+            byte_len: 0,
+            has_init: false,
+        },
+        0,
+    );
+    let push = frame(
+        Message::Push {
+            key,
+            round,
+            dtype: Dtype::F32,
+            codec: Codec::Raw,
+            mode: PushMode::Sum,
+        },
+        0,
+    );
+    let pull = frame(Message::Pull { key, round }, 0);
+    let init_ack = frame(Message::InitAck { key }, 0);
+    let push_ack = frame(Message::PushAck { key, round }, 0);
+    let reply = frame(
+        Message::PullReply {
+            key,
+            round,
+            dtype: Dtype::F32,
+            codec: Codec::Raw,
+        },
+        0,
+    );
+    let leave = frame(
+        Message::Shutdown {
+            reason: "done".into(),
+        },
+        0,
+    );
+    run_job(2, 0, move |w, addr| {
+        let c = worker(addr, w);
+        let id = c.declare("grads", Dtype::F32, 3000).unwrap();
+        let rounds = 3;
+        let mut data = vec![1.0f32; 3000];
+        for _ in 0..rounds {
+            let h = push_pull(&c, id, &mut data, 0, ReduceOp::Sum);
+            c.wait(h, Duration::from_secs(20)).unwrap();
+        }
+        c.barrier(Duration::from_secs(10)).unwrap();
+        let (keys, other) = c.wire_bytes();
+        let parts = keys.len() as u64;
+        assert!(parts >= 3, "12000 bytes in 4096-byte partitions: {keys:?}");
+        assert!(keys.iter().all(|k| &*k.tensor == "grads"));
+        let sent: u64 = keys.iter().map(|k| k.bytes.sent).sum();
+        let received: u64 = keys.iter().map(|k| k.bytes.received).sum();
+        let payload = rounds * 12_000;
+        assert_eq!(
+            sent,
+            parts * init + rounds * parts * (push + pull) + payload
+        );
+        assert_eq!(
+            received,
+            parts * init_ack + rounds * parts * (push_ack + reply) + payload
+        );
+        assert_eq!(other, WireBytes::default(), "nothing but the tensor yet");
+        c.shutdown("done").unwrap();
+        let (_, other) = c.wire_bytes();
+        assert_eq!(other.sent, 2 * leave, "one Shutdown per server connection");
     });
 }

@@ -55,6 +55,7 @@ from sumflow.torch.optimizer import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from sumflow.torch.wire import WireBytes, total_wire_bytes, wire_bytes
 
 
 def init(*args: object, **kwargs: object) -> None:
@@ -154,6 +155,7 @@ __all__ = [
     "Sum",
     "SumflowError",
     "SumflowTimeoutError",
+    "WireBytes",
     "add_process_set",
     "allgather",
     "allgather_async",
@@ -189,4 +191,6 @@ __all__ = [
     "shutdown",
     "size",
     "synchronize",
+    "total_wire_bytes",
+    "wire_bytes",
 ]
