@@ -118,6 +118,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--fp16", action="store_true", help="send gradients as float16 (Compression.fp16)"
     )
     parser.add_argument(
+        "--csc",
+        type=float,
+        metavar="DENSITY",
+        help="coarse-grained sparse communication (CoarseSparseSGD): send this fraction of "
+        "gradient chunks each step, e.g. 0.15 for 85%% sparsity",
+    )
+    parser.add_argument(
+        "--csc-chunk", type=int, default=1024, help="CSC: gradients per chunk (38 chunks here)"
+    )
+    parser.add_argument(
+        "--csc-warmup-epochs",
+        type=float,
+        default=2.0,
+        help="CSC: epochs over which sparsity ramps up from dense",
+    )
+    parser.add_argument(
         "--min-accuracy",
         type=float,
         default=0.0,
@@ -129,6 +145,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--epochs and --batch-size must be at least 1 and --lr positive")
     if not 0.0 < args.test_fraction < 1.0:
         parser.error("--test-fraction must lie between 0 and 1")
+    if args.csc is not None and args.fp16:
+        parser.error("--csc and --fp16 are separate experiments: give one")
+    if args.csc is not None and not 0.0 < args.csc <= 1.0:
+        parser.error("--csc must lie in (0, 1]")
+    if args.csc_chunk < 1 or args.csc_warmup_epochs < 0:
+        parser.error("--csc-chunk must be at least 1 and --csc-warmup-epochs at least 0")
     return args
 
 
@@ -153,6 +175,17 @@ def evaluate(
     return correct_sum / count, loss_sum / count
 
 
+def gradient_traffic(
+    before: dict[str, hvd.WireBytes], after: dict[str, hvd.WireBytes]
+) -> hvd.WireBytes:
+    """The bytes exchanged between two ``wire_bytes()`` readings, but the metrics' sums."""
+    total = hvd.WireBytes()
+    for name, b in after.items():
+        if not name.endswith(".metrics"):
+            total = total + (b - before.get(name, hvd.WireBytes()))
+    return total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Trains, evaluates, reports; returns the exit status."""
     args = parse_args(argv)
@@ -166,30 +199,45 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_x, train_y, test_x, test_y = load_split(args.seed, args.test_fraction)
     model = DigitsNet()
     lr = args.lr * size
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
-    # Every worker starts from rank 0's weights and optimizer state.
-    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
-    compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
-    optimizer = hvd.DistributedOptimizer(
-        optimizer,
-        named_parameters=model.named_parameters(),
-        compression=compression,
-        op=hvd.Average,
-    )
-
     steps = math.ceil(math.ceil(len(train_y) / size) / args.batch_size)
+    # Every worker starts from rank 0's weights (and optimizer state).
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    optimizer: torch.optim.Optimizer
+    if args.csc is not None:
+        optimizer = hvd.CoarseSparseSGD(
+            model.parameters(),
+            lr=lr,
+            momentum=args.momentum,
+            density=args.csc,
+            chunk_elements=args.csc_chunk,
+            warmup_steps=round(args.csc_warmup_epochs * steps),
+        )
+        sent_as = f"chunks of {args.csc_chunk}, {args.csc:.0%} of them per step (CSC)"
+    else:
+        sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
+        hvd.broadcast_optimizer_state(sgd, root_rank=0)
+        compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+        optimizer = hvd.DistributedOptimizer(
+            sgd,
+            named_parameters=model.named_parameters(),
+            compression=compression,
+            op=hvd.Average,
+        )
+        sent_as = "float16" if args.fp16 else "float32"
+
     if rank == 0:
         print(
             f"digits: {len(train_y)} training and {len(test_y)} test images; {size} worker(s), "
             f"batch {args.batch_size} per worker ({args.batch_size * size} in all), "
             f"{steps} steps per epoch; lr {args.lr:g} x {size} worker(s) = {lr:g}; "
-            f"gradients sent as {'float16' if args.fp16 else 'float32'}",
+            f"gradients sent as {sent_as}",
             flush=True,
         )
     show_bar = rank == 0 and sys.stderr.isatty()
     train_seconds = 0.0
     train_samples = 0.0
+    train_steps = 0
+    wire_before = hvd.wire_bytes()
     for epoch in range(args.epochs):
         model.train()
         loss_sum = correct = count = 0.0
@@ -205,6 +253,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             loss_sum += loss.item() * len(y)
             correct += (logits.argmax(dim=1) == y).sum().item()
             count += len(y)
+            train_steps += 1
             bar.update()
         elapsed = time.perf_counter() - start
         bar.close()
@@ -223,6 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             sys.stdout.flush()
 
+    wire = gradient_traffic(wire_before, hvd.wire_bytes())
     accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples_per_s = train_samples / train_seconds
     metrics = {
@@ -235,12 +285,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "lr": lr,
         "fp16": args.fp16,
+        "csc_density": args.csc,
+        "csc_chunk": args.csc_chunk if args.csc is not None else None,
+        # Rank 0's bytes to and from the summation servers per training step for its
+        # gradients (CSC's norm exchange included), counted at its sockets.
+        "wire_sent_per_step": wire.sent / train_steps,
+        "wire_received_per_step": wire.received / train_steps,
     }
     if rank == 0:
         print(
             f"test accuracy {accuracy:.2%} (loss {test_loss:.4f}) after {args.epochs} epochs; "
             f"training: {samples_per_s:.0f} samples/s in all over {size} worker(s), "
-            f"{train_seconds:.1f} s",
+            f"{train_seconds:.1f} s; {wire.sent / train_steps / 1e3:.1f} kB sent and "
+            f"{wire.received / train_steps / 1e3:.1f} kB received per step by rank 0",
             flush=True,
         )
         if args.json is not None:
