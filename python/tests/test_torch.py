@@ -110,6 +110,13 @@ def test_horovod_collectives(tmp_path: Path) -> None:
             assert torch.equal(t, torch.full((1000,), float(sum(i * n + q for q in range(n)))))
         assert out["fp16"].dtype == torch.float32
         assert torch.allclose(out["fp16"], torch.full((7,), 0.2), atol=1e-3)
+        # float16 overflows to inf (which GradScaler detects), whether at the cast or in
+        # the servers' sum; the small element stays exact, and bfloat16 does not overflow.
+        fp16, bf16 = out["fp16_overflow"], out["bf16_overflow"]
+        assert fp16.dtype == bf16.dtype == torch.float32
+        assert torch.equal(fp16[:2], torch.full((2,), float("inf"))), fp16
+        assert fp16[2] == 6.0
+        assert torch.allclose(bf16, torch.tensor([3e5, 9e4, 6.0]), rtol=1e-2), bf16
         want_nc = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * 6
         assert torch.equal(out["noncontig"], want_nc)
         assert torch.equal(out["push_pull"], torch.full((3,), 6.0))

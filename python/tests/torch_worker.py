@@ -113,6 +113,12 @@ def collectives() -> dict[str, object]:
     out["async"] = [hvd.synchronize(h) for h in handles]
     half = torch.full((7,), 0.1 * (r + 1))
     out["fp16"] = hvd.allreduce(half, name="fp16", compression=hvd.Compression.fp16)
+    # Beyond float16's 65504: at the cast (1e5) and in the sum (3 x 3e4); bfloat16 keeps both.
+    big = torch.tensor([1e5, 3e4, float(r + 1)])
+    for label, compression in (("fp16", hvd.Compression.fp16), ("bf16", hvd.Compression.bf16)):
+        out[f"{label}_overflow"] = hvd.allreduce(
+            big, name=f"{label}.overflow", op=hvd.Sum, compression=compression
+        )
     noncontig = torch.arange(12, dtype=torch.float32).reshape(3, 4).t() * (r + 1)
     hvd.allreduce_(noncontig, name="nc", op=hvd.Sum)
     out["noncontig"] = noncontig
