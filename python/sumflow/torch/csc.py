@@ -133,6 +133,8 @@ class CoarseSparseSGD(torch.optim.Optimizer):
         self._pool = torch.zeros(shape, dtype=like.dtype, device=like.device)
         self._kept = torch.zeros_like(self._pool)
         self._momentum = torch.zeros_like(self._pool)
+        # Each step's weight change, kept to spare an allocation of the pool's size per step.
+        self._delta = torch.zeros_like(self._pool)
         self.steps = 0
         #: The chunks the next step sends, ascending.
         self.important = torch.arange(self.chunks)
@@ -172,9 +174,9 @@ class CoarseSparseSGD(torch.optim.Optimizer):
         torch.mul(self._pool, momentum, out=self._kept)
         self._kept[sent] = 0
         self._momentum[sent] = self._momentum[sent] * momentum + self._pool[sent] * (lr / workers)
-        delta = torch.zeros_like(self._pool)
-        delta[sent] = self._momentum[sent]
-        flat_delta = delta.view(-1)
+        self._delta.zero_()
+        self._delta[sent] = self._momentum[sent]
+        flat_delta = self._delta.view(-1)
         at = 0
         for p in self._params:
             n = p.numel()

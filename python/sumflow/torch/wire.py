@@ -38,7 +38,4 @@ def wire_bytes() -> dict[str, WireBytes]:
 
 def total_wire_bytes() -> WireBytes:
     """Every byte exchanged with the summation servers since this worker joined."""
-    total = WireBytes()
-    for b in wire_bytes().values():
-        total = total + b
-    return total
+    return sum(wire_bytes().values(), WireBytes())
