@@ -109,15 +109,22 @@ CASES = {
 }
 
 
-def train(case: str, cross: bool) -> dict[str, Any]:
+#: Net's gradients in backward order are 24, 72, 24, 72, 24 | 384 | 128, 1280 bytes: this
+#: theta fuses them into three spans, one of a single gradient, one mixing the module used
+#: every other step with the unused one.
+FUSION_THRESHOLD = 200
+
+
+def train(case: str, cross: bool, fused: bool = False) -> dict[str, Any]:
     spec = CASES[case]
     passes = spec.backward_passes_per_step
     m = Net()
-    prefix = f"{case}.{'cross' if cross else 'sync'}"
+    prefix = f"{case}.{'cross' if cross else 'sync'}{'.fused' if fused else ''}"
     opt = hvd.DistributedOptimizer(
         spec.optimizer(m),
         named_parameters=[(f"{prefix}.{n}", p) for n, p in m.named_parameters()],
         backward_passes_per_step=passes,
+        fusion_threshold=FUSION_THRESHOLD if fused else 0,
         **({"cross_barrier": True, "model": m} if cross else {}),
     )
     # The learning rate changes every step: an update must use the one in effect when
@@ -151,6 +158,8 @@ def equivalence() -> dict[str, Any]:
         case: {
             "sync": train(case, False),
             "cross": train(case, True),
+            "fused-sync": train(case, False, fused=True),
+            "fused-cross": train(case, True, fused=True),
             "initial": Net().state_dict(),
         }
         for case in CASES
@@ -354,6 +363,41 @@ def closure_and_group_writer() -> dict[str, str]:
     return {"closure": closure, "group_writer": _error(lambda: m(x))}
 
 
+def fusion_in_place() -> dict[str, Any]:
+    """Where fused gradients live: every gradient a view of one pool in backward order,
+    through both zero_grad modes, and the averages written there in place."""
+    m = model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1),
+        named_parameters=[(f"pool.{n}", p) for n, p in m.named_parameters()],
+        fusion_threshold=1 << 20,
+    )
+    params = list(m.parameters())
+    seen: dict[str, Any] = {"pool_order": [], "same_memory": [], "averaged": []}
+    for step, set_to_none in enumerate([True, False, True]):
+        opt.zero_grad(set_to_none=set_to_none)
+        x, y = batch(step, hvd.rank(), hvd.size())
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        addresses = [p.grad.data_ptr() for p in params]
+        local = [p.grad.clone() for p in params]
+        opt.synchronize()  # type: ignore[attr-defined]
+        # Backward order is the reverse of the model's: the last layer's bias comes first.
+        item = params[0].element_size()
+        ends = [a + p.numel() * item for a, p in zip(addresses, params)]
+        seen["pool_order"].append(all(ends[i + 1] == addresses[i] for i in range(len(params) - 1)))
+        seen["same_memory"].append([p.grad.data_ptr() for p in params] == addresses)
+        total = [hvd.allreduce(g, op=hvd.Sum, name=f"pool.check.{i}") for i, g in enumerate(local)]
+        seen["averaged"].append(
+            all(torch.equal(p.grad, t / hvd.size()) for p, t in zip(params, total))
+        )
+        with opt.skip_synchronize():  # type: ignore[attr-defined]
+            opt.step()
+    seen["sent"] = sorted(
+        n for n in hvd.wire_bytes() if n.startswith("DistributedOptimizer.grad[pool")
+    )
+    return seen
+
+
 def behaviour() -> dict[str, Any]:
     return {
         "delayed_cross": delayed_push(True),
@@ -362,6 +406,7 @@ def behaviour() -> dict[str, Any]:
         "fail": failing_update(),
         "stale": stale_read(),
         "refusals": refusals(),
+        "fusion": fusion_in_place(),
         **closure_and_group_writer(),
     }
 

@@ -558,6 +558,12 @@ def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
     fifo = training.sumflow_env(args, matrix.Step(step.cell, systems["fifo"]), cell)
     assert fifo[-1] == "SUMFLOW_SCHEDULER=fifo"
     assert not any("AUTOTUNE" in item for item in fifo)
+    assert "--fusion-threshold" not in argv
+    (fused,) = matrix.scheduler_systems(["bytescheduler-fusion"], 0)
+    assert (fused.scheduler, fused.cross_barrier, fused.fusion) == ("bytescheduler", True, True)
+    fused_argv = training.worker_argv(args, matrix.Step(step.cell, fused), cell, tmp_path)
+    # Spans as large as the cell's partitions.
+    assert fused_argv[fused_argv.index("--fusion-threshold") + 1] == "4096"
     assert matrix.tuning_space(1e-6) == (4096, 4096)  # never below a page
 
 

@@ -99,8 +99,15 @@ def test_parameters_and_state_equal_the_synchronous_optimizer_exactly(
         assert got.keys() == CASES.keys()
         for case, runs in got.items():
             where = f"rank {rank}, {case}"
-            assert_same(runs["cross"]["model"], runs["sync"]["model"], f"{where}: parameters")
-            assert_same(runs["cross"]["optimizer"], runs["sync"]["optimizer"], f"{where}: state")
+            for variant in ("cross", "fused-sync", "fused-cross"):
+                assert_same(
+                    runs[variant]["model"], runs["sync"]["model"], f"{where} {variant}: parameters"
+                )
+                assert_same(
+                    runs[variant]["optimizer"],
+                    runs["sync"]["optimizer"],
+                    f"{where} {variant}: state",
+                )
             # The comparison means something only if training moved every parameter that
             # got a gradient, including those used every other step. (The unused module
             # moves only under weight decay; it is compared above all the same.)
@@ -155,6 +162,12 @@ def test_step_returns_at_once_forward_waits_and_failures_name_the_parameter(
     assert refusals["lbfgs"].startswith("NotSeparableError: LBFGS updates all parameters")
     assert refusals["no_model"].startswith("ValueError: cross_barrier=True needs model=")
     assert refusals["orphan"].startswith("ValueError: cross_barrier: parameters ['param.")
+    fusion = got["fusion"]
+    assert fusion["pool_order"] == [True] * 3, fusion
+    assert fusion["same_memory"] == [True] * 3, "the averages did not land in the gradients"
+    assert fusion["averaged"] == [True] * 3, fusion
+    # One span of the whole model, sent under its first and last gradients' names.
+    assert fusion["sent"] == ["DistributedOptimizer.grad[pool.2.bias..pool.0.weight]"], fusion
     assert got["closure"].startswith("ValueError: step(closure) with cross_barrier")
     assert got["group_writer"].startswith(
         "NotSeparableError: GroupWriter.step wrote ['k'] of its parameter group"

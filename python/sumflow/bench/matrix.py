@@ -22,7 +22,15 @@ from sumflow import profiles
 from sumflow.tune.space import ALIGN, SearchSpace
 
 #: The scheduler benchmark's systems, in the order a cell runs them (issue 6).
-SCHEDULER_SYSTEMS = ("fifo", "p3", "bytescheduler", "bytescheduler-tuned", "prophet", "ddp")
+SCHEDULER_SYSTEMS = (
+    "fifo",
+    "p3",
+    "bytescheduler",
+    "bytescheduler-tuned",
+    "bytescheduler-fusion",
+    "prophet",
+    "ddp",
+)
 #: What SUMFLOW_SCHEDULER selects in sumflow's communication service.
 CORE_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet")
 #: Scaled compute per iteration at 10 Gbit/s and above, and the least it is lowered to.
@@ -44,6 +52,7 @@ class System:
         tuned: preceded by a tuning run whose best configuration the measured run reuses.
         partition_bytes: SUMFLOW_PARTITION_BYTES, or None for the cell's (4 MiB scaled).
         credit_bytes: SUMFLOW_CREDIT_BYTES, or None for the scheduler's default.
+        fusion: fuse gradients (lazy allreduce) into spans of at least the partition size.
     """
 
     name: str
@@ -55,6 +64,7 @@ class System:
     tuned: bool = False
     partition_bytes: int | None = None
     credit_bytes: int | None = None
+    fusion: bool = False
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,18 @@ def scheduler_systems(names: Sequence[str], k: int) -> list[System]:
                     "bytescheduler",
                     cross_barrier=True,
                     tuned=True,
+                )
+            )
+        elif name == "bytescheduler-fusion":
+            systems.append(
+                System(
+                    name,
+                    f"bytescheduler fused{suffix}",
+                    "sumflow",
+                    k,
+                    "bytescheduler",
+                    cross_barrier=True,
+                    fusion=True,
                 )
             )
         else:

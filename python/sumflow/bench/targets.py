@@ -19,7 +19,14 @@ from dataclasses import dataclass
 #: iterations/s by (model, reference Gbit/s), then by system name.
 Rates = Mapping[tuple[str, float], Mapping[str, float]]
 
-SUMFLOW_SCHEDULERS = ("fifo", "p3", "bytescheduler", "bytescheduler-tuned", "prophet")
+SUMFLOW_SCHEDULERS = (
+    "fifo",
+    "p3",
+    "bytescheduler",
+    "bytescheduler-tuned",
+    "bytescheduler-fusion",
+    "prophet",
+)
 
 
 @dataclass(frozen=True)

@@ -15,10 +15,11 @@ not overlap it. Systems:
 
 - ``sumflow``: ``hvd.DistributedOptimizer`` around SGD, parameters broadcast from rank 0
   (the job comes from ``sumflow-run``'s environment); ``--partition-bytes`` sets
-  ``SUMFLOW_PARTITION_BYTES``; ``--cross-barrier`` crosses the global barrier (step()
-  returns at once, each parameter is updated when its sum arrives, and the next forward
-  waits per layer), so the order the scheduler (``SUMFLOW_SCHEDULER``) sends partitions in
-  decides how much of the next forward overlaps communication;
+  ``SUMFLOW_PARTITION_BYTES``; ``--fusion-threshold`` fuses gradients (lazy allreduce);
+  ``--cross-barrier`` crosses the global barrier (step() returns at once, each parameter
+  is updated when its sum arrives, and the next forward waits per layer), so the order
+  the scheduler (``SUMFLOW_SCHEDULER``) sends partitions in decides how much of the next
+  forward overlaps communication;
 - ``ddp-gloo``: ``DistributedDataParallel`` over a gloo process group (env://:
   ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``--bucket-cap-mb`` (25).
 
@@ -90,6 +91,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sumflow: cross the global barrier (parameters updated as their sums arrive)",
     )
     p.add_argument(
+        "--fusion-threshold",
+        type=int,
+        default=0,
+        help="sumflow: fuse gradients into spans of at least this many bytes, 0 for none [0]",
+    )
+    p.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="ddp-gloo: DDP bucket size [25]"
     )
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate [0.01]")
@@ -110,6 +117,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--iterations and --progress-every must be >= 1, --warmup >= 0")
     if args.partition_bytes is not None and args.partition_bytes < 4:
         p.error(f"--partition-bytes must be >= 4, got {args.partition_bytes}")
+    if args.fusion_threshold < 0:
+        p.error(f"--fusion-threshold must be >= 0, got {args.fusion_threshold}")
     if args.cross_barrier and args.system != "sumflow":
         p.error("--cross-barrier is sumflow's (DDP always waits for its buckets in backward)")
     return args
@@ -172,7 +181,10 @@ class Sumflow(System):
         crossing = {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
         try:
             self.optimizer = hvd.DistributedOptimizer(
-                opt, named_parameters=self.model.named_parameters(), **crossing
+                opt,
+                named_parameters=self.model.named_parameters(),
+                fusion_threshold=args.fusion_threshold,
+                **crossing,
             )
         except TypeError as e:
             if not self.cross_barrier:
@@ -405,6 +417,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "tensors": profile.num_tensors,
         "profile_compute_ms": profile.compute_ms,
         "partition_bytes": args.partition_bytes if system.name == "sumflow" else None,
+        "fusion_threshold": args.fusion_threshold if system.name == "sumflow" else None,
         "cross_barrier": args.cross_barrier,
         "scheduler": os.environ.get("SUMFLOW_SCHEDULER") if system.name == "sumflow" else None,
         "bucket_cap_mb": args.bucket_cap_mb if system.name == "ddp-gloo" else None,

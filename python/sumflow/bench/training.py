@@ -160,7 +160,12 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
     ]
     if system.kind == "ddp-gloo":
         return [*argv, "--bucket-cap-mb", repr(cell["bucket_cap_mb"])]
-    argv += ["--partition-bytes", str(system.partition_bytes or cell["partition_bytes"])]
+    partition = system.partition_bytes or cell["partition_bytes"]
+    argv += ["--partition-bytes", str(partition)]
+    if system.fusion:
+        # A span as large as a partition: small gradients stop costing a key each, and
+        # no span is coarser than what the scheduler already sends.
+        argv += ["--fusion-threshold", str(partition)]
     if system.cross_barrier:
         argv.append("--cross-barrier")
     return argv

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import ops, per_parameter, trace
+from sumflow.torch import fusion, ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
-from sumflow.torch.overlap import CrossBarrier, Update, zero_grad_of
+from sumflow.torch.fusion import GradientPool, Span
+from sumflow.torch.overlap import CrossBarrier, Update, once, zero_grad_of
 from sumflow.tune import plugin as autotune
 
 
@@ -34,8 +35,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     #: The parameters' own names (``_sf_names`` are their gradients' tensor names).
     _sf_param_names: dict[torch.Tensor, str]
     _sf_priority: dict[torch.Tensor, int]
+    #: The push_pull handle of each parameter's gradient this step (shared by a span's).
     _sf_handles: dict[torch.Tensor, int]
     _sf_passes: dict[torch.Tensor, int]
+    #: With fusion: the gradient pool, and each unsent span's parameters ready this step.
+    _sf_pool: GradientPool | None
+    _sf_ready: dict[Span, set[torch.Tensor]]
     _sf_backward_passes: int
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
@@ -58,6 +63,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         op: ops.ReduceOp,
         gradient_predivide_factor: float,
         model: torch.nn.Module | None,
+        fusion_threshold: int,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters:
@@ -107,47 +113,82 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 {p: names[p] for p in trainable},
                 lambda: ops._runtime.current().timeout,
             )
-        # Declared together so placement balances the whole model over the servers; the
-        # wire dtype is what compression sends.
-        ops.declare_group([(self._sf_names[p], self._sf_wire_like(p)) for p in trainable])
+        self._sf_pool = None
+        self._sf_ready = {}
+        if fusion_threshold > 0:
+            # Backward produces the last layers' gradients first.
+            self._sf_pool = GradientPool(
+                trainable[::-1],
+                self._sf_param_names,
+                self._sf_priority,
+                fusion_threshold,
+                "DistributedOptimizer.grad",
+            )
+        # Declared together so placement balances the whole model over the servers.
+        ops.declare_group(
+            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()]
+        )
         self._sf_hooks = [
             p.register_post_accumulate_grad_hook(self._sf_grad_ready) for p in trainable
         ]
 
-    def _sf_wire_like(self, p: torch.Tensor) -> torch.Tensor:
-        wire, _ = self._sf_compression.compress(torch.empty(0, dtype=p.dtype))
-        return torch.empty(p.numel(), dtype=wire.dtype, device="meta")
+    def _sf_sent(self) -> list[tuple[str, torch.dtype, int]]:
+        """(name, wire dtype, elements) of every tensor a step sends, in priority order:
+        one per gradient, or one per span with fusion. The wire dtype is what compression
+        sends."""
+
+        def wire_dtype(dtype: torch.dtype) -> torch.dtype:
+            return self._sf_compression.compress(torch.empty(0, dtype=dtype))[0].dtype
+
+        if self._sf_pool is not None:
+            spans = sorted(self._sf_pool.spans, key=lambda s: s.priority)
+            return [(s.name, wire_dtype(s.flat.dtype), s.flat.numel()) for s in spans]
+        return [(self._sf_names[p], wire_dtype(p.dtype), p.numel()) for p in self._sf_trainable()]
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
+        if self._sf_pool is not None and p not in self._sf_handles:
+            self._sf_pool.adopt(p)
         passes = self._sf_passes.get(p, 0) + 1
         self._sf_passes[p] = passes
         if passes < self._sf_backward_passes:
             return
-        if p in self._sf_handles:
+        span = self._sf_pool.span_of[p] if self._sf_pool is not None else None
+        if p in self._sf_handles or (span is not None and p in self._sf_ready.get(span, ())):
             raise RuntimeError(
                 f"the gradient of {self._sf_names[p]} was computed again before step() or "
                 "synchronize() used the previous one; with gradient accumulation pass "
                 "backward_passes_per_step to DistributedOptimizer"
             )
-        self._sf_push(p)
+        if span is None:
+            self._sf_push(p)
+            return
+        ready = self._sf_ready.setdefault(span, set())
+        ready.add(p)
+        if len(ready) == len(span.params):
+            self._sf_push_span(span)
 
     def _sf_push(self, p: torch.Tensor) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        self._sf_handles[p] = self._sf_issue(self._sf_names[p], p.grad, self._sf_priority[p])
+
+    def _sf_push_span(self, span: Span) -> None:
+        """Sends a span of the pool; gradients it has not seen this step (parameters
+        unused in the forward) go as they are, zeros if they have none."""
+        assert self._sf_pool is not None
+        for q in span.params:
+            self._sf_pool.adopt(q)
+        self._sf_ready.pop(span, None)
+        handle = self._sf_issue(span.name, span.flat, span.priority)
+        self._sf_handles.update((q, handle) for q in span.params)
+
+    def _sf_issue(self, name: str, grad: torch.Tensor, priority: int) -> int:
         prescale, postscale = 1.0, 1.0
         op = self._sf_op
         if self._sf_predivide != 1.0:
             size = ops._runtime.current().service.size
             prescale, postscale, op = 1.0 / self._sf_predivide, self._sf_predivide / size, ops.Sum
-        self._sf_handles[p] = ops._issue(
-            self._sf_names[p],
-            p.grad,
-            op,
-            self._sf_priority[p],
-            self._sf_compression,
-            prescale,
-            postscale,
-        )
+        return ops._issue(name, grad, op, priority, self._sf_compression, prescale, postscale)
 
     def synchronize(self) -> None:
         """Waits until every gradient has been averaged across workers. Parameters whose
@@ -166,7 +207,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handles, self._sf_handles = self._sf_handles, {}
         errors = []
         with trace.span("waits", "optimizer.synchronize()"):
-            for h in handles.values():
+            # A span's parameters share one handle.
+            for h in dict.fromkeys(handles.values()):
                 try:
                     ops.synchronize(h)
                 except Exception as e:
@@ -179,9 +221,20 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_push_missing(self) -> None:
         """Sends, as zeros if they have none, the gradients that did not arrive this step
         (parameters unused in the forward), so every worker takes part in every sum."""
+        if self._sf_pool is not None:
+            for span in self._sf_pool.spans:
+                if span.params[0] not in self._sf_handles:
+                    self._sf_push_span(span)
+            return
         for p in self._sf_trainable():
             if p not in self._sf_handles:
                 self._sf_push(p)
+
+    def _sf_sent_as(self, p: torch.Tensor) -> str:
+        """The name of the tensor `p`'s gradient is sent in."""
+        if self._sf_pool is not None:
+            return self._sf_pool.span_of[p].name
+        return self._sf_names[p]
 
     def _sf_trainable(self) -> Iterator[torch.Tensor]:
         return (p for p in self._sf_priority if p.requires_grad)
@@ -247,6 +300,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         handles, self._sf_handles = self._sf_handles, {}
         self._sf_passes.clear()
         self._sf_steps += 1
+        # The parameters of a span share a handle, waited for once.
+        waits = {h: once(functools.partial(ops.synchronize, h)) for h in set(handles.values())}
         updates = []
         for group in self.param_groups:
             # The hyper-parameters in effect now: an LR scheduler may change them before
@@ -260,7 +315,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                     Update(
                         param=p,
                         handle=handle,
-                        tensor=self._sf_names[p],
+                        wait=waits[handle],
+                        tensor=self._sf_sent_as(p),
                         step=self._sf_steps,
                         apply=functools.partial(
                             per_parameter.step_one,
@@ -325,6 +381,7 @@ def DistributedOptimizer(
     *,
     cross_barrier: bool = False,
     model: torch.nn.Module | None = None,
+    fusion_threshold: int | None = None,
 ) -> torch.optim.Optimizer:
     """Wraps `optimizer` so that gradients are averaged across workers before each step.
 
@@ -338,7 +395,15 @@ def DistributedOptimizer(
     ``backward_passes_per_step``: backward passes accumulated locally per step.
     ``gradient_predivide_factor``: divide gradients by this before summing and by
     size / factor after (Horovod's semantics). ``num_groups`` and ``groups`` (Horovod's
-    fusion groups) are accepted and ignored: sumflow schedules tensors individually.
+    fusion groups) are accepted and ignored: fusion follows ``fusion_threshold``.
+
+    ``fusion_threshold`` (bytes; default ``SUMFLOW_FUSION_THRESHOLD``, else 0 = off):
+    GradientFlow's lazy allreduce. The gradients live in one pool in the order backward
+    produces them (each ``param.grad`` a view of it), and consecutive gradients are sent
+    together, straight from the pool, once they hold at least this many bytes; the
+    averages land in place. Sums of many small gradients then cost one message instead
+    of one each. Tensor names become the spans' (``DistributedOptimizer.grad[<first>..
+    <last>]``). See docs/compression.md.
 
     ``cross_barrier=True`` (ByteScheduler's crossing of the global barrier, §3.4):
     ``step()`` returns at once, each parameter is updated by a background thread as soon
@@ -376,6 +441,11 @@ def DistributedOptimizer(
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__
     _route_patched_step(wrapped)
+    threshold = (
+        fusion.threshold_from_env()
+        if fusion_threshold is None
+        else fusion.check_threshold(fusion_threshold)
+    )
     wrapped._sf_setup(
         optimizer.__class__,
         list(named_parameters) if named_parameters is not None else [],
@@ -384,6 +454,7 @@ def DistributedOptimizer(
         op,
         gradient_predivide_factor,
         model,
+        threshold,
     )
     return wrapped
 

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from sumflow import SumflowTimeoutError
-from sumflow.torch import ops, trace
+from sumflow.torch import trace
 
 
 @dataclass
@@ -42,6 +42,8 @@ class Update:
     #: The push_pull handle of its gradient, and the tensor name it was sent under.
     handle: int
     tensor: str
+    #: Waits for that push_pull (shared by the parameters of one fused span).
+    wait: Callable[[], None]
     #: The number of the ``step()`` call that issued it (1 = the first).
     step: int
     #: Updates the parameter once its averaged gradient is in ``param.grad``.
@@ -195,7 +197,7 @@ class CrossBarrier:
                 self._doing = f"waiting for the sum of '{name}' (handle {u.handle})"
             try:
                 with _on_stream(u.stream):
-                    ops.synchronize(u.handle)
+                    u.wait()
                     with self._cond:
                         self._doing = f"running the optimizer for '{name}'"
                     with trace.span("cross-barrier updates", name, step=u.step):
@@ -255,6 +257,20 @@ class CrossBarrier:
             for p in self._pending:
                 self._zero_after[p] = set_to_none
             return set(self._pending)
+
+
+def once(wait: Callable[[], object]) -> Callable[[], None]:
+    """`wait`, run by the first call only: the parameters of a fused span share one
+    push_pull, whose handle can be synchronized once. Only the update thread calls it."""
+    done = False
+
+    def wait_once() -> None:
+        nonlocal done
+        if not done:
+            wait()
+            done = True
+
+    return wait_once
 
 
 def zero_grad_of(param: torch.Tensor, set_to_none: bool) -> None:

@@ -67,15 +67,11 @@ def after_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _tensors(optimizer: Any) -> list[tuple[str, str, int]]:
-    """(name, wire dtype, bytes) of every gradient the optimizer sums, in priority order."""
-    out = []
-    for p in sorted(optimizer._sf_priority, key=optimizer._sf_priority.__getitem__):
-        if p.requires_grad:
-            wire = optimizer._sf_wire_like(p)
-            out.append(
-                (optimizer._sf_names[p], ops.DTYPES[wire.dtype], wire.numel() * wire.element_size())
-            )
-    return out
+    """(name, wire dtype, bytes) of every tensor the optimizer sums, in priority order."""
+    return [
+        (name, ops.DTYPES[dtype], elements * dtype.itemsize)
+        for name, dtype, elements in optimizer._sf_sent()
+    ]
 
 
 def _start(schedule: dict[str, Any]) -> Configuration | None:

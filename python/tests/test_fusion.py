@@ -1,0 +1,92 @@
+"""Tensor fusion's layout without a job: the spans lazy allreduce cuts, and the gradient
+pool's views. Fused training itself (the same parameters as unfused, the averages in
+place) is checked across two workers in test_cross_barrier.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sumflow.torch import fusion
+from sumflow.torch.fusion import GradientPool, plan_spans
+
+
+def test_a_span_closes_once_it_holds_theta() -> None:
+    assert plan_spans([10, 10, 10, 10, 10], 25) == [range(0, 3), range(3, 5)]
+    # Exactly theta closes the span; one large tensor is a span of its own.
+    assert plan_spans([5, 20, 100, 1, 1], 25) == [range(0, 2), range(2, 3), range(3, 5)]
+    assert plan_spans([1, 2, 3], 1 << 30) == [range(0, 3)]
+
+
+def test_theta_zero_sends_every_tensor_alone_and_no_tensors_make_no_span() -> None:
+    assert plan_spans([4, 0, 8], 0) == [range(0, 1), range(1, 2), range(2, 3)]
+    assert plan_spans([], 100) == []
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "64"])
+def test_a_bad_theta_is_refused(bad: object) -> None:
+    with pytest.raises(ValueError, match="whole number of bytes >= 0"):
+        plan_spans([1], bad)  # type: ignore[arg-type]
+
+
+def test_theta_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(fusion.FUSION_THRESHOLD_ENV, raising=False)
+    assert fusion.threshold_from_env() == 0
+    monkeypatch.setenv(fusion.FUSION_THRESHOLD_ENV, " 65536 ")
+    assert fusion.threshold_from_env() == 65536
+    monkeypatch.setenv(fusion.FUSION_THRESHOLD_ENV, "64MB")
+    with pytest.raises(ValueError, match="SUMFLOW_FUSION_THRESHOLD='64MB'"):
+        fusion.threshold_from_env()
+
+
+def pool_of(params: list[torch.nn.Parameter], threshold: int) -> GradientPool:
+    names = {p: f"p{i}" for i, p in enumerate(params)}
+    priority = {p: i for i, p in enumerate(params)}
+    return GradientPool(params[::-1], names, priority, threshold, "grad")
+
+
+def test_gradients_become_views_of_one_pool_in_backward_order() -> None:
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (6, 2, 3, 1)]
+    params[1].grad = torch.full((2,), 7.0)
+    pool = pool_of(params, 12)
+    # Backward order p3, p2, p1, p0: 4 + 12 bytes close the first span; p1 and p0 follow.
+    assert [s.name for s in pool.spans] == ["grad[p3..p2]", "grad[p1..p0]"]
+    assert [s.priority for s in pool.spans] == [2, 0]
+    first, second = pool.spans
+    assert first.flat.data_ptr() + first.flat.numel() * 4 == second.flat.data_ptr()
+    # A gradient it already had is kept, in the pool; the others get theirs on adoption.
+    assert pool.holds(params[1])
+    assert torch.equal(second.flat[:2], torch.full((2,), 7.0))
+    assert params[0].grad is None
+    for p in params:
+        pool.adopt(p)
+    assert all(pool.holds(p) for p in params)
+    params[0].grad.fill_(1.0)
+    assert torch.equal(second.flat[2:], torch.ones(6))
+
+
+def test_a_gradient_put_elsewhere_moves_into_the_pool_once() -> None:
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    pool = pool_of(params, 0)
+    # What autograd does after zero_grad(set_to_none=True): a fresh tensor.
+    params[1].grad = torch.arange(4.0).view(2, 2)
+    assert not pool.holds(params[1])
+    pool.adopt(params[1])
+    assert pool.holds(params[1])
+    assert torch.equal(pool.spans[0].flat, torch.arange(4.0))
+    assert params[1].grad.shape == (2, 2)
+    # Names of single-gradient spans are those of unfused gradients.
+    assert [s.name for s in pool.spans] == ["grad.p1", "grad.p0"]
+
+
+def test_each_dtype_gets_its_own_pool() -> None:
+    params = [
+        torch.nn.Parameter(torch.zeros(2)),
+        torch.nn.Parameter(torch.zeros(2, dtype=torch.float64)),
+        torch.nn.Parameter(torch.zeros(2)),
+    ]
+    pool = pool_of(params, 1 << 20)
+    spans = {s.flat.dtype: s for s in pool.spans}
+    assert spans.keys() == {torch.float32, torch.float64}
+    assert spans[torch.float32].params == [params[2], params[0]]
+    assert spans[torch.float64].params == [params[1]]
