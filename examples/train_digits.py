@@ -25,7 +25,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -180,14 +180,22 @@ def evaluate(
 
 
 def gradient_traffic(
-    before: dict[str, hvd.WireBytes], after: dict[str, hvd.WireBytes]
+    before: dict[str, hvd.WireBytes],
+    after: dict[str, hvd.WireBytes],
+    only: Callable[[str], bool] = lambda name: True,
 ) -> hvd.WireBytes:
-    """The bytes exchanged between two ``wire_bytes()`` readings, but the metrics' sums."""
+    """The bytes exchanged between two ``wire_bytes()`` readings for the tensors `only`
+    accepts, but the metrics' sums."""
     total = hvd.WireBytes()
     for name, b in after.items():
-        if not name.endswith(".metrics"):
+        if not name.endswith(".metrics") and only(name):
             total = total + (b - before.get(name, hvd.WireBytes()))
     return total
+
+
+def is_norms(name: str) -> bool:
+    """CSC's exchange of chunk norms (the rest is gradients)."""
+    return name.endswith(".norms")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -242,7 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_samples = 0.0
     train_steps = 0
     wire_before = hvd.wire_bytes()
+    last_epoch_steps = 0
     for epoch in range(args.epochs):
+        if epoch == args.epochs - 1:
+            # The last epoch alone: CSC's warm-up is over, every step is as sparse as asked.
+            wire_last = hvd.wire_bytes()
+            last_epoch_steps = train_steps
         model.train()
         loss_sum = correct = count = 0.0
         bar = tqdm(total=steps, desc=f"epoch {epoch + 1}", leave=False, disable=not show_bar)
@@ -276,7 +289,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             sys.stdout.flush()
 
-    wire = gradient_traffic(wire_before, hvd.wire_bytes())
+    wire_after = hvd.wire_bytes()
+    wire = gradient_traffic(wire_before, wire_after)
+    last_epoch_steps = train_steps - last_epoch_steps
+    last_gradients = gradient_traffic(wire_last, wire_after, lambda n: not is_norms(n))
+    last_norms = gradient_traffic(wire_last, wire_after, is_norms)
     accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples_per_s = train_samples / train_seconds
     metrics = {
@@ -295,13 +312,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # gradients (CSC's norm exchange included), counted at its sockets.
         "wire_sent_per_step": wire.sent / train_steps,
         "wire_received_per_step": wire.received / train_steps,
+        # The same over the last epoch, gradients and CSC's norms apart.
+        "last_epoch_gradients_sent_per_step": last_gradients.sent / last_epoch_steps,
+        "last_epoch_gradients_received_per_step": last_gradients.received / last_epoch_steps,
+        "last_epoch_norms_sent_per_step": last_norms.sent / last_epoch_steps,
+        "last_epoch_norms_received_per_step": last_norms.received / last_epoch_steps,
     }
     if rank == 0:
         print(
             f"test accuracy {accuracy:.2%} (loss {test_loss:.4f}) after {args.epochs} epochs; "
             f"training: {samples_per_s:.0f} samples/s in all over {size} worker(s), "
             f"{train_seconds:.1f} s; {wire.sent / train_steps / 1e3:.1f} kB sent and "
-            f"{wire.received / train_steps / 1e3:.1f} kB received per step by rank 0",
+            f"{wire.received / train_steps / 1e3:.1f} kB received per step by rank 0; "
+            f"last epoch: gradients {last_gradients.sent / last_epoch_steps / 1e3:.2f} kB sent, "
+            f"{last_gradients.received / last_epoch_steps / 1e3:.2f} kB received per step"
+            + (
+                f", norms {last_norms.sent / last_epoch_steps / 1e3:.2f} kB sent"
+                if last_norms.sent
+                else ""
+            ),
             flush=True,
         )
         if args.json is not None:

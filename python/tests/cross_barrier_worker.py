@@ -374,19 +374,25 @@ def fusion_in_place() -> dict[str, Any]:
     )
     params = list(m.parameters())
     seen: dict[str, Any] = {"pool_order": [], "same_memory": [], "averaged": []}
+    # This worker's own gradients, as autograd hands them over: the average may land in
+    # the pool before backward() returns.
+    local: dict[int, torch.Tensor] = {}
+    for i, p in enumerate(params):
+        p.register_hook(lambda g, i=i: local.__setitem__(i, g.detach().clone()))
     for step, set_to_none in enumerate([True, False, True]):
         opt.zero_grad(set_to_none=set_to_none)
         x, y = batch(step, hvd.rank(), hvd.size())
         torch.nn.functional.cross_entropy(m(x), y).backward()
         addresses = [p.grad.data_ptr() for p in params]
-        local = [p.grad.clone() for p in params]
         opt.synchronize()  # type: ignore[attr-defined]
         # Backward order is the reverse of the model's: the last layer's bias comes first.
         item = params[0].element_size()
         ends = [a + p.numel() * item for a, p in zip(addresses, params)]
         seen["pool_order"].append(all(ends[i + 1] == addresses[i] for i in range(len(params) - 1)))
         seen["same_memory"].append([p.grad.data_ptr() for p in params] == addresses)
-        total = [hvd.allreduce(g, op=hvd.Sum, name=f"pool.check.{i}") for i, g in enumerate(local)]
+        total = [
+            hvd.allreduce(local[i], op=hvd.Sum, name=f"pool.check.{i}") for i in range(len(params))
+        ]
         seen["averaged"].append(
             all(torch.equal(p.grad, t / hvd.size()) for p, t in zip(params, total))
         )

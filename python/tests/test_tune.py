@@ -91,6 +91,50 @@ def test_grid_and_cap() -> None:
         space.grid(0, 2)
 
 
+def test_a_fusing_optimizer_adds_the_threshold_as_a_third_knob() -> None:
+    space = SearchSpace(64 * KIB, 16 * MIB, 8).with_fusion(16 * KIB, 4 * MIB)
+    assert (space.dims, SearchSpace().dims) == (3, 2)
+    rng = random.Random(2)
+    for _ in range(200):
+        c = space.from_unit(rng.random(), rng.random(), rng.random())
+        assert c.fusion_bytes is not None
+        assert c.fusion_bytes % ALIGN == 0
+        assert 16 * KIB <= c.fusion_bytes <= 4 * MIB
+        assert space.contains(c)
+        assert space.from_unit(*space.unit_point(c)) == c
+    # A configuration without a threshold is not of this space, nor one with it of a 2-D one.
+    assert not space.contains(Configuration(1 * MIB, 1 * MIB))
+    assert not SearchSpace().contains(Configuration(1 * MIB, 1 * MIB, 64 * KIB))
+    with pytest.raises(ValueError, match="3 coordinates, not 2"):
+        space.from_unit(0.5, 0.5)
+    assert len(space.grid(3, 2, 3)) == 18
+    assert space.grid(1, 1, 3)[-1].fusion_bytes == 4 * MIB
+    assert "fusion thresholds of 16 KiB to 4 MiB" in space.describe()
+    c = Configuration(1 * MIB, 2 * MIB, 256 * KIB)
+    assert Configuration.from_json(c.to_json()) == c
+    assert c.describe().endswith(", fusion 256 KiB")
+    assert "fusion_bytes" not in Configuration(1 * MIB, 2 * MIB).to_json()
+    with pytest.raises(ValueError, match="fusion_bytes must be a positive integer"):
+        Configuration(1 * MIB, 2 * MIB, 0)
+    with pytest.raises(ValueError, match="both 0 for no fusion"):
+        SearchSpace(min_fusion_bytes=16 * KIB)
+    # Bayesian optimisation models all three and says so.
+    bo = make_searcher("bo", space, seed=0)
+    proposals = []
+    for _ in range(5):
+        p = bo.ask()
+        assert p is not None
+        assert space.contains(p.config)
+        # Faster with larger spans and partitions, up to a point.
+        score = sum(abs(x - 0.7) for x in space.unit_point(p.config)) + 1
+        bo.tell(p, score)
+        proposals.append(p)
+    assert "octaves of fusion threshold" in proposals[-1].reason
+    assert "fusion_octaves" in proposals[-1].detail["length_scales"]
+    # A key stored before fusion keeps its digest; a fusing optimizer's is another.
+    assert key().digest() == key(fusion=False).digest() != key(fusion=True).digest()
+
+
 def test_trimmed_mean_drops_rare_stalls_but_keeps_recurring_costs() -> None:
     steady = [0.1] * 9 + [5.0]
     assert trimmed_mean(steady) == pytest.approx(0.1)
@@ -270,6 +314,9 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     s = settings.from_env()
     assert (s.max_trials, s.max_seconds, s.method) == (7, 90.0, "random")
     assert s.space.max_partition_bytes == 4 * MIB
+    assert not s.space.tunes_fusion  # unless the optimizer fuses, then its default range
+    monkeypatch.setenv("SUMFLOW_AUTOTUNE_FUSION_BYTES", "16384:1048576")
+    assert settings.from_env().space.max_fusion_bytes == 1 * MIB
     monkeypatch.setenv("SUMFLOW_AUTOTUNE_TRIALS", "0")
     with pytest.raises(ValueError, match="max_trials"):
         settings.from_env()
@@ -407,11 +454,14 @@ class FakeService:
         self.calls: list[tuple[int, Configuration]] = []
 
     def reconfigure(
-        self, partition_bytes: int | None = None, credit_bytes: int | None = None
+        self,
+        partition_bytes: int | None = None,
+        credit_bytes: int | None = None,
+        fusion_bytes: int | None = None,
     ) -> None:
         assert partition_bytes is not None
         assert credit_bytes is not None
-        self.config = Configuration(partition_bytes, credit_bytes)
+        self.config = Configuration(partition_bytes, credit_bytes, fusion_bytes)
         self.calls.append((self.step, self.config))
 
 
@@ -614,9 +664,10 @@ TUNE_WORKER = str(Path(__file__).with_name("tune_worker.py"))
 
 
 def tuned_job(tmp_path: Path, out: Path, optimizer: str = "sync") -> list[dict[str, Any]]:
-    """Two workers training tune_worker's model (`optimizer`: sync, or cross the barrier)
-    under SUMFLOW_AUTOTUNE=1 with a grid over partitions of 4 to 32 KiB: 4 trials of 1
-    warm-up + 2 measured steps."""
+    """Two workers training tune_worker's model (`optimizer`: sync, cross the barrier, or
+    fused: cross it fusing gradients) under SUMFLOW_AUTOTUNE=1 with a grid over
+    partitions (and fusion thresholds) of 4 to 32 KiB: 4 trials of 1 warm-up + 2 measured
+    steps."""
     import torch
     from jobs import run_worker_processes
 
@@ -628,6 +679,7 @@ def tuned_job(tmp_path: Path, out: Path, optimizer: str = "sync") -> list[dict[s
         "SUMFLOW_AUTOTUNE_WARMUP_STEPS": "1",
         "SUMFLOW_AUTOTUNE_MEASURE_STEPS": "2",
         "SUMFLOW_AUTOTUNE_PARTITION_BYTES": "4096:32768",
+        "SUMFLOW_AUTOTUNE_FUSION_BYTES": "4096:32768",
         "SUMFLOW_AUTOTUNE_FILE": str(tmp_path / "autotune.json"),
         "SUMFLOW_AUTOTUNE_LOG": str(out / "trials.jsonl"),
         "SUMFLOW_PARTITION_BYTES": "16384",
@@ -690,6 +742,36 @@ def test_a_tuned_job_switches_every_worker_at_the_same_step_and_sums_right(
     assert set(again[0]["schedules"]) == {(best.partition_bytes, best.credit_bytes)}
     events = [json.loads(x) for x in (tmp_path / "again" / "trials.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events] == ["start", "reuse"]
+
+
+def test_the_fusion_threshold_is_tuned_with_the_other_knobs(tmp_path: Path) -> None:
+    """A fusing optimizer: the grid varies the threshold too, every worker re-cuts its
+    spans at the same steps, the sums stay right, and the stored best brings its
+    threshold to the next run."""
+    import torch
+
+    got = tuned_job(tmp_path, tmp_path / "first", "fused")
+    schedules = [r["schedules"] for r in got]
+    assert schedules[0] == schedules[1]
+    assert schedules[0][0] == (16384, 32768, 4096)
+    # The grid's first points: the smallest partition and credit, thresholds from
+    # smallest to largest (4 KiB, 11.3 KiB rounded to pages, 32 KiB).
+    assert {s[2] for s in schedules[0]} >= {4096, 32768}
+    events = [json.loads(x) for x in (tmp_path / "first" / "trials.jsonl").read_text().splitlines()]
+    trials = [e for e in events if e["event"] == "trial"]
+    assert all("fusion_bytes" in t["config"] for t in trials)
+    best = Configuration.from_json(events[-1]["best"]["config"])
+    assert best.fusion_bytes is not None
+    assert schedules[0][-1] == (best.partition_bytes, best.credit_bytes, best.fusion_bytes)
+    want = one_process_reference()
+    for r in got:
+        for k, v in want.items():
+            assert torch.allclose(r["state"][k], v, rtol=0, atol=1e-10), k
+
+    again = tuned_job(tmp_path, tmp_path / "again", "fused")
+    assert set(again[0]["schedules"]) == {
+        (best.partition_bytes, best.credit_bytes, best.fusion_bytes)
+    }
 
 
 def test_auto_tuning_fifo_is_refused_on_every_worker(tmp_path: Path) -> None:

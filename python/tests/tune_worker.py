@@ -1,8 +1,10 @@
-"""A worker process for test_tune.py: `python tune_worker.py OUTDIR [sync|cross]`.
+"""A worker process for test_tune.py: `python tune_worker.py OUTDIR [sync|cross|fused]`.
 
 Trains a small float64 model with DistributedOptimizer (across the global barrier with
-`cross`) while the environment's SUMFLOW_AUTOTUNE* settings tune it, and saves the final
-parameters and the schedule the service ran after every step to OUTDIR/rank<r>.pt.
+`cross`; across it and fusing gradients, from a threshold of FUSION_START, with `fused`)
+while the environment's SUMFLOW_AUTOTUNE* settings tune it, and saves the final
+parameters and the schedule the service ran after every step (with `fused`, and the
+optimizer's fusion threshold) to OUTDIR/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import sumflow.torch as hvd
 from sumflow.torch import _runtime
 
 STEPS = 24
+#: `fused`'s starting threshold: two spans (24 + 6144 B, then 2048 + 20480 B).
+FUSION_START = 4096
 
 
 def model() -> torch.nn.Module:
@@ -32,7 +36,8 @@ def make_optimizer(params: object) -> torch.optim.Optimizer:
 
 
 def main() -> None:
-    outdir, cross = Path(sys.argv[1]), sys.argv[2:] == ["cross"]
+    outdir, mode = Path(sys.argv[1]), sys.argv[2]
+    cross, fused = mode in ("cross", "fused"), mode == "fused"
     hvd.init()
     service = _runtime.current().service
     m = model()
@@ -41,6 +46,7 @@ def main() -> None:
         named_parameters=m.named_parameters(),
         cross_barrier=cross,
         model=m if cross else None,
+        fusion_threshold=FUSION_START if fused else 0,
     )
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     schedules = []
@@ -50,7 +56,8 @@ def main() -> None:
         torch.nn.functional.cross_entropy(m(x), y).backward()
         opt.step()
         s = service.schedule()
-        schedules.append((s["partition_bytes"], s["credit_bytes"]))
+        fusion = (opt._sf_pool.threshold,) if fused else ()  # type: ignore[attr-defined]
+        schedules.append((s["partition_bytes"], s["credit_bytes"], *fusion))
     opt.synchronize()  # the last updates, across the barrier
     result = {"state": {k: v.detach().clone() for k, v in m.state_dict().items()}}
     result["schedules"] = schedules

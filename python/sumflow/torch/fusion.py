@@ -101,10 +101,12 @@ class GradientPool:
         any gradient it already has. `names` are the parameters' names; a span of one
         parameter is sent as ``prefix.<name>``, a longer one as
         ``prefix[<first>..<last>]``."""
-        self.threshold = threshold
-        self.spans: list[Span] = []
-        self.span_of: dict[torch.Tensor, Span] = {}
+        self._names = names
+        self._priority = priority
+        self._prefix = prefix
         self._views: dict[torch.Tensor, torch.Tensor] = {}
+        #: Per dtype and device: its parameters, their offsets, and their pool.
+        self._pools: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
         for p in backward_order:
             groups.setdefault((p.dtype, p.device), []).append(p)
@@ -115,25 +117,36 @@ class GradientPool:
                 offsets.append(offsets[-1] + p.numel())
             for p, start in zip(params, offsets):
                 self._views[p] = pool[start : start + p.numel()].view(p.shape)
-            item = pool.element_size()
-            for cut in plan_spans([p.numel() * item for p in params], threshold):
-                members = [params[i] for i in cut]
-                name = (
-                    f"{prefix}.{names[members[0]]}"
-                    if len(members) == 1
-                    else f"{prefix}[{names[members[0]]}..{names[members[-1]]}]"
-                )
-                span = Span(
-                    name=name,
-                    params=members,
-                    flat=pool[offsets[cut.start] : offsets[cut.stop]],
-                    priority=min(priority[p] for p in members),
-                )
-                self.spans.append(span)
-                self.span_of.update((p, span) for p in members)
+            self._pools.append((params, offsets, pool))
+        self.replan(threshold)
         for p in backward_order:
             if p.grad is not None:
                 self.adopt(p)
+
+    def replan(self, threshold: int) -> None:
+        """Cuts the pool into spans of at least `threshold` bytes. The layout, and so
+        every gradient, stays where it is; only what is sent together changes (call it
+        with no span in flight)."""
+        self.threshold = threshold
+        self.spans: list[Span] = []
+        self.span_of: dict[torch.Tensor, Span] = {}
+        for params, offsets, pool in self._pools:
+            item = pool.element_size()
+            for cut in plan_spans([p.numel() * item for p in params], threshold):
+                members = [params[i] for i in cut]
+                first, last = self._names[members[0]], self._names[members[-1]]
+                span = Span(
+                    name=(
+                        f"{self._prefix}.{first}"
+                        if len(members) == 1
+                        else f"{self._prefix}[{first}..{last}]"
+                    ),
+                    params=members,
+                    flat=pool[offsets[cut.start] : offsets[cut.stop]],
+                    priority=min(self._priority[p] for p in members),
+                )
+                self.spans.append(span)
+                self.span_of.update((p, span) for p in members)
 
     def adopt(self, p: torch.Tensor) -> None:
         """Makes ``p.grad`` its view of the pool: zeros if it has no gradient, its

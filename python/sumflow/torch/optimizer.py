@@ -124,26 +124,41 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 fusion_threshold,
                 "DistributedOptimizer.grad",
             )
-        # Declared together so placement balances the whole model over the servers.
-        ops.declare_group(
-            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()]
-        )
+        self._sf_declare()
         self._sf_hooks = [
             p.register_post_accumulate_grad_hook(self._sf_grad_ready) for p in trainable
         ]
 
-    def _sf_sent(self) -> list[tuple[str, torch.dtype, int]]:
+    def _sf_declare(self) -> None:
+        # Declared together so placement balances the whole model over the servers.
+        ops.declare_group(
+            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()]
+        )
+
+    def _sf_sent(self, by_gradient: bool = False) -> list[tuple[str, torch.dtype, int]]:
         """(name, wire dtype, elements) of every tensor a step sends, in priority order:
-        one per gradient, or one per span with fusion. The wire dtype is what compression
-        sends."""
+        one per gradient, or one per span with fusion (unless `by_gradient`: what a
+        tuned configuration is keyed by, whatever the spans). The wire dtype is what
+        compression sends."""
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return self._sf_compression.compress(torch.empty(0, dtype=dtype))[0].dtype
 
-        if self._sf_pool is not None:
+        if self._sf_pool is not None and not by_gradient:
             spans = sorted(self._sf_pool.spans, key=lambda s: s.priority)
             return [(s.name, wire_dtype(s.flat.dtype), s.flat.numel()) for s in spans]
         return [(self._sf_names[p], wire_dtype(p.dtype), p.numel()) for p in self._sf_trainable()]
+
+    def _sf_set_fusion(self, threshold: int) -> None:
+        """Sends spans of at least `threshold` bytes from the next step on (the
+        auto-tuner's knob); every worker calls it at the same step boundary, with nothing
+        in flight."""
+        if self._sf_pool is None:
+            raise RuntimeError("this DistributedOptimizer does not fuse (fusion_threshold=0)")
+        if self._sf_handles or self._sf_ready:
+            raise RuntimeError("the fusion threshold can only change between steps")
+        self._sf_pool.replan(fusion.check_threshold(threshold))
+        self._sf_declare()
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
         if self._sf_pool is not None and p not in self._sf_handles:

@@ -1,7 +1,7 @@
-"""Bayesian optimisation of partition size and credit together (ByteScheduler §4.3),
-with optuna's Gaussian-process sampler.
+"""Bayesian optimisation of partition size and credit together (ByteScheduler §4.3), and
+of the fusion threshold where the optimizer fuses, with optuna's Gaussian-process sampler.
 
-Step time as a function of the two knobs is unknown, not smooth (partition counts are
+Step time as a function of the knobs is unknown, not smooth (partition counts are
 rounded, §4.1) and noisy, so it is modelled by a Gaussian process (Matern 5/2 kernel, one
 length scale per knob, a fitted noise level) and the next configuration is the one that
 maximises expected improvement over the best step time so far. The GP models the log of
@@ -87,10 +87,14 @@ class BayesianSearch:
                 1.0, float(space.max_credit_partitions), log=True
             ),
         }
+        if space.tunes_fusion:
+            self._distributions["fusion_bytes"] = FloatDistribution(
+                float(space.min_fusion_bytes), float(space.max_fusion_bytes), log=True
+            )
         self._sampler = _ExplainingGPSampler(
             seed=seed, n_startup_trials=startup_trials, warn_independent_sampling=False
         )
-        self._design = qmc.Halton(d=2, scramble=True, seed=seed)
+        self._design = qmc.Halton(d=space.dims, scramble=True, seed=seed)
         self._design_used = 0
         with _quiet_optuna():
             self._study = optuna.create_study(direction="minimize", sampler=self._sampler)
@@ -110,14 +114,16 @@ class BayesianSearch:
         design = len(seen) < self._startup
         with _quiet_optuna():
             if design:
-                u, v = self._design.random(1)[0]
+                unit = self._design.random(1)[0]
                 self._design_used += 1
-                point = self._space.from_unit(float(u), float(v))
+                point = self._space.from_unit(*(float(x) for x in unit))
                 self._study.enqueue_trial(self._params(point))
             trial = self._study.ask(self._distributions)
         self._trials[trial.number] = trial
         config = self._space.configuration(
-            trial.params["partition_bytes"], trial.params["credit_partitions"]
+            trial.params["partition_bytes"],
+            trial.params["credit_partitions"],
+            trial.params.get("fusion_bytes"),
         )
         if design:
             reason = (
@@ -154,13 +160,16 @@ class BayesianSearch:
         sd = math.sqrt(max(float(var), 0.0)) * std
         # The GP's length scales are in the unit cube optuna normalises log values to;
         # a knob whose range is a single value is not modelled at all.
+        space = self._space
         octaves = [
-            math.log2(self._space.max_partition_bytes / self._space.min_partition_bytes),
-            math.log2(self._space.max_credit_partitions),
+            ("partition_octaves", math.log2(space.max_partition_bytes / space.min_partition_bytes)),
+            ("credit_octaves", math.log2(space.max_credit_partitions)),
         ]
-        modelled = [
-            (name, o) for name, o in zip(("partition_octaves", "credit_octaves"), octaves) if o > 0
-        ]
+        if space.tunes_fusion:
+            octaves.append(
+                ("fusion_octaves", math.log2(space.max_fusion_bytes / space.min_fusion_bytes))
+            )
+        modelled = [(name, o) for name, o in octaves if o > 0]
         scales = {name: float(ls) * o for (name, o), ls in zip(modelled, acqf.length_scales)}
         return {
             "kind": "gp-expected-improvement",
@@ -181,7 +190,7 @@ class BayesianSearch:
     def _params(self, config: Configuration) -> dict[str, float]:
         """`config` as optuna's parameters, clamped to the bounds page rounding may cross."""
         space = self._space
-        return {
+        params = {
             "partition_bytes": min(
                 max(float(config.partition_bytes), float(space.min_partition_bytes)),
                 float(space.max_partition_bytes),
@@ -190,6 +199,12 @@ class BayesianSearch:
                 max(config.credit_partitions, 1.0), float(space.max_credit_partitions)
             ),
         }
+        if space.tunes_fusion and config.fusion_bytes is not None:
+            params["fusion_bytes"] = min(
+                max(float(config.fusion_bytes), float(space.min_fusion_bytes)),
+                float(space.max_fusion_bytes),
+            )
+        return params
 
     def observe(self, config: Configuration, score: float) -> None:
         if not self._space.contains(config):
@@ -207,5 +222,9 @@ class BayesianSearch:
 def _describe_scales(scales: dict[str, float]) -> str:
     """``'3.4 octaves of partition size, 1.2 octaves of credit'``: how far apart two
     configurations may be and still, to the model, perform alike."""
-    knob = {"partition_octaves": "partition size", "credit_octaves": "credit"}
+    knob = {
+        "partition_octaves": "partition size",
+        "credit_octaves": "credit",
+        "fusion_octaves": "fusion threshold",
+    }
     return ", ".join(f"{v:.2g} octaves of {knob[k]}" for k, v in scales.items())

@@ -23,10 +23,14 @@ from sumflow.tune.session import Decision, TuningSession
 
 
 class Reconfigurable(Protocol):
-    """What the tuner needs of the communication service."""
+    """What the tuner needs of the communication service (and, for the fusion
+    threshold, of the optimizer)."""
 
     def reconfigure(
-        self, partition_bytes: int | None = None, credit_bytes: int | None = None
+        self,
+        partition_bytes: int | None = None,
+        credit_bytes: int | None = None,
+        fusion_bytes: int | None = None,
     ) -> None: ...
 
 
@@ -100,6 +104,7 @@ class OnlineTuner:
             self._service.reconfigure(
                 partition_bytes=decision.apply.partition_bytes,
                 credit_bytes=decision.apply.credit_bytes,
+                fusion_bytes=decision.apply.fusion_bytes,
             )
         self._next_boundary = None if decision.steps is None else self._step + decision.steps
         self._step_times = []

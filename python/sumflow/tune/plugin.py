@@ -22,7 +22,7 @@ from sumflow.tune.online import OnlineTuner
 from sumflow.tune.search import make_searcher
 from sumflow.tune.session import TuningSession
 from sumflow.tune.settings import TuneSettings
-from sumflow.tune.space import Configuration
+from sumflow.tune.space import DEFAULT_FUSION_RANGE, Configuration
 from sumflow.tune.store import TuningKey, TuningStore
 from sumflow.tune.trial_log import TrialLog
 
@@ -67,23 +67,49 @@ def after_step(optimizer: torch.optim.Optimizer) -> None:
 
 
 def _tensors(optimizer: Any) -> list[tuple[str, str, int]]:
-    """(name, wire dtype, bytes) of every tensor the optimizer sums, in priority order."""
+    """(name, wire dtype, bytes) of every gradient the optimizer sums, in priority order
+    (the gradients, not the spans fusion sends them in, which change with the threshold)."""
     return [
         (name, ops.DTYPES[dtype], elements * dtype.itemsize)
-        for name, dtype, elements in optimizer._sf_sent()
+        for name, dtype, elements in optimizer._sf_sent(by_gradient=True)
     ]
 
 
-def _start(schedule: dict[str, Any]) -> Configuration | None:
+def _fusion(optimizer: Any) -> int | None:
+    """The optimizer's fusion threshold; None when it does not fuse."""
+    pool = optimizer._sf_pool
+    return None if pool is None else pool.threshold
+
+
+def _start(schedule: dict[str, Any], fusion: int | None) -> Configuration | None:
     """The configuration the job runs now; None when its credit is not one the search can
     express (0, unbounded)."""
     partition = int(schedule["partition_bytes"])
     if schedule["scheduler"] not in CREDIT_SCHEDULERS:
-        return Configuration(partition, partition)
+        return Configuration(partition, partition, fusion)
     try:
-        return Configuration(partition, int(schedule["credit_bytes"]))
+        return Configuration(partition, int(schedule["credit_bytes"]), fusion)
     except ValueError:
         return None
+
+
+class _Knobs:
+    """The communication service's knobs and the optimizer's fusion threshold, set
+    together at a trial boundary."""
+
+    def __init__(self, service: Any, optimizer: Any) -> None:
+        self._service = service
+        self._optimizer = optimizer
+
+    def reconfigure(
+        self,
+        partition_bytes: int | None = None,
+        credit_bytes: int | None = None,
+        fusion_bytes: int | None = None,
+    ) -> None:
+        self._service.reconfigure(partition_bytes=partition_bytes, credit_bytes=credit_bytes)
+        if fusion_bytes is not None:
+            self._optimizer._sf_set_fusion(fusion_bytes)
 
 
 def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
@@ -109,14 +135,20 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
     def open_session() -> TuningSession:
         schedule = service.schedule()
         tensors = _tensors(optimizer)
+        fusion = _fusion(optimizer)
         key = TuningKey(
             tensors=tuple(tensors),
             workers=service.size,
             worker_machines=service.size // service.local_size,
             servers=service.num_servers,
             scheduler=str(schedule["scheduler"]),
+            fusion=fusion is not None,
         )
         space = settings.space.capped(max((b for _, _, b in tensors), default=0) or 1)
+        if fusion is None:
+            space = space.with_fusion(0, 0)
+        elif not space.tunes_fusion:
+            space = space.with_fusion(*DEFAULT_FUSION_RANGE)
         if key.scheduler not in CREDIT_SCHEDULERS:
             # p3 sends one partition per server: the credit is not its to use, and trials
             # spent on it would measure noise.
@@ -130,10 +162,12 @@ def _build(optimizer: Any, settings: TuneSettings) -> OnlineTuner:
             key,
             store,
             TrialLog(log_path),
-            _start(schedule),
+            _start(schedule, fusion),
         )
 
-    return OnlineTuner(service, broadcast, drain, open_session if service.rank == 0 else None)
+    return OnlineTuner(
+        _Knobs(service, optimizer), broadcast, drain, open_session if service.rank == 0 else None
+    )
 
 
 def _default_log_path(store_path: Path, digest: str) -> Path:

@@ -65,7 +65,7 @@ class RandomSearch:
 
     def ask(self) -> Proposal:
         self._count += 1
-        config = self._space.from_unit(self._rng.random(), self._rng.random())
+        config = self._space.from_unit(*(self._rng.random() for _ in range(self._space.dims)))
         return Proposal(
             config,
             f"random search: draw {self._count}, uniform on the log scales",
@@ -94,13 +94,18 @@ class GridSearch:
 
     @classmethod
     def of_space(
-        cls, space: SearchSpace, partition_points: int = 6, credit_points: int = 4
+        cls,
+        space: SearchSpace,
+        partition_points: int = 6,
+        credit_points: int = 4,
+        fusion_points: int = 3,
     ) -> GridSearch:
-        """The log-spaced grid of `space`, partition-major."""
-        return cls(
-            space.grid(partition_points, credit_points),
-            f"{partition_points} partition sizes x {credit_points} credits",
-        )
+        """The log-spaced grid of `space`, partition-major (`fusion_points` only where the
+        space searches the fusion threshold)."""
+        shape = f"{partition_points} partition sizes x {credit_points} credits"
+        if space.tunes_fusion:
+            shape += f" x {fusion_points} fusion thresholds"
+        return cls(space.grid(partition_points, credit_points, fusion_points), shape)
 
     def ask(self) -> Proposal | None:
         if self._next >= len(self._points):

@@ -96,10 +96,10 @@ def _float(name: str) -> float | None:
         raise ValueError(f"{name}={raw!r} is not a number") from None
 
 
-def _bytes_range(name: str, default: SearchSpace) -> tuple[int, int]:
+def _bytes_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
     raw = os.environ.get(name, "").strip()
     if not raw:
-        return default.min_partition_bytes, default.max_partition_bytes
+        return default
     try:
         low, high = (int(part) for part in raw.split(":"))
     except ValueError:
@@ -110,9 +110,21 @@ def _bytes_range(name: str, default: SearchSpace) -> tuple[int, int]:
 def from_env(base: TuneSettings | None = None) -> TuneSettings:
     """`base` (default: the defaults) with what the ``SUMFLOW_AUTOTUNE*`` variables set."""
     base = base or TuneSettings()
-    low, high = _bytes_range("SUMFLOW_AUTOTUNE_PARTITION_BYTES", base.space)
+    low, high = _bytes_range(
+        "SUMFLOW_AUTOTUNE_PARTITION_BYTES",
+        (base.space.min_partition_bytes, base.space.max_partition_bytes),
+    )
     credit = _float("SUMFLOW_AUTOTUNE_MAX_CREDIT_PARTITIONS")
-    space = SearchSpace(low, high, base.space.max_credit_partitions if credit is None else credit)
+    fusion = _bytes_range(
+        "SUMFLOW_AUTOTUNE_FUSION_BYTES",
+        (base.space.min_fusion_bytes, base.space.max_fusion_bytes),
+    )
+    space = SearchSpace(
+        low,
+        high,
+        base.space.max_credit_partitions if credit is None else credit,
+        *fusion,
+    )
     log = os.environ.get("SUMFLOW_AUTOTUNE_LOG", "").strip()
     seconds = _float("SUMFLOW_AUTOTUNE_SECONDS")
     return dataclasses.replace(

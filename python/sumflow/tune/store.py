@@ -57,10 +57,15 @@ class TuningKey:
     worker_machines: int
     servers: int
     scheduler: str
+    #: Whether the optimizer fuses gradients (its configurations carry a threshold).
+    fusion: bool = False
 
     def to_json(self) -> dict[str, Any]:
         listing = "\n".join(f"{n}\t{d}\t{b}" for n, d, b in self.tensors).encode()
+        # Named only when set, so keys stored before fusion existed keep their digests.
+        fused = {"fusion": True} if self.fusion else {}
         return {
+            **fused,
             "tensors_sha256": hashlib.sha256(listing).hexdigest(),
             "tensors": len(self.tensors),
             "model_bytes": sum(b for _, _, b in self.tensors),
