@@ -283,6 +283,13 @@ def build_parser() -> argparse.ArgumentParser:
         "SUMFLOW_JOIN_TIMEOUT to every process)",
     )
     job.add_argument(
+        "--wire-stats",
+        metavar="DIR",
+        help="each summation server writes the bytes it exchanged with the workers, per key, "
+        "to DIR/server-RANK.json when it stops (SUMFLOW_WIRE_STATS_DIR for servers; read them "
+        "with sumflow.torch.server_wire_bytes); over ssh, on each server's host",
+    )
+    job.add_argument(
         "--trace",
         metavar="DIR",
         help="record a Chrome trace of every worker into DIR (SUMFLOW_TRACE_DIR for workers; "
@@ -745,6 +752,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         worker_env["OMP_NUM_THREADS"] = "1"
     worker_env.update(forwarded)
     service_env = {**common, **forwarded}
+    if args.wire_stats is not None:
+        if not args.wire_stats:
+            raise ConfigError("--wire-stats needs a directory")
+        service_env["SUMFLOW_WIRE_STATS_DIR"] = str(Path(args.wire_stats).absolute())
 
     if "RUST_LOG" in os.environ:
         rust_log = os.environ["RUST_LOG"]

@@ -239,6 +239,7 @@ def test_help_documents_every_option() -> None:
         "--coordinator-addr",
         "--server-hosts",
         "--master-port",
+        "--wire-stats",
         "examples:",
     ):
         assert flag in out.stdout, flag
@@ -590,6 +591,57 @@ def test_a_job_sums_and_ends_cleanly(tmp_path: Path, colocated: str) -> None:
     assert "still running" not in out.stderr  # everything stopped by itself
     assert "warning" not in out.stderr
     assert_all_gone(list(started(out.stderr).values()))
+
+
+WIRE_WORKER = """
+import json, sys
+import torch
+import sumflow.torch as hvd
+from sumflow.torch import _runtime
+
+hvd.init()
+for step in range(3):
+    hvd.allreduce(torch.ones(5000), name="a")
+    hvd.allreduce(torch.ones(300, dtype=torch.float64), name="b")
+keys, _ = _runtime.current().service.wire_bytes()
+with open(f"{sys.argv[1]}/worker{hvd.rank()}.json", "w") as f:
+    json.dump([[key, sent, received] for _, key, sent, received in keys], f)
+hvd.shutdown()
+"""
+
+
+@needs_comm
+def test_servers_count_per_key_the_bytes_the_workers_count(tmp_path: Path) -> None:
+    """Every byte a server reads is one a worker wrote on the same stream: per key, the
+    servers' counts (written at their end) equal the workers' summed, both ways."""
+    worker = script(tmp_path, "w.py", WIRE_WORKER)
+    stats = tmp_path / "stats"
+    out = run(
+        [
+            *("-np", "2", "--servers", "1", "--partition-bytes", "8192"),
+            *("--wire-stats", str(stats), sys.executable, str(worker), str(tmp_path)),
+        ]
+    )
+    assert out.returncode == 0, out
+    from sumflow.torch import server_wire_bytes
+
+    servers = server_wire_bytes(stats)
+    # Two colocated servers and a CPU server, sharing the partitions.
+    assert sorted(servers) == ["server-0", "server-1", "server-2"]
+    assert sum(1 for s in servers.values() if s.keys) >= 2
+    workers: dict[int, list[int]] = {}
+    for r in range(2):
+        for key, sent, received in json.loads((tmp_path / f"worker{r}.json").read_text()):
+            got = workers.setdefault(key, [0, 0])
+            got[0] += sent
+            got[1] += received
+    assert len(workers) >= 4  # "a" in three partitions, "b" in one
+    seen: dict[int, list[int]] = {}
+    for s in servers.values():
+        for key, b in s.keys.items():
+            assert key not in seen, f"key {key} on two servers"
+            seen[key] = [b.received, b.sent]
+    assert seen == workers
 
 
 # ----------------------------------------------------------------------------------------

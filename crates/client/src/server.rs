@@ -3,10 +3,11 @@
 //! It splits into a sending half and a receiving half so that a pipeline can push later
 //! partitions while it receives the sums of earlier ones on another thread.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
+use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{Codec, Dtype, JobToken, Message, Peer, PushMode, Role, Service, WireError};
 
@@ -171,7 +172,7 @@ impl ServerClient {
 impl ServerSender {
     /// Bytes written to the connection since the handshake: frames whole, headers included.
     pub fn bytes_sent(&self) -> u64 {
-        self.stream.bytes
+        self.stream.counted()
     }
 
     pub fn init_key(
@@ -226,7 +227,7 @@ impl ServerSender {
         let result = io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e));
         // Both halves: the frame still goes out, and a receiver blocked on this socket in
         // another thread wakes up instead of waiting on a server that may never answer.
-        let _ = self.stream.inner.shutdown(Shutdown::Both);
+        let _ = self.stream.get_ref().shutdown(Shutdown::Both);
         result
     }
 }
@@ -234,7 +235,7 @@ impl ServerSender {
 impl ServerReceiver {
     /// Bytes read from the connection since the handshake: frames whole, headers included.
     pub fn bytes_received(&self) -> u64 {
-        self.reader.get_ref().bytes
+        self.reader.get_ref().counted()
     }
 
     /// Waits for the next reply, reading a sum's payload into a new buffer (tests and the
@@ -344,38 +345,6 @@ impl ServerReceiver {
             peer: self.peer.clone(),
             what: format!("{reply:?}").chars().take(120).collect(),
         }
-    }
-}
-
-/// A stream that counts the bytes through it, for wire accounting.
-struct Counted<S> {
-    inner: S,
-    bytes: u64,
-}
-
-impl<S> Counted<S> {
-    fn new(inner: S) -> Counted<S> {
-        Counted { inner, bytes: 0 }
-    }
-}
-
-impl<S: Read> Read for Counted<S> {
-    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        self.bytes += n as u64;
-        Ok(n)
-    }
-}
-
-impl<S: Write> Write for Counted<S> {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let n = self.inner.write(buf)?;
-        self.bytes += n as u64;
-        Ok(n)
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.inner.flush()
     }
 }
 

@@ -1,5 +1,6 @@
 //! The summation server over real TCP on 127.0.0.1: sums, rounds, and every refusal.
 
+use std::collections::HashMap;
 use std::thread;
 use std::time::Duration;
 
@@ -570,4 +571,90 @@ fn shutdown_interrupts_waiting_workers() {
     thread::sleep(Duration::from_millis(100));
     stop(h);
     assert!(t.join().unwrap().is_err());
+}
+
+/// (bytes sent, bytes received) since the handshake, on a worker's connection.
+fn counted(c: &ServerClient) -> (u64, u64) {
+    (c.tx.bytes_sent(), c.rx.bytes_received())
+}
+
+fn add_since(total: &mut (u64, u64), before: (u64, u64), after: (u64, u64)) {
+    total.0 += after.0 - before.0;
+    total.1 += after.1 - before.1;
+}
+
+#[test]
+fn server_and_workers_count_the_same_bytes() {
+    let (h, addr) = start(2, 2);
+    let keys = [(10u64, Dtype::F32, 1000usize), (11, Dtype::F16, 77)];
+    let reason = "done";
+    let threads: Vec<_> = (0..2u32)
+        .map(|w| {
+            let addr = addr.clone();
+            thread::spawn(move || {
+                let mut c = worker(&addr, w);
+                let mut per_key: HashMap<u64, (u64, u64)> = HashMap::new();
+                let mut other = (0, 0);
+                for &(k, d, n) in &keys {
+                    let before = counted(&c);
+                    c.init_key(k, d, (n * d.size()) as u64, None).unwrap();
+                    add_since(per_key.entry(k).or_default(), before, counted(&c));
+                }
+                for r in 1..=3 {
+                    for &(k, d, n) in &keys {
+                        let before = counted(&c);
+                        let data = encode(d, (0..n).map(|i| value(k, r, w, i)));
+                        c.push_pull(k, r, d, &data).unwrap();
+                        add_since(per_key.entry(k).or_default(), before, counted(&c));
+                    }
+                    let before = counted(&c);
+                    c.heartbeat(r).unwrap();
+                    add_since(&mut other, before, counted(&c));
+                }
+                let mut frame = Vec::new();
+                sumflow_wire::io::write_message(
+                    &mut frame,
+                    &Message::Shutdown {
+                        reason: reason.into(),
+                    },
+                )
+                .unwrap();
+                c.shutdown(reason).unwrap();
+                other.0 += frame.len() as u64;
+                (per_key, other)
+            })
+        })
+        .collect();
+    let workers: Vec<_> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    let other_sent: u64 = workers.iter().map(|(_, o)| o.0).sum();
+    // The server reads the Shutdown frames on its own threads: wait until it has.
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.wire_traffic().other.received < other_sent {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{:?}",
+            h.wire_traffic()
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    h.shutdown();
+    let server = h.wait();
+    for &(k, d, n) in &keys {
+        let (sent, received) = workers.iter().fold((0, 0), |a, (per_key, _)| {
+            (a.0 + per_key[&k].0, a.1 + per_key[&k].1)
+        });
+        let got = server.keys[&k];
+        assert_eq!((got.received, got.sent), (sent, received), "key {k}");
+        // Three rounds' payloads from two workers, and their headers.
+        assert!(
+            got.received > (3 * 2 * n * d.size()) as u64,
+            "key {k}: {got:?}"
+        );
+    }
+    let other_received: u64 = workers.iter().map(|(_, o)| o.1).sum();
+    assert_eq!(
+        (server.other.received, server.other.sent),
+        (other_sent, other_received)
+    );
+    assert_eq!(server.keys.len(), keys.len());
 }

@@ -5,12 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Bytes one way and the other.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct WireBytes {
-    pub sent: u64,
-    pub received: u64,
-}
+pub use sumflow_wire::accounting::WireBytes;
 
 /// One key's bytes, with the tensor it belongs to.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -30,6 +25,16 @@ pub struct Ledger {
 }
 
 impl Ledger {
+    /// Makes `key` of `tensor` known, so that bytes read for it count as its own even
+    /// before any written for it are counted.
+    pub fn open(&self, key: u64, tensor: &Arc<str>) {
+        self.keys
+            .lock()
+            .expect("ledger lock")
+            .entry(key)
+            .or_insert_with(|| (Arc::clone(tensor), WireBytes::default()));
+    }
+
     /// `n` bytes written for `key` of `tensor`.
     pub fn sent(&self, key: u64, tensor: &Arc<str>, n: u64) {
         let mut keys = self.keys.lock().expect("ledger lock");

@@ -82,6 +82,10 @@ struct Args {
     /// Write the bound address (host:port) to this file once listening.
     #[arg(long)]
     addr_file: Option<PathBuf>,
+    /// When the server stops, write the bytes it exchanged with workers, per key, to
+    /// DIR/server-RANK.json (server-PORT.json without a coordinator).
+    #[arg(long, env = "SUMFLOW_WIRE_STATS_DIR")]
+    wire_stats_dir: Option<PathBuf>,
     /// Log format.
     #[arg(long, env = "SUMFLOW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -144,8 +148,24 @@ where
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    handle.wait();
+    let name = match handle.rank() {
+        Some(rank) => format!("server-{rank}.json"),
+        None => format!("server-{}.json", handle.local_addr().port()),
+    };
+    let traffic = handle.wait();
     drop(signals);
+    if let Some(dir) = &args.wire_stats_dir {
+        let path = dir.join(name);
+        let written =
+            std::fs::create_dir_all(dir).and_then(|_| std::fs::write(&path, traffic.to_json()));
+        if let Err(e) = written {
+            eprintln!(
+                "sumflow-server: cannot write the wire statistics to {}: {e}",
+                path.display()
+            );
+            return 1;
+        }
+    }
     0
 }
 

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
+use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
     Codec, ErrorCode, ErrorReply, Message, Peer, PushMode, Role, Service, WireError,
@@ -77,20 +78,21 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
     let writer = {
         let stream = stream.try_clone();
         let fatal = Arc::clone(&fatal);
-        let write_timeout = shared.settings.write_timeout;
+        let shared = Arc::clone(&shared);
         std::thread::Builder::new()
             .name(format!("sumflow-w{rank}-tx"))
             .spawn(move || {
                 if let Ok(stream) = stream {
-                    let _ = stream.set_write_timeout(Some(write_timeout));
-                    write_loop(stream, rx, fatal);
+                    let _ = stream.set_write_timeout(Some(shared.settings.write_timeout));
+                    write_loop(stream, rx, fatal, &shared);
                 }
             })
     };
     shared.track(id, rank, &stream);
     let mut conn = Connection {
         shared: Arc::clone(&shared),
-        reader: FrameReader::new(&stream, shared.settings.max_body),
+        reader: FrameReader::new(Counted::new(&stream), shared.settings.max_body),
+        accounted: 0,
         worker: rank,
         pool: crate::pool::BufferPool::new(shared.settings.push_buffers),
         tx,
@@ -160,7 +162,9 @@ enum Ending {
 
 struct Connection<'a> {
     shared: Arc<Shared>,
-    reader: FrameReader<&'a TcpStream>,
+    reader: FrameReader<Counted<&'a TcpStream>>,
+    /// The bytes read up to the last frame accounted for.
+    accounted: u64,
     worker: u32,
     pool: crate::pool::BufferPool,
     tx: Replier,
@@ -168,6 +172,20 @@ struct Connection<'a> {
 
 impl Connection<'_> {
     fn run(&mut self) -> Ending {
+        let ending = self.serve_frames();
+        // What was read of the frame that ended it.
+        self.account(None);
+        ending
+    }
+
+    /// Adds the bytes read since the last call to `key`'s count.
+    fn account(&mut self, key: Option<u64>) {
+        let read = self.reader.get_ref().counted();
+        self.shared.traffic.received(key, read - self.accounted);
+        self.accounted = read;
+    }
+
+    fn serve_frames(&mut self) -> Ending {
         loop {
             let frame = match self.reader.read() {
                 Ok(frame) => frame,
@@ -176,6 +194,7 @@ impl Connection<'_> {
                 Err(e @ WireError::Io(_)) => return Ending::Lost(e.to_string()),
                 Err(e) => return self.refuse(Message::error(e.code(), None, e.to_string())),
             };
+            let key = key_of(&frame.message);
             let outcome = match frame.message {
                 Message::InitKey {
                     key,
@@ -204,6 +223,8 @@ impl Connection<'_> {
                     format!("a summation server does not serve {} frames", other.op()),
                 ))),
             };
+            // The frame whole, payload included: every handler consumed it or failed.
+            self.account(key);
             match outcome {
                 Ok(()) => {}
                 Err(Interrupted::Refused(msg)) => return self.refuse(msg),
@@ -384,9 +405,34 @@ impl From<WireError> for Interrupted {
     }
 }
 
-fn write_loop(stream: TcpStream, rx: Receiver<Outgoing>, fatal: Arc<Mutex<Option<String>>>) {
-    let mut w = &stream;
+/// The key a frame is about, for wire accounting.
+fn key_of(m: &Message) -> Option<u64> {
+    match m {
+        Message::InitKey { key, .. }
+        | Message::InitAck { key }
+        | Message::Push { key, .. }
+        | Message::Pull { key, .. }
+        | Message::PushAck { key, .. }
+        | Message::PullReply { key, .. } => Some(*key),
+        Message::Error(e) => e.key,
+        _ => None,
+    }
+}
+
+fn write_loop(
+    stream: TcpStream,
+    rx: Receiver<Outgoing>,
+    fatal: Arc<Mutex<Option<String>>>,
+    shared: &Shared,
+) {
+    let mut w = Counted::new(&stream);
     for out in rx {
+        let before = w.counted();
+        let key = match &out {
+            Outgoing::Message(m) | Outgoing::Fatal(m) => key_of(m),
+            Outgoing::Sum { key, .. } => Some(*key),
+            Outgoing::Close => None,
+        };
         let result = match out {
             Outgoing::Message(m) => io::write_message(&mut w, &m),
             Outgoing::Sum {
@@ -407,10 +453,12 @@ fn write_loop(stream: TcpStream, rx: Receiver<Outgoing>, fatal: Arc<Mutex<Option
             Outgoing::Fatal(m) => {
                 *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
                 let _ = io::write_message(&mut w, &m);
+                shared.traffic.sent(key, w.counted() - before);
                 break;
             }
             Outgoing::Close => break,
         };
+        shared.traffic.sent(key, w.counted() - before);
         if let Err(e) = result {
             debug!(error = %e, "writer stopping");
             break;

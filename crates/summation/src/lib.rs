@@ -3,8 +3,10 @@
 //!
 //! Layout: [`connection`] validates and dispatches each worker's frames; [`engine`] threads
 //! own disjoint sets of keys ([`directory`]) and run the [`rounds`] protocol and the SIMD
-//! [`reduce`] kernels over page-aligned [`buffer`]s; [`service`] starts and stops it all.
+//! [`reduce`] kernels over page-aligned [`buffer`]s; [`accounting`] counts the bytes on
+//! the wire per key; [`service`] starts and stops it all.
 
+pub mod accounting;
 pub mod buffer;
 pub mod cli;
 mod connection;
@@ -16,6 +18,7 @@ pub mod rounds;
 pub mod service;
 mod shared;
 
+pub use accounting::WireTraffic;
 pub use reduce::{Reducer, SimdLevel};
 pub use service::{
     CoordinatorLink, Membership, ServerConfig, ServerError, ServerHandle, SummationService,

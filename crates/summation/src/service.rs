@@ -332,13 +332,19 @@ impl ServerHandle {
         self.shared.is_stopping()
     }
 
+    /// The bytes read from and written to workers so far, per key.
+    pub fn wire_traffic(&self) -> crate::WireTraffic {
+        self.shared.traffic.snapshot()
+    }
+
     /// Asks the server to stop; `wait` returns once it has.
     pub fn shutdown(&self) {
         stop(&self.shared, self.addr);
     }
 
-    /// Waits for the server to stop, then leaves the job gracefully.
-    pub fn wait(mut self) {
+    /// Waits for the server to stop, then leaves the job gracefully; returns the bytes it
+    /// exchanged with workers.
+    pub fn wait(mut self) -> crate::WireTraffic {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
@@ -360,7 +366,16 @@ impl ServerHandle {
                 }
             }
         }
-        info!(addr = %self.addr, "summation server stopped");
+        let traffic = self.shared.traffic.snapshot();
+        let total = traffic.total();
+        info!(
+            addr = %self.addr,
+            keys = traffic.keys.len(),
+            bytes_received = total.received,
+            bytes_sent = total.sent,
+            "summation server stopped"
+        );
+        traffic
     }
 }
 

@@ -11,6 +11,7 @@ use crossbeam_channel::Sender;
 use sumflow_wire::{ErrorCode, ErrorReply, JobToken};
 use tracing::info;
 
+use crate::accounting::Traffic;
 use crate::directory::KeyDirectory;
 use crate::engine::Command;
 
@@ -59,6 +60,8 @@ pub struct Shared {
     engines: Vec<Sender<Command>>,
     registry: Mutex<Registry>,
     stopping: AtomicBool,
+    /// Bytes on the wire per key.
+    pub traffic: Traffic,
 }
 
 impl Shared {
@@ -84,6 +87,7 @@ impl Shared {
                 next_id: 0,
             }),
             stopping: AtomicBool::new(false),
+            traffic: Traffic::default(),
         }
     }
 

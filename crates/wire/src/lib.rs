@@ -4,6 +4,7 @@
 //! token handshake, and a framed reader/writer over any byte stream. Stateful checks (is
 //! the key initialised, is the round in sequence) belong to the services.
 
+pub mod accounting;
 pub mod auth;
 pub mod cluster;
 mod codec;

@@ -16,17 +16,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sumflow.bench.matrix import SCHEDULER_SYSTEMS
+
 #: iterations/s by (model, reference Gbit/s), then by system name.
 Rates = Mapping[tuple[str, float], Mapping[str, float]]
 
-SUMFLOW_SCHEDULERS = (
-    "fifo",
-    "p3",
-    "bytescheduler",
-    "bytescheduler-tuned",
-    "bytescheduler-fusion",
-    "prophet",
-)
+#: Every sumflow system of the scheduler benchmark (all but DDP).
+SUMFLOW_SCHEDULERS = tuple(s for s in SCHEDULER_SYSTEMS if s != "ddp")
 
 
 @dataclass(frozen=True)

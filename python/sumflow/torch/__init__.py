@@ -55,7 +55,13 @@ from sumflow.torch.optimizer import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
-from sumflow.torch.wire import WireBytes, total_wire_bytes, wire_bytes
+from sumflow.torch.wire import (
+    ServerTraffic,
+    WireBytes,
+    server_wire_bytes,
+    total_wire_bytes,
+    wire_bytes,
+)
 
 
 def init(*args: object, **kwargs: object) -> None:
@@ -152,6 +158,7 @@ __all__ = [
     "Product",
     "ProtocolError",
     "ReduceOp",
+    "ServerTraffic",
     "Sum",
     "SumflowError",
     "SumflowTimeoutError",
@@ -188,6 +195,7 @@ __all__ = [
     "push_pull_async",
     "rank",
     "reducescatter",
+    "server_wire_bytes",
     "shutdown",
     "size",
     "synchronize",

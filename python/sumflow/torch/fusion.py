@@ -162,10 +162,6 @@ class GradientPool:
             view.copy_(grad.detach())
         p.grad = view
 
-    def holds(self, p: torch.Tensor) -> bool:
-        """Whether ``p.grad`` is already its view of the pool."""
-        return p.grad is not None and _is_view(p.grad, self._views[p])
-
 
 def _is_view(grad: torch.Tensor, view: torch.Tensor) -> bool:
     return grad.data_ptr() == view.data_ptr() and grad.shape == view.shape and grad.is_contiguous()
