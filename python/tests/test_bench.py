@@ -437,7 +437,7 @@ def fake_scheduler_results() -> dict[str, Any]:
             cells.append(fake_cell(model, gbit, rates))
     config = {"partition_bytes": 65536, "credit_bytes": 262144}
     cells[0]["tuning"].append(
-        {"name": "bytescheduler-tuned", "iterations_per_s": 1.1,
+        {"name": "bytescheduler-tuned", "label": "bytescheduler tuned", "iterations_per_s": 1.1,
          "tuner": {"events": ["start", "trial", "finish"], "applied": config,
                    "trials": [{"score_s": 1.0}] + [{"score_s": 0.8}] * 6}}
     )  # fmt: skip
@@ -482,6 +482,12 @@ def test_verdicts() -> None:
     assert {v.baseline for v in unjudged} == {"fifo", "bytescheduler-tuned", "ddp"}
     assert all(v.line().startswith("not measured") for v in unjudged)
     assert targets.verdicts({}) == []
+    # Tuned prophet, where it ran and was faster, is the one judged.
+    cell = {"fifo": 1.0, "prophet": 1.0, "prophet-tuned": 1.2, "bytescheduler-tuned": 1.0}
+    judged = [v for v in targets.verdicts({("vgg16", 1.0): cell}) if v.threshold == 1.1]
+    assert [(v.system, v.ratio) for v in judged] == [("prophet-tuned", pytest.approx(1.2))]
+    (tuned,) = matrix.scheduler_systems(["prophet-tuned"], 4)
+    assert (tuned.scheduler, tuned.tuned, tuned.label) == ("prophet", True, "prophet tuned k=4")
 
 
 def test_scheduler_report_and_plots(tmp_path: Path) -> None:
@@ -493,7 +499,8 @@ def test_scheduler_report_and_plots(tmp_path: Path) -> None:
     # ratios to fifo / to DDP; DDP's own row has 1.00x to itself.
     assert "| | DDP/gloo | 1.10x / 1.00x |" in text
     assert (
-        "| vgg16 | 1 | 7 | partition 65536 B, credit 262144 B (4 partitions) | 1.25x | reused it |"
+        "| vgg16 | 1 | bytescheduler tuned | 7 | partition 65536 B, credit 262144 B "
+        "(4 partitions) | 1.25x | reused it |"
     ) in text
     assert "- met: bytescheduler-tuned / fifo = 1.35x (target >= 1.3x) on vgg16 at 1 Gbit/s" in (
         text

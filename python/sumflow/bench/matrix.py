@@ -6,8 +6,8 @@ a *system* is one way of training it (DDP over gloo, sumflow with a scheduler, .
 systems of a cell run back to back, so they are compared under the same load on this
 shared machine; cells are ordered by bandwidth first (as given, lowest first by default),
 so a run cut short still has every profile at the bandwidths that came first.
-``bytescheduler-tuned`` is two jobs: a tuning run, then the measured run that reuses the
-configuration the tuner persisted.
+``bytescheduler-tuned`` (and ``prophet-tuned``) is two jobs: a tuning run, then the
+measured run that reuses the configuration the tuner persisted.
 
 Everything here is pure: :func:`plan` and :func:`estimate_seconds` are tested without a
 network.
@@ -29,8 +29,11 @@ SCHEDULER_SYSTEMS = (
     "bytescheduler-tuned",
     "bytescheduler-fusion",
     "prophet",
+    "prophet-tuned",
     "ddp",
 )
+#: The schedulers a ``-tuned`` system can tune: those with a credit.
+TUNABLE = ("bytescheduler", "prophet")
 #: What SUMFLOW_SCHEDULER selects in sumflow's communication service.
 CORE_SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet")
 #: Scaled compute per iteration at 10 Gbit/s and above, and the least it is lowered to.
@@ -150,18 +153,10 @@ def scheduler_systems(names: Sequence[str], k: int) -> list[System]:
     for name in names:
         if name == "ddp":
             systems.append(System("ddp", "DDP/gloo", "ddp-gloo"))
-        elif name == "bytescheduler-tuned":
-            systems.append(
-                System(
-                    name,
-                    f"bytescheduler tuned{suffix}",
-                    "sumflow",
-                    k,
-                    "bytescheduler",
-                    cross_barrier=True,
-                    tuned=True,
-                )
-            )
+        elif name.endswith("-tuned") and name.removesuffix("-tuned") in TUNABLE:
+            base = name.removesuffix("-tuned")
+            label = f"{base} tuned{suffix}"
+            systems.append(System(name, label, "sumflow", k, base, cross_barrier=True, tuned=True))
         elif name == "bytescheduler-fusion":
             systems.append(
                 System(

@@ -173,12 +173,12 @@ def _tuning(results: dict[str, Any]) -> list[str]:
     if not cells:
         return []
     lines = [
-        "**Tuning runs** (bytescheduler tuned: the tuner's trials in a tuning run; the "
+        "**Tuning runs** (a tuned system: the tuner's trials in a tuning run; the "
         "measured run applies the best configuration it stored)",
         "",
-        "| profile | Gbit/s | trials | best configuration | first trial's step / best's | "
-        "measured run |",
-        "|---|---|---|---|---|---|",
+        "| profile | Gbit/s | system | trials | best configuration | first trial's step / "
+        "best's | measured run |",
+        "|---|---|---|---|---|---|---|",
     ]
     for cell in cells:
         for run in cell["tuning"]:
@@ -188,7 +188,8 @@ def _tuning(results: dict[str, Any]) -> list[str]:
             gain = f"{scores[0] / min(scores):.2f}x" if scores else "-"
             measured = [r for r in cell["runs"] if r["name"] == run["name"]]
             lines.append(
-                f"| {cell['model']} | {cell['reference_gbit']:g} | {len(trials)} | "
+                f"| {cell['model']} | {cell['reference_gbit']:g} | {run['label']} | "
+                f"{len(trials)} | "
                 f"{_config(tuner.get('applied'))} | {gain} | "
                 f"{', '.join(_applied(r) for r in measured) or 'not run'} |"
             )
