@@ -250,12 +250,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_samples = 0.0
     train_steps = 0
     wire_before = hvd.wire_bytes()
-    last_epoch_steps = 0
+    steps_before_last_epoch = 0
     for epoch in range(args.epochs):
         if epoch == args.epochs - 1:
             # The last epoch alone: CSC's warm-up is over, every step is as sparse as asked.
             wire_last = hvd.wire_bytes()
-            last_epoch_steps = train_steps
+            steps_before_last_epoch = train_steps
         model.train()
         loss_sum = correct = count = 0.0
         bar = tqdm(total=steps, desc=f"epoch {epoch + 1}", leave=False, disable=not show_bar)
@@ -291,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     wire_after = hvd.wire_bytes()
     wire = gradient_traffic(wire_before, wire_after)
-    last_epoch_steps = train_steps - last_epoch_steps
+    last_epoch_steps = train_steps - steps_before_last_epoch
     last_gradients = gradient_traffic(wire_last, wire_after, lambda n: not is_norms(n))
     last_norms = gradient_traffic(wire_last, wire_after, is_norms)
     accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)

@@ -501,11 +501,11 @@ fn push_loop(sh: &Shared, lane: usize) {
         );
         let sent = {
             let mut tx = sender.lock().expect("sender lock");
-            // Before the frames go: the server's replies may be read (and counted) before
-            // this thread counts what it wrote.
-            sh.wire.open(key, &tensor_name);
             let before = tx.bytes_sent();
             let init = if initialised.insert(key) {
+                // Before a key's first frames go: the server's replies may be read (and
+                // counted) before this thread counts what it wrote.
+                sh.wire.open(key, &tensor_name);
                 tx.init_key(key, dtype, len as u64, None)
             } else {
                 Ok(())
