@@ -243,11 +243,33 @@ impl CoordinatorClient {
         elements: u64,
         timeout: Duration,
     ) -> Result<u32> {
+        self.declare_compressed(name, dtype, elements, "", timeout)
+    }
+
+    /// Declares a tensor as [`declare`](Self::declare) does, with how it is compressed
+    /// (a description for people, empty for raw elements), which every worker's
+    /// declaration must then match too.
+    pub fn declare_compressed(
+        &self,
+        name: &str,
+        dtype: Dtype,
+        elements: u64,
+        compression: &str,
+        timeout: Duration,
+    ) -> Result<u32> {
         self.check_declaration(name, dtype, elements)?;
+        if compression.len() > MAX_STRING {
+            return Err(ClientError::Invalid(format!(
+                "tensor '{name}': a compression described in {} bytes, more than the \
+                 {MAX_STRING} the protocol carries",
+                compression.len()
+            )));
+        }
         let inner = &self.conn.inner;
         let spec = Declaration {
             dtype,
             elements,
+            compression: compression.to_string(),
             id: None,
             ambiguous: false,
         };
@@ -267,7 +289,7 @@ impl CoordinatorClient {
                     true
                 }
                 None => {
-                    st.tensors.insert(name.to_string(), spec);
+                    st.tensors.insert(name.to_string(), spec.clone());
                     true
                 }
             }
@@ -277,6 +299,7 @@ impl CoordinatorClient {
                 name: name.to_string(),
                 dtype,
                 elements,
+                compression: compression.to_string(),
             })?;
         }
         inner.wait_for_tensor_id(name, &spec, timeout)
@@ -482,10 +505,11 @@ struct Inner {
 }
 
 /// One tensor as this node first declared it, and its id once the coordinator has answered.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Declaration {
     dtype: Dtype,
     elements: u64,
+    compression: String,
     id: Option<u32>,
     /// A different declaration of the same name went out before the answer came. An answer
     /// does not say which declaration it is for, so none is trusted: the coordinator's
@@ -495,7 +519,9 @@ struct Declaration {
 
 impl Declaration {
     fn same_as(&self, other: &Declaration) -> bool {
-        self.dtype == other.dtype && self.elements == other.elements
+        self.dtype == other.dtype
+            && self.elements == other.elements
+            && self.compression == other.compression
     }
 
     /// The tensor id, if the coordinator has answered a declaration like `spec` with it.

@@ -9,7 +9,9 @@ use std::time::{Duration, Instant};
 
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
-use sumflow_wire::{Codec, Dtype, JobToken, Message, Peer, PushMode, Role, Service, WireError};
+use sumflow_wire::{
+    Codec, Dtype, JobToken, KeyCodec, Message, Peer, PushMode, Role, Service, WireError,
+};
 
 use crate::dial::connect_retrying;
 use crate::error::{ClientError, Result};
@@ -52,6 +54,7 @@ pub struct SumHeader {
     pub key: u64,
     pub round: u64,
     pub dtype: Dtype,
+    pub codec: Codec,
     pub len: usize,
 }
 
@@ -132,6 +135,17 @@ impl ServerClient {
         initial: Option<&[u8]>,
     ) -> Result<()> {
         self.tx.init_key(key, dtype, byte_len, initial)?;
+        self.init_acknowledged(key)
+    }
+
+    /// Declares a compressed f32 key of `byte_len` uncompressed bytes and waits for the
+    /// server to accept it.
+    pub fn init_compressed_key(&mut self, key: u64, byte_len: u64, codec: KeyCodec) -> Result<()> {
+        self.tx.init_compressed_key(key, byte_len, codec)?;
+        self.init_acknowledged(key)
+    }
+
+    fn init_acknowledged(&mut self, key: u64) -> Result<()> {
         match self.rx.recv()? {
             Reply::InitAck { key: k } if k == key => Ok(()),
             other => Err(self.rx.unexpected(&other)),
@@ -187,20 +201,55 @@ impl ServerSender {
             dtype,
             byte_len,
             has_init: initial.is_some(),
+            codec: KeyCodec::RAW,
         };
         io::write_data(&mut self.stream, &msg, initial.unwrap_or_default())
             .map_err(|e| wire(&self.peer, e))
     }
 
+    /// Declares a compressed f32 key of `byte_len` uncompressed bytes.
+    pub fn init_compressed_key(&mut self, key: u64, byte_len: u64, codec: KeyCodec) -> Result<()> {
+        let msg = Message::InitKey {
+            key,
+            dtype: Dtype::F32,
+            byte_len,
+            has_init: false,
+            codec,
+        };
+        io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e))
+    }
+
     pub fn push(&mut self, key: u64, round: u64, dtype: Dtype, data: &[u8]) -> Result<()> {
+        self.push_encoded(key, round, dtype, Codec::Raw, data)
+    }
+
+    /// Pushes a payload of a compressed f32 key, encoded by its codec.
+    pub fn push_compressed(
+        &mut self,
+        key: u64,
+        round: u64,
+        codec: Codec,
+        payload: &[u8],
+    ) -> Result<()> {
+        self.push_encoded(key, round, Dtype::F32, codec, payload)
+    }
+
+    fn push_encoded(
+        &mut self,
+        key: u64,
+        round: u64,
+        dtype: Dtype,
+        codec: Codec,
+        payload: &[u8],
+    ) -> Result<()> {
         let msg = Message::Push {
             key,
             round,
             dtype,
-            codec: Codec::Raw,
+            codec,
             mode: PushMode::Sum,
         };
-        io::write_data(&mut self.stream, &msg, data).map_err(|e| wire(&self.peer, e))
+        io::write_data(&mut self.stream, &msg, payload).map_err(|e| wire(&self.peer, e))
     }
 
     pub fn pull(&mut self, key: u64, round: u64) -> Result<()> {
@@ -275,11 +324,15 @@ impl ServerReceiver {
             .map_err(|e| self.read_error(e, started))?;
         match frame.message {
             Message::PullReply {
-                key, round, dtype, ..
+                key,
+                round,
+                dtype,
+                codec,
             } => Ok(Reply::Sum(SumHeader {
                 key,
                 round,
                 dtype,
+                codec,
                 len: frame.payload_len,
             })),
             Message::InitAck { key } => Ok(Reply::InitAck { key }),

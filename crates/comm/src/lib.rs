@@ -21,6 +21,7 @@
 
 pub mod accounting;
 mod average;
+pub mod compression;
 pub mod error;
 pub mod handles;
 pub mod lanes;
@@ -33,6 +34,7 @@ pub mod scheduler;
 pub mod service;
 pub mod trace;
 
+pub use compression::{Compression, CompressorKind};
 pub use error::CommError;
-pub use service::{CommConfig, CommunicationService, ReduceOp};
+pub use service::{CommConfig, CommunicationService, Declaration, ReduceOp};
 pub use trace::{TraceConfig, TraceError, TraceFile, Tracer, Track};

@@ -33,11 +33,13 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
-use sumflow_wire::{Dtype, ErrorCode};
+use sumflow_compress::{Compressor, Scratch, Seed};
+use sumflow_wire::{Dtype, ErrorCode, KeyCodec};
 use tracing::{debug, warn};
 
 use crate::accounting::{KeyBytes, Ledger, WireBytes};
 use crate::average::scale_in_place;
+use crate::compression::{KeySpan, Residuals};
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
@@ -105,11 +107,45 @@ pub struct PartTask {
     pub server: usize,
     pub dtype: Dtype,
     pub data: HostSlice,
+    /// How its push and sum are encoded on the wire.
+    pub codec: KeyCodec,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
     /// The tensor's name and the partition's index in it, for the trace.
     pub tensor: Arc<str>,
     pub index: u32,
+}
+
+impl PartTask {
+    /// Bytes of its push on the wire, what the scheduler's credit counts.
+    fn wire_len(&self) -> u64 {
+        let elements = (self.data.len / self.dtype.size()) as u64;
+        self.codec.payload_len(self.dtype, elements)
+    }
+
+    /// Its compressor, for a compressed partition.
+    fn compressor(&self) -> Option<Compressor> {
+        (!self.codec.is_raw()).then(|| {
+            Compressor::new(self.codec, self.data.len / 4)
+                .expect("the service declares codecs that fit their keys")
+        })
+    }
+
+    /// Where random-k's indices and dithering's rounding come from: this worker's stream
+    /// of the key's round.
+    fn seed(&self, rank: u32) -> Seed {
+        Seed::new(self.key, self.round, u64::from(rank))
+    }
+}
+
+/// What a lane's thread reuses to compress or decode partitions: no allocation per
+/// partition once the largest has passed.
+#[derive(Default)]
+struct CodecBuffers {
+    scratch: Scratch,
+    payload: Vec<u8>,
+    /// The partition as f32s, where the tensor's memory is not 4-byte aligned.
+    elements: Vec<f32>,
 }
 
 /// A started partition until its sum is back.
@@ -153,6 +189,9 @@ struct Shared {
     dead: Vec<Mutex<Option<String>>>,
     handles: Arc<Handles>,
     wire: Ledger,
+    /// This worker's rank: its stream of random draws.
+    rank: u32,
+    residuals: Residuals,
     stop: AtomicBool,
 }
 
@@ -222,13 +261,15 @@ pub struct Pipeline {
 }
 
 impl Pipeline {
-    /// Starts the lanes' threads and the scheduler's timer over each server's lanes.
+    /// Starts the lanes' threads and the scheduler's timer over each server's lanes, for
+    /// worker `rank`.
     pub fn start(
         links: Vec<ServerLink>,
         handles: Arc<Handles>,
         schedule: Schedule,
         partition_bytes: u64,
         tracer: Arc<Tracer>,
+        rank: u32,
     ) -> Result<Pipeline, CommError> {
         let mut lanes = Vec::new();
         let mut receivers = Vec::new();
@@ -265,6 +306,8 @@ impl Pipeline {
             tracer,
             handles,
             wire: Ledger::default(),
+            rank,
+            residuals: Residuals::default(),
             stop: AtomicBool::new(false),
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
@@ -315,7 +358,7 @@ impl Pipeline {
             parts.push(Part {
                 key: task.key,
                 server: task.server,
-                bytes: task.data.len as u64,
+                bytes: task.wire_len(),
                 item: task,
             });
         }
@@ -360,6 +403,12 @@ impl Pipeline {
     /// names (see [`crate::accounting`]).
     pub fn wire_bytes(&self) -> (Vec<KeyBytes>, WireBytes) {
         self.shared.wire.snapshot()
+    }
+
+    /// Moves a tensor's error-feedback residuals from its keys under one partition size
+    /// to its keys under another (see [`Residuals::relayout`]).
+    pub fn relayout_residuals(&self, old: &[KeySpan], new: &[KeySpan]) {
+        self.shared.residuals.relayout(old, new);
     }
 
     /// The name of a server, for messages.
@@ -461,6 +510,7 @@ fn timer_loop(sh: &Shared) {
 /// Sends the partitions started for `lane`, in the order they started.
 fn push_loop(sh: &Shared, lane: usize) {
     let mut initialised: HashSet<u64> = HashSet::new();
+    let mut buffers = CodecBuffers::default();
     let Lane {
         server,
         sender,
@@ -479,8 +529,18 @@ fn push_loop(sh: &Shared, lane: usize) {
             continue;
         }
         debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
-        let (key, round, dtype, len, handle) =
-            (task.key, task.round, task.dtype, task.data.len, task.handle);
+        // Compressed before the connection is taken: the other lanes' sends go on meanwhile.
+        if let Some(c) = task.compressor() {
+            compress(sh, &task, c, &mut buffers);
+        }
+        let (key, round, dtype, len, handle, codec) = (
+            task.key,
+            task.round,
+            task.dtype,
+            task.data.len,
+            task.handle,
+            task.codec,
+        );
         let data = task.data;
         let tensor_name = Arc::clone(&task.tensor);
         let label = sh
@@ -506,12 +566,22 @@ fn push_loop(sh: &Shared, lane: usize) {
                 // Before a key's first frames go: the server's replies may be read (and
                 // counted) before this thread counts what it wrote.
                 sh.wire.open(key, &tensor_name);
-                tx.init_key(key, dtype, len as u64, None)
+                if codec.is_raw() {
+                    tx.init_key(key, dtype, len as u64, None)
+                } else {
+                    tx.init_compressed_key(key, len as u64, codec)
+                }
             } else {
                 Ok(())
             };
             let sent = init
-                .and_then(|()| tx.push(key, round, dtype, data.bytes()))
+                .and_then(|()| {
+                    if codec.is_raw() {
+                        tx.push(key, round, dtype, data.bytes())
+                    } else {
+                        tx.push_compressed(key, round, codec.codec, &buffers.payload)
+                    }
+                })
                 .and_then(|()| tx.pull(key, round));
             sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
             sent
@@ -532,7 +602,10 @@ fn push_loop(sh: &Shared, lane: usize) {
                 popped,
                 pushed,
                 &[
-                    ("bytes", Arg::Uint(len as u64)),
+                    (
+                        "bytes",
+                        Arg::Uint(codec.payload_len(dtype, (len / dtype.size()) as u64)),
+                    ),
                     ("round", Arg::Uint(round)),
                     ("key", Arg::Uint(key)),
                     (
@@ -552,14 +625,49 @@ fn push_loop(sh: &Shared, lane: usize) {
     }
 }
 
+/// Encodes a compressed partition into `buffers.payload`, with its key's residual when it
+/// has error feedback.
+fn compress(sh: &Shared, task: &PartTask, c: Compressor, buffers: &mut CodecBuffers) {
+    let bytes = task.data.bytes();
+    let input: &[f32] = match bytemuck::try_cast_slice(bytes) {
+        Ok(aligned) => aligned,
+        Err(_) => {
+            buffers.elements.clear();
+            buffers.elements.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+            );
+            &buffers.elements
+        }
+    };
+    buffers.payload.resize(c.payload_len(), 0);
+    let (seed, scratch, out) = (
+        task.seed(sh.rank),
+        &mut buffers.scratch,
+        &mut buffers.payload,
+    );
+    if task.codec.feedback {
+        let mut residual = sh.residuals.take(task.key, c.elements());
+        c.compress_with_feedback(input, &mut residual, seed, scratch, out);
+        sh.residuals.put(task.key, residual);
+    } else {
+        c.compress(input, seed, scratch, out);
+    }
+}
+
 fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     let server = sh.lanes[lane].server;
+    let mut buffers = CodecBuffers::default();
     loop {
         let mut before = rx.bytes_received();
         let (key, received) = match rx.recv_header() {
             // Counted inside (moving `before` past it), before the operation can complete
             // and its waiter read the count.
-            Ok(Reply::Sum(head)) => (None, receive_sum(sh, lane, &mut rx, head, &mut before)),
+            Ok(Reply::Sum(head)) => (
+                None,
+                receive_sum(sh, lane, &mut rx, head, &mut before, &mut buffers),
+            ),
             Ok(Reply::PushAck { key, round }) => {
                 acknowledged(sh, key, round);
                 (Some(key), Ok(()))
@@ -633,6 +741,7 @@ fn receive_sum(
     rx: &mut ServerReceiver,
     head: SumHeader,
     counted_from: &mut u64,
+    buffers: &mut CodecBuffers,
 ) -> Result<(), String> {
     let mut count = |rx: &ServerReceiver| {
         sh.wire
@@ -667,7 +776,10 @@ fn receive_sum(
         return skipped;
     }
     let dst = task.data.bytes_mut();
-    let read = rx.read_sum(dst);
+    let read = match task.compressor() {
+        None => rx.read_sum(dst).map_err(|e| e.to_string()),
+        Some(c) => read_compressed(sh, rx, &head, &task, c, dst, buffers),
+    };
     if read.is_ok() {
         scale_in_place(task.dtype, dst, task.divisor);
     }
@@ -700,4 +812,39 @@ fn receive_sum(
     sh.handles
         .end_access(task.handle, read.is_ok().then_some(task.key));
     read.map_err(|e| format!("sum of key {}: {e}", head.key))
+}
+
+/// Reads a compressed sum, checks it, and decodes it into the partition's memory.
+fn read_compressed(
+    sh: &Shared,
+    rx: &mut ServerReceiver,
+    head: &SumHeader,
+    task: &PartTask,
+    c: Compressor,
+    dst: &mut [u8],
+    buffers: &mut CodecBuffers,
+) -> Result<(), String> {
+    if head.codec != task.codec.codec {
+        return Err(format!(
+            "a {} sum for a key declared {}",
+            head.codec, task.codec
+        ));
+    }
+    buffers.payload.resize(c.payload_len(), 0);
+    rx.read_sum(&mut buffers.payload)
+        .map_err(|e| e.to_string())?;
+    c.validate(&buffers.payload)
+        .map_err(|e| format!("the {} sum: {e}", task.codec))?;
+    let (seed, scratch) = (task.seed(sh.rank), &mut buffers.scratch);
+    match bytemuck::try_cast_slice_mut::<u8, f32>(dst) {
+        Ok(out) => c.decompress(&buffers.payload, seed, scratch, out),
+        Err(_) => {
+            buffers.elements.resize(c.elements(), 0.0);
+            c.decompress(&buffers.payload, seed, scratch, &mut buffers.elements);
+            for (d, v) in dst.chunks_exact_mut(4).zip(&buffers.elements) {
+                d.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+    Ok(())
 }

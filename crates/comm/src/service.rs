@@ -7,10 +7,13 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
-use sumflow_wire::{BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, Registration, Role};
+use sumflow_wire::{
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Registration, Role,
+};
 use tracing::{info, warn};
 
 use crate::accounting::{KeyBytes, WireBytes};
+use crate::compression::{Compression, KeySpan};
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::lanes;
@@ -128,6 +131,8 @@ struct Tensor {
     name: Arc<str>,
     dtype: Dtype,
     elements: u64,
+    /// How its partitions travel; `None`: raw elements.
+    compression: Option<Compression>,
     /// The group it was declared and placed with, if any.
     group: Option<usize>,
     parts: Parts,
@@ -137,22 +142,78 @@ struct Tensor {
 }
 
 impl Tensor {
-    fn new(
-        id: u32,
-        name: &str,
-        dtype: Dtype,
-        elements: u64,
-        group: Option<usize>,
-        parts: Parts,
-    ) -> Tensor {
+    fn new(decl: &Declaration, id: u32, group: Option<usize>, parts: Parts) -> Tensor {
         Tensor {
             id,
-            name: Arc::from(name),
-            dtype,
-            elements,
+            name: Arc::from(decl.name),
+            dtype: decl.dtype,
+            elements: decl.elements,
+            compression: decl.compression,
             group,
             parts,
             rounds: Vec::new(),
+        }
+    }
+
+    fn declaration(&self) -> Declaration<'_> {
+        Declaration {
+            name: &self.name,
+            dtype: self.dtype,
+            elements: self.elements,
+            compression: self.compression,
+        }
+    }
+
+    /// Where each partition lies in the tensor, for moving residuals between layouts.
+    fn spans(&self) -> Vec<KeySpan> {
+        self.parts.iter().map(|p| (p.0, p.2, p.3)).collect()
+    }
+
+    /// Refuses a declaration of the same tensor with another compression.
+    fn check_same(&self, decl: &Declaration) -> Result<(), CommError> {
+        if self.compression == decl.compression {
+            return Ok(());
+        }
+        let show = |c: Option<Compression>| c.map_or("uncompressed".into(), |c| c.to_string());
+        Err(CommError::Invalid(format!(
+            "tensor '{}' was declared {} and now {}: a tensor keeps the compression it was \
+             first declared with",
+            self.name,
+            show(self.compression),
+            show(decl.compression)
+        )))
+    }
+}
+
+/// A tensor to declare: its name, element type and count, and how it is compressed.
+#[derive(Clone, Copy, Debug)]
+pub struct Declaration<'a> {
+    pub name: &'a str,
+    pub dtype: Dtype,
+    pub elements: u64,
+    /// `None` sends raw elements; compressors take f32 tensors only.
+    pub compression: Option<Compression>,
+}
+
+impl<'a> Declaration<'a> {
+    /// An uncompressed tensor.
+    pub fn raw(name: &'a str, dtype: Dtype, elements: u64) -> Declaration<'a> {
+        Declaration {
+            name,
+            dtype,
+            elements,
+            compression: None,
+        }
+    }
+
+    fn check(&self) -> Result<(), CommError> {
+        match (self.compression, self.dtype) {
+            (Some(c), dtype) if dtype != Dtype::F32 => Err(CommError::Invalid(format!(
+                "tensor '{}' holds {dtype}: {c} compresses f32 tensors only (cast it, or \
+                 leave it uncompressed)",
+                self.name
+            ))),
+            _ => Ok(()),
         }
     }
 }
@@ -305,6 +366,7 @@ impl CommunicationService {
             schedule,
             partition_bytes,
             Arc::clone(&tracer),
+            job.rank(),
         )?;
         let local = local_rank(&map, job.rank());
         info!(
@@ -357,54 +419,84 @@ impl CommunicationService {
         self.job.cluster_map()
     }
 
-    /// Declares one tensor; every worker must declare it with the same dtype and size.
-    /// Returns its id. Its partitions are placed from their keys alone, so workers may
-    /// declare tensors in any order.
+    /// Declares one uncompressed tensor; every worker must declare it with the same dtype
+    /// and size. Returns its id. Its partitions are placed from their keys alone, so
+    /// workers may declare tensors in any order.
     pub fn declare(&self, name: &str, dtype: Dtype, elements: u64) -> Result<u32, CommError> {
-        let id = self.declare_id(name, dtype, elements)?;
+        self.declare_one(&Declaration::raw(name, dtype, elements))
+    }
+
+    /// Declares one tensor, compressed or not (see [`Self::declare`]); every worker must
+    /// declare it with the same compression too.
+    pub fn declare_one(&self, decl: &Declaration) -> Result<u32, CommError> {
+        decl.check()?;
+        let id = self.declare_id(decl)?;
         let mut table = self.table.lock().expect("table lock");
-        if !table.tensors.contains_key(&id) {
-            let parts = self.lay_out_single(&table, id, name, dtype, elements)?;
-            table
-                .tensors
-                .insert(id, Tensor::new(id, name, dtype, elements, None, parts));
+        match table.tensors.get(&id) {
+            Some(t) => t.check_same(decl)?,
+            None => {
+                let parts = self.lay_out_single(&table, id, decl)?;
+                table.tensors.insert(id, Tensor::new(decl, id, None, parts));
+            }
         }
         Ok(id)
+    }
+
+    /// Declares a group of uncompressed tensors (see [`Self::declare_groups`]).
+    pub fn declare_group(&self, tensors: &[(&str, Dtype, u64)]) -> Result<Vec<u32>, CommError> {
+        let decls: Vec<Declaration> = tensors
+            .iter()
+            .map(|&(name, dtype, elements)| Declaration::raw(name, dtype, elements))
+            .collect();
+        self.declare_groups(&decls)
     }
 
     /// Declares a group of tensors (a model's parameters) and places their partitions
     /// together, balancing bytes over the servers by BytePS's Eq. 1 and 2. Every worker
     /// must declare the same group.
-    pub fn declare_group(&self, tensors: &[(&str, Dtype, u64)]) -> Result<Vec<u32>, CommError> {
-        let mut ids = Vec::with_capacity(tensors.len());
-        for &(name, dtype, elements) in tensors {
-            ids.push(self.declare_id(name, dtype, elements)?);
+    pub fn declare_groups(&self, decls: &[Declaration]) -> Result<Vec<u32>, CommError> {
+        let mut ids = Vec::with_capacity(decls.len());
+        for decl in decls {
+            decl.check()?;
+            ids.push(self.declare_id(decl)?);
         }
         let mut table = self.table.lock().expect("table lock");
         // A repeated declaration keeps its first placement and round count.
-        let fresh: Vec<(u32, &str, Dtype, u64)> = ids
-            .iter()
-            .zip(tensors)
-            .filter(|(id, _)| !table.tensors.contains_key(id))
-            .map(|(&id, &(name, dtype, elements))| (id, name, dtype, elements))
-            .collect();
+        let mut fresh: Vec<(u32, Declaration)> = Vec::new();
+        for (&id, decl) in ids.iter().zip(decls) {
+            match table.tensors.get(&id) {
+                Some(t) => t.check_same(decl)?,
+                None => fresh.push((id, *decl)),
+            }
+        }
         if fresh.is_empty() {
             return Ok(ids);
         }
         let laid = self.lay_out_group(&table, &fresh)?;
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
-        for ((id, name, dtype, elements), parts) in fresh.into_iter().zip(laid) {
-            let t = Tensor::new(id, name, dtype, elements, Some(group), parts);
-            table.tensors.insert(id, t);
+        for ((id, decl), parts) in fresh.iter().zip(laid) {
+            let t = Tensor::new(decl, *id, Some(group), parts);
+            table.tensors.insert(*id, t);
         }
         Ok(ids)
     }
 
-    fn declare_id(&self, name: &str, dtype: Dtype, elements: u64) -> Result<u32, CommError> {
-        let id = self
-            .job
-            .declare(name, dtype, elements, self.declare_timeout)?;
+    fn declare_id(&self, decl: &Declaration) -> Result<u32, CommError> {
+        let Declaration {
+            name,
+            dtype,
+            elements,
+            ..
+        } = *decl;
+        let compression = decl.compression.map(|c| c.to_string()).unwrap_or_default();
+        let id = self.job.declare_compressed(
+            name,
+            dtype,
+            elements,
+            &compression,
+            self.declare_timeout,
+        )?;
         if id > MAX_TENSOR_ID {
             return Err(CommError::Invalid(format!(
                 "tensor '{name}' is the job's declaration number {id}: at most {} tensors \
@@ -420,26 +512,24 @@ impl CommunicationService {
         &self,
         table: &Table,
         id: u32,
-        name: &str,
-        dtype: Dtype,
-        elements: u64,
+        decl: &Declaration,
     ) -> Result<Parts, CommError> {
-        let mut parts = self.cut(table, id, name, dtype, elements)?;
+        let mut parts = self.cut(table, id, decl)?;
         for p in &mut parts {
             p.1 = scatter(p.0, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
         }
-        self.spread(dtype, parts)
+        self.spread(decl.dtype, parts)
     }
 
     /// The partitions of a group's tensors, placed together.
     fn lay_out_group(
         &self,
         table: &Table,
-        tensors: &[(u32, &str, Dtype, u64)],
+        tensors: &[(u32, Declaration)],
     ) -> Result<Vec<Parts>, CommError> {
         let mut cut = Vec::with_capacity(tensors.len());
-        for &(id, name, dtype, elements) in tensors {
-            cut.push(self.cut(table, id, name, dtype, elements)?);
+        for (id, decl) in tensors {
+            cut.push(self.cut(table, *id, decl)?);
         }
         let keyed: Vec<(u64, u64)> = cut
             .iter()
@@ -456,7 +546,7 @@ impl CommunicationService {
                         .server_of(p.0)
                         .expect("every partition was placed");
                 }
-                self.spread(t.2, parts)
+                self.spread(t.1.dtype, parts)
             })
             .collect()
     }
@@ -475,17 +565,15 @@ impl CommunicationService {
     }
 
     /// Cuts a tensor by the table's current partition size, keyed in its generation.
-    fn cut(
-        &self,
-        table: &Table,
-        id: u32,
-        name: &str,
-        dtype: Dtype,
-        elements: u64,
-    ) -> Result<Parts, CommError> {
-        let parts = partition(name, elements, dtype, table.partition_bytes())
-            .map_err(|e| CommError::Invalid(e.to_string()))?;
-        let size = dtype.size();
+    fn cut(&self, table: &Table, id: u32, decl: &Declaration) -> Result<Parts, CommError> {
+        let parts = partition(
+            decl.name,
+            decl.elements,
+            decl.dtype,
+            table.partition_bytes(),
+        )
+        .map_err(|e| CommError::Invalid(e.to_string()))?;
+        let size = decl.dtype.size();
         let generation = (table.generation as u64) << GENERATION_SHIFT;
         Ok(parts
             .iter()
@@ -555,25 +643,24 @@ impl CommunicationService {
             }
             let mut parts: HashMap<u32, Parts> = HashMap::new();
             for t in table.tensors.values().filter(|t| t.group.is_none()) {
-                parts.insert(
-                    t.id,
-                    self.lay_out_single(&next, t.id, &t.name, t.dtype, t.elements)?,
-                );
+                parts.insert(t.id, self.lay_out_single(&next, t.id, &t.declaration())?);
             }
             for ids in &table.groups {
-                let members: Vec<(u32, &str, Dtype, u64)> = ids
+                let members: Vec<(u32, Declaration)> = ids
                     .iter()
-                    .map(|id| {
-                        let t = &table.tensors[id];
-                        (t.id, &*t.name, t.dtype, t.elements)
-                    })
+                    .map(|id| (*id, table.tensors[id].declaration()))
                     .collect();
                 for (id, laid) in ids.iter().zip(self.lay_out_group(&next, &members)?) {
                     parts.insert(*id, laid);
                 }
             }
             for (id, laid) in parts {
-                table.tensors.get_mut(&id).expect("laid out").parts = laid;
+                let t = table.tensors.get_mut(&id).expect("laid out");
+                let old = t.spans();
+                t.parts = laid;
+                if t.compression.is_some_and(|c| c.feedback) {
+                    self.pipeline.relayout_residuals(&old, &t.spans());
+                }
             }
             table.layouts = next.layouts;
             table.generation = generation;
@@ -672,6 +759,9 @@ impl CommunicationService {
                 server: server as usize,
                 dtype: t.dtype,
                 data: whole.sub(offset, bytes),
+                codec: t.compression.map_or(KeyCodec::RAW, |c| {
+                    c.key_codec((bytes / t.dtype.size()) as u64)
+                }),
                 divisor,
             })
             .collect();

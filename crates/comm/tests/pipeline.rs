@@ -11,7 +11,7 @@ use sumflow_comm::scheduler::{Schedule, SchedulerKind};
 use sumflow_comm::trace::Tracer;
 use sumflow_comm::CommError;
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
-use sumflow_wire::{Dtype, ErrorCode, JobToken};
+use sumflow_wire::{Dtype, ErrorCode, JobToken, KeyCodec};
 
 fn token() -> JobToken {
     JobToken::new("pipeline-test-token-123456").unwrap()
@@ -55,7 +55,15 @@ fn pipeline(
         window_bytes: 1,
         ..Schedule::new(kind, 1000)
     };
-    Pipeline::start(links, handles, schedule, 1000, Arc::new(Tracer::disabled())).unwrap()
+    Pipeline::start(
+        links,
+        handles,
+        schedule,
+        1000,
+        Arc::new(Tracer::disabled()),
+        0,
+    )
+    .unwrap()
 }
 
 /// A worker's view in these tests: its pipeline, and how tensors are cut and placed.
@@ -105,6 +113,7 @@ impl Worker {
                     server,
                     dtype: Dtype::F32,
                     data: whole.sub(start * 4, len * 4),
+                    codec: KeyCodec::RAW,
                     divisor,
                     tensor: Arc::from(format!("tensor{tensor}")),
                     index: i as u32,

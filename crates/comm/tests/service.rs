@@ -9,12 +9,14 @@ use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::accounting::WireBytes;
 use sumflow_comm::partition::WHOLE_TENSOR_BYTES;
 use sumflow_comm::scheduler::SchedulerKind;
-use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
+use sumflow_comm::{
+    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
+};
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };
-use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Message, PushMode};
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, Message, PushMode};
 
 fn token() -> JobToken {
     JobToken::new("service-test-token-abcdefgh").unwrap()
@@ -221,6 +223,171 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
     });
 }
 
+fn compressed<'a>(name: &'a str, elements: u64, how: (&str, f64, bool)) -> Declaration<'a> {
+    Declaration {
+        name,
+        dtype: Dtype::F32,
+        elements,
+        compression: Some(Compression::parse(how.0, how.1, how.2).unwrap()),
+    }
+}
+
+#[test]
+fn compressed_tensors_sum_exactly_where_their_codecs_lose_nothing() {
+    // Inputs each codec carries without loss, through colocated servers and a CPU server
+    // (whose partitions are cut into a piece per lane), with a partition size change:
+    // - top-k keeping half, of tensors nonzero at even elements only;
+    // - random-k keeping everything;
+    // - sign, of elements of one magnitude whose signs agree across workers;
+    // - dithering, of elements that are 0 or the norm.
+    let n = 3001u64;
+    run_job(2, 1, move |w, addr| {
+        let c = worker(addr, w);
+        let decls = [
+            compressed("topk", n, ("topk", 0.5, true)),
+            compressed("randomk", n, ("randomk", 1.0, false)),
+            compressed("sign", n, ("sign", 0.0, true)),
+            compressed("dithering", n, ("dithering", 3.0, false)),
+        ];
+        let ids = c.declare_groups(&decls).unwrap();
+        // Each worker's elements, and their average, where `scale` is 1 and 2 (so 1.5).
+        let pattern = |i: u64, scale: f32| -> [f32; 4] {
+            let s = if i.is_multiple_of(3) { -1.0 } else { 1.0 };
+            let ramp = (i % 89) as f32 * scale;
+            [
+                if i.is_multiple_of(2) { ramp } else { 0.0 },
+                ramp,
+                s * 4.0,
+                if i.is_multiple_of(5) { 0.0 } else { s * 8.0 },
+            ]
+        };
+        let inputs = |i: u64| pattern(i, (w + 1) as f32);
+        let wants = |i: u64| pattern(i, 1.5);
+        for round in 1..=3 {
+            if round == 3 {
+                c.reconfigure(Some(2048), None).unwrap();
+            }
+            let mut data: Vec<Vec<f32>> = (0..4)
+                .map(|t| (0..n).map(|i| inputs(i)[t]).collect())
+                .collect();
+            let handles: Vec<u64> = data
+                .iter_mut()
+                .enumerate()
+                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, ReduceOp::Average))
+                .collect();
+            for h in handles {
+                c.wait(h, Duration::from_secs(20)).unwrap();
+            }
+            for (t, d) in data.iter().enumerate() {
+                for (i, v) in d.iter().enumerate() {
+                    let want = wants(i as u64)[t];
+                    assert_eq!(*v, want, "{} round {round} element {i}", decls[t].name);
+                }
+            }
+        }
+        // Sign sends a bit per element (and a scale per piece), not four bytes.
+        let (keys, _) = c.wire_bytes();
+        let sent = |tensor: &str| -> u64 {
+            keys.iter()
+                .filter(|k| &*k.tensor == tensor)
+                .map(|k| k.bytes.sent)
+                .sum()
+        };
+        let dense = 3 * n * 4;
+        assert!(sent("sign") < dense / 8, "{} of {dense}", sent("sign"));
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
+fn error_feedback_delivers_everything_a_sparse_codec_held_back() {
+    // Each worker sends its tensor once, then zeros: top-k keeps a tenth per round, on the
+    // workers and again on the servers, so the rest arrives over later rounds from the
+    // residuals; random-k's residual does the same for the elements it has not drawn.
+    let n = 2500u64;
+    run_job(2, 1, move |w, addr| {
+        let c = worker(addr, w);
+        let decls = [
+            compressed("topk", n, ("topk", 0.1, true)),
+            compressed("randomk", n, ("randomk", 0.25, true)),
+        ];
+        let ids = c.declare_groups(&decls).unwrap();
+        let input = |i: u64| ((i * 7 + u64::from(w) * 13) % 101) as f32;
+        let mut total = vec![vec![0f64; n as usize]; 2];
+        for round in 0..45 {
+            let mut data: Vec<Vec<f32>> = (0..2)
+                .map(|_| {
+                    (0..n)
+                        .map(|i| if round == 0 { input(i) } else { 0.0 })
+                        .collect()
+                })
+                .collect();
+            let handles: Vec<u64> = data
+                .iter_mut()
+                .enumerate()
+                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, ReduceOp::Sum))
+                .collect();
+            for h in handles {
+                c.wait(h, Duration::from_secs(20)).unwrap();
+            }
+            for (t, d) in data.iter().enumerate() {
+                if round == 0 {
+                    let sent = d.iter().filter(|v| **v != 0.0).count() as u64;
+                    assert!(
+                        sent < n / 2,
+                        "{}: {sent} elements in round 0",
+                        decls[t].name
+                    );
+                }
+                for (acc, v) in total[t].iter_mut().zip(d) {
+                    *acc += f64::from(*v);
+                }
+            }
+        }
+        for (t, tot) in total.iter().enumerate() {
+            for (i, v) in tot.iter().enumerate() {
+                let i = i as u64;
+                let want = ((i * 7) % 101 + (i * 7 + 13) % 101) as f64;
+                assert_eq!(*v, want, "{} element {i}", decls[t].name);
+            }
+        }
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
+fn workers_compressing_a_tensor_differently_are_stopped_with_both_compressions_named() {
+    run_job(2, 0, move |w, addr| {
+        let c = worker(addr, w);
+        c.barrier(Duration::from_secs(10)).unwrap();
+        let how = if w == 0 {
+            ("topk", 0.01, true)
+        } else {
+            ("sign", 0.0, false)
+        };
+        // Whichever declaration comes second is refused; the other worker learns it from
+        // its next operation.
+        let err = match c.declare_one(&compressed("fc.weight", 5000, how)) {
+            Err(e) => e,
+            Ok(id) => {
+                let mut data = vec![1f32; 5000];
+                let h = push_pull(&c, id, &mut data, 0, ReduceOp::Sum);
+                c.wait(h, Duration::from_secs(20)).unwrap_err()
+            }
+        };
+        let msg = err.to_string();
+        assert!(
+            msg.contains("'fc.weight' declared as f32 x 5000 compressed by")
+                && msg.contains("topk (ratio 0.01) with error feedback by worker 0")
+                && msg.contains("compressed by sign by worker 1"),
+            "{msg}"
+        );
+        drop(c);
+    });
+}
+
 #[test]
 fn a_declaration_mismatch_stops_every_worker_with_its_name() {
     run_job(2, 0, move |w, addr| {
@@ -341,6 +508,7 @@ fn wire_accounting_counts_every_frame_per_key() {
             dtype: Dtype::F32,
             byte_len: 0,
             has_init: false,
+            codec: KeyCodec::RAW,
         },
         0,
     );

@@ -83,10 +83,46 @@ struct Tensor {
     id: u32,
     dtype: Dtype,
     elements: u64,
+    /// How it travels, as described by its first declaration; empty: raw elements.
+    compression: String,
     /// Rank of the worker whose declaration came first; mismatch messages name it first.
     first: u32,
     /// Ranks of every worker that declared it with the same dtype and size.
     declared_by: BTreeSet<u32>,
+}
+
+impl Tensor {
+    fn form(&self) -> Form {
+        Form::new(self.dtype, self.elements, self.compression.clone())
+    }
+}
+
+/// What a declaration says a tensor is; every declaration of a name must say the same.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Form {
+    dtype: Dtype,
+    elements: u64,
+    compression: String,
+}
+
+impl Form {
+    fn new(dtype: Dtype, elements: u64, compression: String) -> Form {
+        Form {
+            dtype,
+            elements,
+            compression,
+        }
+    }
+}
+
+impl std::fmt::Display for Form {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} x {}", self.dtype, self.elements)?;
+        if !self.compression.is_empty() {
+            write!(f, " compressed by {}", self.compression)?;
+        }
+        Ok(())
+    }
 }
 
 /// The coordinator's whole state. Feed it events; it answers with actions.
@@ -183,7 +219,8 @@ impl Membership {
                 name,
                 dtype,
                 elements,
-            } => self.declare(conn, name, dtype, elements),
+                compression,
+            } => self.declare(conn, name, Form::new(dtype, elements, compression)),
             Message::Shutdown { reason } => self.leave(conn, &reason),
             Message::Error(e) => {
                 let who = self.describe(conn);
@@ -448,7 +485,7 @@ impl Membership {
 
     /// A worker declares a tensor: the first declaration of a name fixes its id, dtype and
     /// size for the job; later ones must match, or the job's agreement is over.
-    fn declare(&mut self, conn: ConnId, name: String, dtype: Dtype, elements: u64) {
+    fn declare(&mut self, conn: ConnId, name: String, form: Form) {
         let Some(node) = self.declaring_worker(conn, &name) else {
             return;
         };
@@ -456,10 +493,10 @@ impl Membership {
             return self.send(conn, Message::Error(e.clone()));
         }
         let Some(t) = self.tensors.get_mut(&name) else {
-            return self.first_declaration(conn, node, name, dtype, elements);
+            return self.first_declaration(conn, node, name, form);
         };
-        if t.dtype != dtype || t.elements != elements {
-            let msg = self.mismatch_text(&name, dtype, elements, node);
+        if t.form() != form {
+            let msg = self.mismatch_text(&name, &form, node);
             return self.declaration_failed(conn, ErrorCode::KeyMismatch, msg);
         }
         t.declared_by.insert(node.rank);
@@ -490,14 +527,7 @@ impl Membership {
     }
 
     /// A name no worker has declared yet gets the next id, unless the table is full.
-    fn first_declaration(
-        &mut self,
-        conn: ConnId,
-        node: NodeId,
-        name: String,
-        dtype: Dtype,
-        elements: u64,
-    ) {
+    fn first_declaration(&mut self, conn: ConnId, node: NodeId, name: String, form: Form) {
         let who = self.node_name(node);
         let Some(id) = self.next_tensor_id() else {
             let msg = format!(
@@ -509,12 +539,13 @@ impl Membership {
         };
         self.log(
             Level::DEBUG,
-            format!("{who} declared tensor '{name}' ({dtype} x {elements}): tensor {id}"),
+            format!("{who} declared tensor '{name}' ({form}): tensor {id}"),
         );
         let t = Tensor {
             id,
-            dtype,
-            elements,
+            dtype: form.dtype,
+            elements: form.elements,
+            compression: form.compression,
             first: node.rank,
             declared_by: BTreeSet::from([node.rank]),
         };
@@ -537,7 +568,7 @@ impl Membership {
 
     /// "tensor 'x' declared as f16 x 4 by worker 1 'b', but as f32 x 4 by worker 0 'a': ...",
     /// naming the earlier declarers, the first one first.
-    fn mismatch_text(&self, name: &str, dtype: Dtype, elements: u64, by: NodeId) -> String {
+    fn mismatch_text(&self, name: &str, form: &Form, by: NodeId) -> String {
         let Some(t) = self.tensors.get(name) else {
             return format!("tensor '{name}' was declared inconsistently");
         };
@@ -553,12 +584,16 @@ impl Membership {
                 })
             })
             .collect();
+        let what = if form.compression.is_empty() && t.compression.is_empty() {
+            "dtype and size"
+        } else {
+            "dtype, size and compression"
+        };
         format!(
-            "tensor '{name}' declared as {dtype} x {elements} by {}, but as {} x {} by {}: every \
-             worker must declare each tensor with the same dtype and size",
+            "tensor '{name}' declared as {form} by {}, but as {} by {}: every worker must \
+             declare each tensor with the same {what}",
             self.node_name(by),
-            t.dtype,
-            t.elements,
+            t.form(),
             listing(earlier, ranks.len().saturating_sub(NAMED_DECLARERS))
         )
     }

@@ -170,6 +170,7 @@ fn declare(name: &str, dtype: Dtype, elements: u64) -> Message {
         name: name.into(),
         dtype,
         elements,
+        compression: String::new(),
     }
 }
 

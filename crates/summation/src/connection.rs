@@ -10,15 +10,16 @@
 //! needs no notion of which connection carries which key. Losing any of them fails the
 //! worker; it has left only once all of them said Shutdown.
 
+use std::io::Read;
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, ErrorCode, ErrorReply, Message, Peer, PushMode, Role, Service, WireError,
+    Codec, ErrorCode, ErrorReply, KeyCodec, Message, Peer, PushMode, Role, Service, WireError,
 };
 use tracing::{debug, info, warn};
 
@@ -36,6 +37,7 @@ pub enum Outgoing {
         key: u64,
         round: u64,
         dtype: sumflow_wire::Dtype,
+        codec: Codec,
         data: Arc<AlignedBuf>,
     },
     /// Send this error, then close the connection.
@@ -48,6 +50,11 @@ pub type Replier = Sender<Outgoing>;
 
 /// How long a pool wait sleeps between checks that the server is still running.
 const POOL_POLL: Duration = Duration::from_millis(100);
+
+/// How long a refused connection stays open for the worker to read why: closing a socket
+/// with the worker's frames unread would reset it, and the reset can overtake the `Error`
+/// frame, leaving the worker only "connection reset".
+const LINGER: Duration = Duration::from_secs(2);
 
 /// Serves one accepted connection until it closes.
 pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
@@ -98,6 +105,9 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
         tx,
     };
     let ending = conn.run();
+    if let Ending::Refused(_) = ending {
+        linger(&stream);
+    }
     let _ = conn.tx.send(Outgoing::Close);
     drop(conn);
     if let Ok(writer) = writer {
@@ -115,6 +125,20 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
         Ending::Stopping => "server stopping".into(),
     };
     shared.detach(id, rank, graceful, &reason);
+}
+
+/// Reads and drops what the worker still sends until it closes (it does once it has read
+/// the refusal), for at most [`LINGER`].
+fn linger(stream: &TcpStream) {
+    let deadline = Instant::now() + LINGER;
+    let mut sink = [0u8; 64 << 10];
+    while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+        let _ = stream.set_read_timeout(Some(left.max(Duration::from_millis(1))));
+        match (&*stream).read(&mut sink) {
+            Ok(n) if n > 0 => {}
+            _ => return,
+        }
+    }
 }
 
 fn refusal_text(m: &Message) -> String {
@@ -201,14 +225,15 @@ impl Connection<'_> {
                     dtype,
                     byte_len,
                     has_init,
-                } => self.init_key(key, dtype, byte_len, has_init),
+                    codec,
+                } => self.init_key(key, dtype, byte_len, codec, has_init),
                 Message::Push {
                     key,
                     round,
                     dtype,
-                    codec: Codec::Raw,
+                    codec,
                     mode,
-                } => self.push(key, round, dtype, mode, frame.payload_len),
+                } => self.push(key, round, (dtype, codec), mode, frame.payload_len),
                 Message::Pull { key, round } => self.pull(key, round),
                 Message::Heartbeat { seq } => {
                     let _ = self
@@ -249,16 +274,18 @@ impl Connection<'_> {
         key: u64,
         dtype: sumflow_wire::Dtype,
         byte_len: u64,
+        codec: KeyCodec,
         has_init: bool,
     ) -> Result<(), Interrupted> {
         let max_payload = u64::from(self.shared.settings.max_body) - DATA_META_LEN as u64;
-        if byte_len > max_payload {
+        let payload_len = codec.payload_len(dtype, byte_len / dtype.size() as u64);
+        if payload_len > max_payload {
             return Err(Interrupted::Refused(Message::error(
                 ErrorCode::FrameTooLarge,
                 Some(key),
                 format!(
-                    "key {key} of {byte_len} bytes could never be pushed: the server's frame \
-                     limit allows {max_payload} payload bytes; partition it or raise \
+                    "key {key} of {payload_len} bytes could never be pushed: the server's \
+                     frame limit allows {max_payload} payload bytes; partition it or raise \
                      --max-frame-bytes"
                 ),
             )));
@@ -272,7 +299,7 @@ impl Connection<'_> {
         };
         let declared = {
             let mut dir = self.shared.directory.write().expect("directory lock");
-            let declared = dir.declare(key, dtype, byte_len, self.worker);
+            let declared = dir.declare(key, dtype, byte_len, codec, self.worker);
             if let Ok(Declared::New(meta)) = &declared {
                 // Queued under the lock: no other connection can reach the engine with
                 // this key before the engine has created it.
@@ -289,7 +316,7 @@ impl Connection<'_> {
         };
         match declared {
             Ok(_) => {
-                self.pool.note_key(byte_len as usize);
+                self.pool.note_key(payload_len as usize);
                 let _ = self.tx.send(Outgoing::Message(Message::InitAck { key }));
                 Ok(())
             }
@@ -311,7 +338,7 @@ impl Connection<'_> {
         &mut self,
         key: u64,
         round: u64,
-        dtype: sumflow_wire::Dtype,
+        (dtype, codec): (sumflow_wire::Dtype, Codec),
         mode: PushMode,
         payload_len: usize,
     ) -> Result<(), Interrupted> {
@@ -323,16 +350,29 @@ impl Connection<'_> {
             )));
         }
         let meta = self.meta(key, "push")?;
-        if dtype != meta.dtype || payload_len as u64 != meta.byte_len {
+        if dtype != meta.dtype || codec != meta.codec.codec {
             return Err(Interrupted::Refused(Message::error(
                 ErrorCode::KeyMismatch,
                 Some(key),
                 format!(
-                    "push for key {key} carries {dtype} x {} elements, but the key was \
-                     declared as {} x {}",
-                    payload_len / dtype.size(),
-                    meta.dtype,
-                    meta.elements()
+                    "push for key {key} carries {dtype} {codec}, but the key was declared as \
+                     {} {}",
+                    meta.dtype, meta.codec
+                ),
+            )));
+        }
+        if payload_len as u64 != meta.payload_len() {
+            let what = |bytes: u64| match codec {
+                Codec::Raw => format!("{dtype} x {} elements", bytes / dtype.size() as u64),
+                _ => format!("{bytes} bytes of {}", meta.codec),
+            };
+            return Err(Interrupted::Refused(Message::error(
+                ErrorCode::KeyMismatch,
+                Some(key),
+                format!(
+                    "push for key {key} carries {}, but the key was declared as {}",
+                    what(payload_len as u64),
+                    what(meta.payload_len())
                 ),
             )));
         }
@@ -342,6 +382,17 @@ impl Connection<'_> {
             .take(payload_len, POOL_POLL, || !shared.is_stopping())
             .ok_or(Interrupted::Stopping)?;
         self.reader.read_payload(&mut data)?;
+        // Checked whole before anything of it is summed: a bad payload is refused, not
+        // summed in part.
+        if let Some(decoder) = meta.decoder() {
+            decoder.validate(&data).map_err(|e| {
+                Interrupted::Refused(Message::error(
+                    ErrorCode::BadFrame,
+                    Some(key),
+                    format!("push for key {key} ({}): {e}", meta.codec),
+                ))
+            })?;
+        }
         // Acknowledged on receipt, not on summation: the worker's credit must not wait for
         // the other workers (see crates/comm/src/scheduler/credit.rs).
         let _ = self
@@ -426,7 +477,7 @@ fn write_loop(
     shared: &Shared,
 ) {
     let mut w = Counted::new(&stream);
-    for out in rx {
+    for out in &rx {
         let before = w.counted();
         let key = match &out {
             Outgoing::Message(m) | Outgoing::Fatal(m) => key_of(m),
@@ -439,6 +490,7 @@ fn write_loop(
                 key,
                 round,
                 dtype,
+                codec,
                 data,
             } => io::write_data(
                 &mut w,
@@ -446,7 +498,7 @@ fn write_loop(
                     key,
                     round,
                     dtype,
-                    codec: Codec::Raw,
+                    codec,
                 },
                 &data,
             ),
@@ -454,6 +506,16 @@ fn write_loop(
                 *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
                 let _ = io::write_message(&mut w, &m);
                 shared.traffic.sent(key, w.counted() - before);
+                // The refusal, then the end of the stream: the reader keeps reading until
+                // the worker, having read why, closes, or until it gives up lingering.
+                let _ = stream.shutdown(Shutdown::Write);
+                let deadline = Instant::now() + LINGER;
+                while let Some(left) = deadline.checked_duration_since(Instant::now()) {
+                    match rx.recv_timeout(left) {
+                        Ok(Outgoing::Close) | Err(_) => break,
+                        Ok(_) => {}
+                    }
+                }
                 break;
             }
             Outgoing::Close => break,

@@ -6,13 +6,16 @@
 
 use std::collections::HashMap;
 
-use sumflow_wire::Dtype;
+use sumflow_compress::Compressor;
+use sumflow_wire::{Dtype, KeyCodec};
 use thiserror::Error;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyMeta {
     pub dtype: Dtype,
+    /// Uncompressed length.
     pub byte_len: u64,
+    pub codec: KeyCodec,
     pub engine: usize,
     /// The worker whose declaration created the key, for mismatch messages.
     pub declared_by: u32,
@@ -23,27 +26,66 @@ impl KeyMeta {
         self.byte_len / self.dtype.size() as u64
     }
 
-    /// Bytes the server holds for this key: the accumulator and the last round's sum.
+    /// Bytes of every push and every sum of the key.
+    pub fn payload_len(&self) -> u64 {
+        self.codec.payload_len(self.dtype, self.elements())
+    }
+
+    /// The compressor whose payloads the server decodes and re-encodes; `None` where it
+    /// sums payloads as they are (raw elements, or random-k's values).
+    pub fn decoder(&self) -> Option<Compressor> {
+        (!self.codec.codec.summable()).then(|| {
+            Compressor::new(self.codec, self.elements() as usize)
+                .expect("InitKey's decoding checked the codec")
+        })
+    }
+
+    /// Bytes of the accumulator: the payload's elements widened to the accumulator's type,
+    /// or, for a key whose payloads are decoded, all of its elements in f32.
+    pub fn acc_len(&self) -> u64 {
+        let acc = self.dtype.accumulator().size() as u64;
+        if self.codec.codec.summable() {
+            self.payload_len() / self.dtype.size() as u64 * acc
+        } else {
+            self.elements() * acc
+        }
+    }
+
+    /// Bytes the server holds for this key: the accumulator, the last round's sum, and the
+    /// residual of its re-compression when it keeps one.
     pub fn footprint(&self) -> u64 {
-        self.elements() * self.dtype.accumulator().size() as u64 + self.byte_len
+        let residual = if self.decoder().is_some() && self.codec.feedback {
+            self.elements() * 4
+        } else {
+            0
+        };
+        self.acc_len() + self.payload_len() + residual
     }
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
 pub enum DeclareError {
     #[error(
-        "key {key} declared by worker {worker} as {dtype} x {elements} elements, but worker \
-         {first_worker} declared it as {first_dtype} x {first_elements}: every worker must \
-         declare a key with the same dtype and size"
+        "key {key} declared by worker {worker} as {}, but worker {first_worker} declared it as \
+         {}: every worker must declare a key with the same {}",
+        form(*.dtype, *.elements, .codec),
+        form(*.first_dtype, *.first_elements, .first_codec),
+        if .codec.is_raw() && .first_codec.is_raw() {
+            "dtype and size"
+        } else {
+            "dtype, size and compression"
+        }
     )]
     Mismatch {
         key: u64,
         worker: u32,
         dtype: Dtype,
         elements: u64,
+        codec: KeyCodec,
         first_worker: u32,
         first_dtype: Dtype,
         first_elements: u64,
+        first_codec: KeyCodec,
     },
     #[error(
         "key {key} needs {need} bytes but the server's key memory limit of {limit} bytes has \
@@ -55,6 +97,15 @@ pub enum DeclareError {
         used: u64,
         limit: u64,
     },
+}
+
+/// A key's declaration, for messages: "f32 x 1024", with its codec unless raw.
+fn form(dtype: Dtype, elements: u64, codec: &KeyCodec) -> String {
+    if codec.is_raw() {
+        format!("{dtype} x {elements}")
+    } else {
+        format!("{dtype} x {elements} compressed by {codec}")
+    }
 }
 
 /// The outcome of a valid declaration.
@@ -96,18 +147,21 @@ impl KeyDirectory {
         key: u64,
         dtype: Dtype,
         byte_len: u64,
+        codec: KeyCodec,
         worker: u32,
     ) -> Result<Declared, DeclareError> {
         if let Some(first) = self.keys.get(&key) {
-            if first.dtype != dtype || first.byte_len != byte_len {
+            if first.dtype != dtype || first.byte_len != byte_len || first.codec != codec {
                 return Err(DeclareError::Mismatch {
                     key,
                     worker,
                     dtype,
                     elements: byte_len / dtype.size() as u64,
+                    codec,
                     first_worker: first.declared_by,
                     first_dtype: first.dtype,
                     first_elements: first.elements(),
+                    first_codec: first.codec,
                 });
             }
             return Ok(Declared::Existing(*first));
@@ -121,6 +175,7 @@ impl KeyDirectory {
         let meta = KeyMeta {
             dtype,
             byte_len,
+            codec,
             engine,
             declared_by: worker,
         };
@@ -150,7 +205,8 @@ mod tests {
         let mut d = KeyDirectory::new(3, None);
         let sizes = [4096u64, 64, 64, 1024, 2048, 4096, 16, 512, 2048, 1024];
         for (k, s) in sizes.iter().enumerate() {
-            d.declare(k as u64, Dtype::F32, s * 4, 0).unwrap();
+            d.declare(k as u64, Dtype::F32, s * 4, KeyCodec::RAW, 0)
+                .unwrap();
         }
         let b = d.engine_bytes();
         let (lo, hi) = (b.iter().min().unwrap(), b.iter().max().unwrap());
@@ -163,27 +219,27 @@ mod tests {
     fn redeclaration_must_match() {
         let mut d = KeyDirectory::new(1, None);
         assert!(matches!(
-            d.declare(7, Dtype::F16, 20, 0),
+            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, 0),
             Ok(Declared::New(_))
         ));
         assert!(matches!(
-            d.declare(7, Dtype::F16, 20, 1),
+            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, 1),
             Ok(Declared::Existing(_))
         ));
-        let e = d.declare(7, Dtype::F32, 20, 2).unwrap_err();
+        let e = d.declare(7, Dtype::F32, 20, KeyCodec::RAW, 2).unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.contains("worker 2 as f32 x 5") && msg.contains("worker 0"),
+            msg.contains("worker 2 as f32 x 5,") && msg.contains("same dtype and size"),
             "{msg}"
         );
-        assert!(d.declare(7, Dtype::F16, 22, 1).is_err());
+        assert!(d.declare(7, Dtype::F16, 22, KeyCodec::RAW, 1).is_err());
     }
 
     #[test]
     fn memory_limit_is_enforced_and_explained() {
         let mut d = KeyDirectory::new(2, Some(1000));
-        d.declare(1, Dtype::I32, 400, 0).unwrap(); // 800 bytes held
-        let e = d.declare(2, Dtype::I32, 200, 0).unwrap_err();
+        d.declare(1, Dtype::I32, 400, KeyCodec::RAW, 0).unwrap(); // 800 bytes held
+        let e = d.declare(2, Dtype::I32, 200, KeyCodec::RAW, 0).unwrap_err();
         assert!(e.to_string().contains("--max-key-memory"), "{e}");
         assert_eq!(d.get(2), None);
     }
@@ -191,9 +247,44 @@ mod tests {
     #[test]
     fn sixteen_bit_keys_count_their_f32_accumulator() {
         let mut d = KeyDirectory::new(1, None);
-        let Declared::New(m) = d.declare(1, Dtype::Bf16, 100, 0).unwrap() else {
+        let Declared::New(m) = d.declare(1, Dtype::Bf16, 100, KeyCodec::RAW, 0).unwrap() else {
             panic!()
         };
         assert_eq!(m.footprint(), 50 * 4 + 100);
+    }
+
+    #[test]
+    fn compressed_keys_must_match_in_codec_and_count_what_they_hold() {
+        use sumflow_wire::Codec;
+        let topk = |param, feedback| KeyCodec {
+            codec: Codec::TopK,
+            param,
+            feedback,
+        };
+        let mut d = KeyDirectory::new(1, None);
+        let Declared::New(m) = d.declare(1, Dtype::F32, 4000, topk(10, true), 0).unwrap() else {
+            panic!()
+        };
+        // f32 accumulator, a top-10 sum, the server's residual.
+        assert_eq!(m.footprint(), 4000 + 80 + 4000);
+        let e = d
+            .declare(1, Dtype::F32, 4000, topk(20, true), 3)
+            .unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("topk (k = 20) with error feedback")
+                && msg.contains("topk (k = 10) with error feedback"),
+            "{msg}"
+        );
+        let randomk = KeyCodec {
+            codec: Codec::RandomK,
+            param: 10,
+            feedback: false,
+        };
+        let Declared::New(m) = d.declare(2, Dtype::F32, 4000, randomk, 0).unwrap() else {
+            panic!()
+        };
+        // Summed as 10 values: accumulator and sum of 10 f32 each.
+        assert_eq!(m.footprint(), 80);
     }
 }

@@ -10,11 +10,17 @@
 //! layout and the accumulator's allocation is at least as large as the receive buffer's,
 //! its receive buffer is adopted outright and the old buffer given to the pool (so pool
 //! buffers never shrink and never need regrowing: see `pool.rs`).
+//!
+//! A compressed key whose payloads cannot be summed as they are (top-k, sign, dithering)
+//! takes the same batches, but each push is decoded and added into an f32 accumulator of
+//! the key's full length, and the completed sum is compressed again with the key's codec,
+//! keeping what that drops in the key's residual when the key asks for error feedback.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
+use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message};
 
 use crate::buffer::AlignedBuf;
@@ -55,6 +61,10 @@ pub enum Command {
 
 struct KeyState {
     meta: KeyMeta,
+    /// The codec payloads are decoded and re-encoded with, if they are not summed as is.
+    decoder: Option<Compressor>,
+    /// What re-encoding sums has dropped so far (error feedback); empty if not kept.
+    residual: Vec<f32>,
     rounds: RoundTracker,
     acc: AlignedBuf,
     /// Whether `acc` holds a partial sum of the current round.
@@ -67,6 +77,7 @@ struct KeyState {
 
 pub struct Engine {
     reducer: Reducer,
+    scratch: Scratch,
     workers: u32,
     keys: HashMap<u64, KeyState>,
     gone: BTreeMap<u32, Arc<str>>,
@@ -77,6 +88,7 @@ impl Engine {
     pub fn new(reducer: Reducer, workers: u32) -> Self {
         Engine {
             reducer,
+            scratch: Scratch::default(),
             workers,
             keys: HashMap::new(),
             gone: BTreeMap::new(),
@@ -122,14 +134,29 @@ impl Engine {
     }
 
     fn init(&mut self, key: u64, meta: KeyMeta, initial: Option<AlignedBuf>) {
-        let acc_len = meta.elements() as usize * meta.dtype.accumulator().size();
-        let sum = initial.unwrap_or_else(|| AlignedBuf::zeroed(meta.byte_len as usize));
+        let acc = AlignedBuf::zeroed(meta.acc_len() as usize);
+        let decoder = meta.decoder();
+        let sum = initial.unwrap_or_else(|| {
+            let mut sum = AlignedBuf::zeroed(meta.payload_len() as usize);
+            // Round 0's "sum" of a compressed key is the encoding of zeros.
+            if let Some(c) = &decoder {
+                let seed = Seed::new(key, 0, Seed::SERVER);
+                c.compress(f32s(&acc), seed, &mut self.scratch, &mut sum);
+            }
+            sum
+        });
+        let residual = match decoder {
+            Some(_) if meta.codec.feedback => vec![0.0; meta.elements() as usize],
+            _ => Vec::new(),
+        };
         self.keys.insert(
             key,
             KeyState {
                 meta,
+                decoder,
+                residual,
                 rounds: RoundTracker::new(self.workers),
-                acc: AlignedBuf::zeroed(acc_len),
+                acc,
                 acc_live: false,
                 staged: Vec::new(),
                 sum: Arc::new(sum),
@@ -150,7 +177,7 @@ impl Engine {
             Err(e) => refuse(key, e, reply),
             Ok(true) => {
                 k.staged.push(data);
-                complete_round(&self.reducer, key, k);
+                complete_round(&self.reducer, &mut self.scratch, key, k);
             }
             Ok(false) => {
                 if k.staged.is_empty() {
@@ -200,6 +227,10 @@ impl Engine {
             if k.staged.is_empty() {
                 continue; // the round completed within the batch
             }
+            if k.decoder.is_some() {
+                decode_staged(&mut self.scratch, key, k);
+                continue;
+            }
             let same_width = k.meta.dtype.accumulator() == k.meta.dtype;
             // The round's first push becomes the accumulator: zero-copy (PHub), where the
             // pool's buffer can be traded for the accumulator's without shrinking.
@@ -218,13 +249,44 @@ impl Engine {
     }
 }
 
+/// Adds a compressed key's staged pushes, decoded, to its f32 accumulator.
+fn decode_staged(scratch: &mut Scratch, key: u64, k: &mut KeyState) {
+    let decoder = k.decoder.expect("a decoded key");
+    let acc = f32s_mut(&mut k.acc);
+    if !k.acc_live {
+        acc.fill(0.0);
+    }
+    // Only random-k draws from the seed, and its keys are summed as they are.
+    let seed = Seed::new(key, k.rounds.current(), Seed::SERVER);
+    for push in k.staged.drain(..) {
+        decoder.decompress_add(&push, seed, scratch, acc);
+    }
+    k.acc_live = true;
+}
+
 /// Forms the completed round's sum in one pass and answers the pulls waiting for it.
-fn complete_round(reducer: &Reducer, key: u64, k: &mut KeyState) {
+fn complete_round(reducer: &Reducer, scratch: &mut Scratch, key: u64, k: &mut KeyState) {
     let previous = std::mem::replace(&mut k.sum, Arc::new(AlignedBuf::zeroed(0)));
     // Every worker pulled the previous sum before pushing this round, so it is ours to
     // reuse unless a connection writer is still sending it.
-    let mut out =
-        Arc::try_unwrap(previous).unwrap_or_else(|_| AlignedBuf::zeroed(k.meta.byte_len as usize));
+    let mut out = Arc::try_unwrap(previous)
+        .unwrap_or_else(|_| AlignedBuf::zeroed(k.meta.payload_len() as usize));
+    if let Some(decoder) = k.decoder {
+        decode_staged(scratch, key, k);
+        let seed = Seed::new(key, k.rounds.completed(), Seed::SERVER);
+        let sum = f32s(&k.acc);
+        if k.residual.is_empty() {
+            decoder.compress(sum, seed, scratch, &mut out);
+        } else {
+            decoder.compress_with_feedback(sum, &mut k.residual, seed, scratch, &mut out);
+        }
+        k.acc_live = false;
+        k.sum = Arc::new(out);
+        for (_, reply) in std::mem::take(&mut k.waiting) {
+            send_sum(key, k, &reply);
+        }
+        return;
+    }
     // A round of one push (a single-worker job) is its own sum: adopt it, no copy, where
     // the pool's buffer can be traded for the sum's without shrinking.
     let adopted = !k.acc_live && k.staged.len() == 1 && k.staged[0].try_swap_with(&mut out);
@@ -246,8 +308,18 @@ fn send_sum(key: u64, k: &KeyState, reply: &Replier) {
         key,
         round: k.rounds.completed(),
         dtype: k.meta.dtype,
+        codec: k.meta.codec.codec,
         data: Arc::clone(&k.sum),
     });
+}
+
+/// An accumulator's bytes as f32s (accumulators are page-aligned, whole elements).
+fn f32s(buf: &[u8]) -> &[f32] {
+    bytemuck::cast_slice(buf)
+}
+
+fn f32s_mut(buf: &mut [u8]) -> &mut [f32] {
+    bytemuck::cast_slice_mut(buf)
 }
 
 /// Names the departed workers that keep `round` from ever completing, if any.
@@ -307,6 +379,7 @@ mod tests {
         KeyMeta {
             dtype,
             byte_len: elements * dtype.size() as u64,
+            codec: sumflow_wire::KeyCodec::RAW,
             engine: 0,
             declared_by: 0,
         }
@@ -401,6 +474,103 @@ mod tests {
         e.push(2, 1, 1, data(&pool, &big), &tx);
         e.pull(2, 1, 1, tx.clone());
         assert_eq!(sum_of(&rx), big.iter().map(|v| 2 * v).collect::<Vec<_>>());
+    }
+
+    fn compressed(codec: sumflow_wire::Codec, param: u32, feedback: bool, n: u64) -> KeyMeta {
+        KeyMeta {
+            codec: sumflow_wire::KeyCodec {
+                codec,
+                param,
+                feedback,
+            },
+            ..meta(Dtype::F32, n)
+        }
+    }
+
+    /// A pooled buffer holding `x` encoded by `meta`'s codec.
+    fn encoded(pool: &BufferPool, meta: &KeyMeta, x: &[f32]) -> PooledBuf {
+        let c = meta.decoder().unwrap();
+        let mut b = pool
+            .take(c.payload_len(), Duration::from_millis(1), || false)
+            .unwrap();
+        c.compress(x, Seed::new(0, 0, 0), &mut Scratch::default(), &mut b);
+        b
+    }
+
+    fn decoded_sum(rx: &Receiver<Outgoing>, meta: &KeyMeta) -> Vec<f32> {
+        match rx.try_recv().expect("a reply") {
+            Outgoing::Sum { data, codec, .. } => {
+                assert_eq!(codec, meta.codec.codec);
+                let c = meta.decoder().unwrap();
+                c.validate(&data).expect("the server's payload is valid");
+                let mut out = vec![0.0; c.elements()];
+                c.decompress(&data, Seed::new(0, 0, 0), &mut Scratch::default(), &mut out);
+                out
+            }
+            _ => panic!("expected a sum"),
+        }
+    }
+
+    #[test]
+    fn top_k_sums_are_re_compressed_and_what_they_drop_comes_later() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let m = compressed(sumflow_wire::Codec::TopK, 2, true, 4);
+        let mut e = Engine::new(Reducer::detect(), 2);
+        e.init(1, m, None);
+        e.pull(1, 0, 0, tx.clone());
+        assert_eq!(decoded_sum(&rx, &m), [0.0; 4], "round 0 is zeros");
+        e.push(1, 1, 0, encoded(&pool, &m, &[5.0, 0.0, 0.0, 1.0]), &tx);
+        e.fold_staged();
+        e.push(1, 1, 1, encoded(&pool, &m, &[0.0, 4.0, 0.0, 2.0]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        // The sum is [5, 4, 0, 3]; its top two go out, the 3 stays on the server.
+        assert_eq!(decoded_sum(&rx, &m), [5.0, 4.0, 0.0, 0.0]);
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(decoded_sum(&rx, &m), [5.0, 4.0, 0.0, 0.0]);
+        for w in 0..2 {
+            e.push(1, 2, w, encoded(&pool, &m, &[0.0, 0.0, 1.0, 0.0]), &tx);
+        }
+        e.pull(1, 2, 0, tx.clone());
+        assert_eq!(decoded_sum(&rx, &m), [0.0, 0.0, 2.0, 3.0]);
+    }
+
+    #[test]
+    fn sign_sums_are_decoded_summed_and_encoded_again() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let m = compressed(sumflow_wire::Codec::Sign, 0, false, 4);
+        let mut e = Engine::new(Reducer::detect(), 2);
+        e.init(1, m, None);
+        // Decoded: [1, -1, 1, -1] and [3, 3, -3, -3]; sum [4, 2, -2, -4], mean magnitude 3.
+        e.push(1, 1, 0, encoded(&pool, &m, &[1.0, -1.0, 1.0, -1.0]), &tx);
+        e.push(1, 1, 1, encoded(&pool, &m, &[3.0, 3.0, -3.0, -3.0]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(decoded_sum(&rx, &m), [3.0, 3.0, -3.0, -3.0]);
+    }
+
+    #[test]
+    fn random_k_values_are_summed_as_they_are() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let m = compressed(sumflow_wire::Codec::RandomK, 3, false, 100);
+        assert!(m.decoder().is_none());
+        let mut e = Engine::new(Reducer::detect(), 2);
+        e.init(1, m, None);
+        let values = |v: [f32; 3]| {
+            let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+            let mut b = pool.take(12, Duration::from_millis(1), || false).unwrap();
+            b.copy_from_slice(&bytes);
+            b
+        };
+        e.push(1, 1, 0, values([1.0, 2.0, 3.0]), &tx);
+        e.push(1, 1, 1, values([10.0, 20.0, 30.0]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        let Ok(Outgoing::Sum { data, codec, .. }) = rx.try_recv() else {
+            panic!("expected the sum")
+        };
+        assert_eq!(codec, sumflow_wire::Codec::RandomK);
+        assert_eq!(f32s(&data), [11.0, 22.0, 33.0]);
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod accounting;
 pub mod auth;
 pub mod cluster;
 mod codec;
+pub mod compression;
 pub mod dtype;
 pub mod error;
 pub mod frame;
@@ -21,11 +22,12 @@ pub mod program;
 pub use auth::JobToken;
 pub use cluster::{ClusterMap, NodeId, NodeInfo, Role};
 pub use codec::MAX_STRING;
+pub use compression::{Codec, KeyCodec};
 pub use dtype::Dtype;
 pub use error::{ErrorCode, WireError};
 pub use frame::{Op, DEFAULT_MAX_BODY};
 pub use io::{FrameReader, Peer};
-pub use message::{BarrierGroup, Codec, ErrorReply, Message, PushMode, Registration, Service};
+pub use message::{BarrierGroup, ErrorReply, Message, PushMode, Registration, Service};
 
 #[cfg(test)]
 mod tests;

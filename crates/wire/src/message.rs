@@ -6,6 +6,7 @@
 
 use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
 use crate::codec::{Dec, Enc, MAX_NODES};
+use crate::compression::{Codec, KeyCodec};
 use crate::dtype::Dtype;
 use crate::error::{ErrorCode, WireError};
 use crate::frame::{Header, Op, HEADER_LEN};
@@ -39,14 +40,6 @@ impl Service {
             Service::Coordinator => "coordinator",
         }
     }
-}
-
-/// Payload encoding. Version 1 defines raw little-endian elements only; the field exists so
-/// compressed payloads can be added without a new frame layout.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Codec {
-    Raw = 0,
 }
 
 /// What a push means. `Delta` is reserved for asynchronous training (BytePS §5, Fig. 11b):
@@ -121,6 +114,9 @@ pub enum Message {
         /// Number of elements; positive, and small enough that the tensor's byte length
         /// fits in a `u64`.
         elements: u64,
+        /// How the tensor travels, described for people (e.g. "topk (ratio 0.01) with
+        /// error feedback"); empty for raw elements. Compared like dtype and size.
+        compression: String,
     },
     /// The coordinator's answer to a `Declare`: the job-wide id of the named tensor,
     /// assigned in the order of first declaration across the job, so every worker gets
@@ -130,11 +126,14 @@ pub enum Message {
         tensor_id: u32,
     },
     /// Payload: the initial value (`byte_len` bytes) when `has_init`, else empty.
+    /// `byte_len` is the key's uncompressed length; `codec` fixes how every payload of the
+    /// key is encoded (a compressed key has no initial value).
     InitKey {
         key: u64,
         dtype: Dtype,
         byte_len: u64,
         has_init: bool,
+        codec: KeyCodec,
     },
     InitAck {
         key: u64,
@@ -293,8 +292,12 @@ impl Message {
                 name,
                 dtype,
                 elements,
+                compression,
             } => {
-                e.string(name).u8(*dtype as u8).u64(*elements);
+                e.string(name)
+                    .u8(*dtype as u8)
+                    .u64(*elements)
+                    .string(compression);
             }
             Message::Declared { name, tensor_id } => {
                 e.string(name).u32(*tensor_id);
@@ -304,12 +307,15 @@ impl Message {
                 dtype,
                 byte_len,
                 has_init,
+                codec,
             } => {
                 e.u64(*key)
                     .u64(*byte_len)
                     .u8(*dtype as u8)
                     .u8(*has_init as u8)
-                    .zeros(6);
+                    .u8(codec.codec as u8)
+                    .u8(codec.feedback as u8)
+                    .u32(codec.param);
             }
             Message::InitAck { key } => {
                 e.u64(*key);
@@ -423,6 +429,7 @@ impl Message {
                     name,
                     dtype,
                     elements,
+                    compression: d.string("compression")?,
                 }
             }
             Op::Declared => Message::Declared {
@@ -433,12 +440,12 @@ impl Message {
                 let key = d.u64("key")?;
                 let byte_len = d.u64("byte_len")?;
                 let dtype = dtype(&mut d)?;
-                let has_init = match d.u8("has_init")? {
-                    0 => false,
-                    1 => true,
-                    v => return Err(d.bad("has_init", format!("{v} is not 0 or 1"))),
+                let has_init = flag(&mut d, "has_init")?;
+                let codec = KeyCodec {
+                    codec: codec(&mut d)?,
+                    feedback: flag(&mut d, "feedback")?,
+                    param: d.u32("codec_param")?,
                 };
-                d.zeros(6, "reserved")?;
                 if byte_len == 0 || !byte_len.is_multiple_of(dtype.size() as u64) {
                     return Err(d.bad(
                         "byte_len",
@@ -447,6 +454,12 @@ impl Message {
                             dtype.size()
                         ),
                     ));
+                }
+                codec
+                    .check(dtype, byte_len / dtype.size() as u64)
+                    .map_err(|why| d.bad("codec", why))?;
+                if has_init && !codec.is_raw() {
+                    return Err(d.bad("has_init", "a compressed key has no initial value"));
                 }
                 let expected = if has_init { byte_len } else { 0 };
                 if payload_len as u64 != expected {
@@ -460,6 +473,7 @@ impl Message {
                     dtype,
                     byte_len,
                     has_init,
+                    codec,
                 }
             }
             Op::InitAck => Message::InitAck { key: d.u64("key")? },
@@ -474,7 +488,7 @@ impl Message {
                     v => return Err(d.bad("mode", format!("unknown push mode {v}"))),
                 };
                 d.zeros(5, "reserved")?;
-                elements(&d, dtype, payload_len)?;
+                payload(&d, dtype, codec, payload_len)?;
                 Message::Push {
                     key,
                     round,
@@ -497,7 +511,7 @@ impl Message {
                 let dtype = dtype(&mut d)?;
                 let codec = codec(&mut d)?;
                 d.zeros(6, "reserved")?;
-                elements(&d, dtype, payload_len)?;
+                payload(&d, dtype, codec, payload_len)?;
                 Message::PullReply {
                     key,
                     round,
@@ -529,11 +543,7 @@ impl Message {
             },
             Op::Error => {
                 let code = ErrorCode::from_u16(d.u16("code")?);
-                let has_key = match d.u8("has_key")? {
-                    0 => false,
-                    1 => true,
-                    v => return Err(d.bad("has_key", format!("{v} is not 0 or 1"))),
-                };
+                let has_key = flag(&mut d, "has_key")?;
                 let key = d.u64("key")?;
                 if !has_key && key != 0 {
                     return Err(d.bad("key", "must be 0 when has_key is 0"));
@@ -577,9 +587,15 @@ fn dtype(d: &mut Dec) -> Result<Dtype, WireError> {
 }
 
 fn codec(d: &mut Dec) -> Result<Codec, WireError> {
-    match d.u8("codec")? {
-        0 => Ok(Codec::Raw),
-        v => Err(d.bad("codec", format!("unknown payload codec {v}"))),
+    let v = d.u8("codec")?;
+    Codec::from_code(v).ok_or_else(|| d.bad("codec", format!("unknown payload codec {v}")))
+}
+
+fn flag(d: &mut Dec, field: &'static str) -> Result<bool, WireError> {
+    match d.u8(field)? {
+        0 => Ok(false),
+        1 => Ok(true),
+        v => Err(d.bad(field, format!("{v} is not 0 or 1"))),
     }
 }
 
@@ -606,7 +622,15 @@ fn declared_size(d: &Dec, dtype: Dtype, elements: u64) -> Result<(), WireError> 
     Ok(())
 }
 
-fn elements(d: &Dec, dtype: Dtype, payload_len: usize) -> Result<(), WireError> {
+/// A payload must hold something; raw elements must be whole. A compressed payload's exact
+/// length depends on the key, which the service checks.
+fn payload(d: &Dec, dtype: Dtype, codec: Codec, payload_len: usize) -> Result<(), WireError> {
+    if codec != Codec::Raw {
+        return match payload_len {
+            0 => Err(d.bad("payload", format!("an empty {codec} payload"))),
+            _ => Ok(()),
+        };
+    }
     if payload_len == 0 || !payload_len.is_multiple_of(dtype.size()) {
         return Err(d.bad(
             "payload",

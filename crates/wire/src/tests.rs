@@ -9,7 +9,7 @@ use crate::error::{ErrorCode, WireError};
 use crate::frame::{Op, HEADER_LEN};
 use crate::io::{accept, connect, write_data, FrameReader, Peer};
 use crate::message::*;
-use crate::{Dtype, JobToken};
+use crate::{Codec, Dtype, JobToken, KeyCodec};
 
 fn node(rank: u32) -> NodeInfo {
     NodeInfo {
@@ -86,6 +86,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 name: "layer1.0.conv1.weight".into(),
                 dtype: Dtype::Bf16,
                 elements: 36_864,
+                compression: String::new(),
             },
             vec![],
         ),
@@ -94,6 +95,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 name: "ü".into(),
                 dtype: Dtype::I64,
                 elements: u64::MAX / 8,
+                compression: String::new(),
             },
             vec![],
         ),
@@ -117,6 +119,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 dtype: Dtype::F16,
                 byte_len: 6,
                 has_init: true,
+                codec: KeyCodec::RAW,
             },
             vec![1, 2, 3, 4, 5, 6],
         ),
@@ -126,6 +129,21 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 dtype: Dtype::I64,
                 byte_len: 800,
                 has_init: false,
+                codec: KeyCodec::RAW,
+            },
+            vec![],
+        ),
+        (
+            Message::InitKey {
+                key: 6,
+                dtype: Dtype::F32,
+                byte_len: 4000,
+                has_init: false,
+                codec: KeyCodec {
+                    codec: Codec::TopK,
+                    param: 10,
+                    feedback: true,
+                },
             },
             vec![],
         ),
@@ -150,6 +168,16 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 mode: PushMode::Delta,
             },
             vec![0; 2],
+        ),
+        (
+            Message::Push {
+                key: 9,
+                round: 3,
+                dtype: Dtype::F32,
+                codec: Codec::Sign,
+                mode: PushMode::Sum,
+            },
+            vec![0; 7],
         ),
         (Message::Pull { key: 9, round: 3 }, vec![]),
         (
@@ -274,7 +302,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         .to_string()
         .contains("dtype"));
     let mut m = meta.to_vec();
-    m[17] = 4; // codec
+    m[17] = 5; // codec
     assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
         .to_string()
         .contains("codec"));
@@ -311,6 +339,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         dtype: Dtype::F32,
         byte_len: 8,
         has_init: true,
+        codec: KeyCodec::RAW,
     };
     let bytes = init.encode_with_payload(&[0; 4]);
     assert!(decode_frame(&bytes, 1 << 20)
@@ -322,9 +351,32 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         dtype: Dtype::F32,
         byte_len: 6,
         has_init: false,
+        codec: KeyCodec::RAW,
     };
     let e = decode_frame(&init.encode(0), 1 << 20).unwrap_err();
     assert!(e.to_string().contains("byte_len"), "{e}");
+    // A codec that cannot apply to the key, or a compressed key with an initial value.
+    let compressed = |dtype, param, has_init| Message::InitKey {
+        key: 1,
+        dtype,
+        byte_len: 40,
+        has_init,
+        codec: KeyCodec {
+            codec: Codec::TopK,
+            param,
+            feedback: false,
+        },
+    };
+    let e = decode_frame(&compressed(Dtype::F32, 11, false).encode(0), 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("k must be 1 to 10"), "{e}");
+    let e = decode_frame(&compressed(Dtype::F16, 5, false).encode(0), 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("not f16"), "{e}");
+    let e = decode_frame(
+        &compressed(Dtype::F32, 5, true).encode_with_payload(&[0; 40]),
+        1 << 20,
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("no initial value"), "{e}");
     // Oversized frame, caught from the header alone.
     let e = decode_frame(&good, 16).unwrap_err();
     assert_eq!(e.code(), ErrorCode::FrameTooLarge);
@@ -337,6 +389,7 @@ fn declarations_without_a_name_or_elements_are_rejected_with_the_field_named() {
             name: name.into(),
             dtype,
             elements,
+            compression: String::new(),
         };
         decode_frame(&msg.encode(0), 1 << 20).map(|f| f.map(|f| f.message))
     };
@@ -355,15 +408,24 @@ fn declarations_without_a_name_or_elements_are_rejected_with_the_field_named() {
         name: "w".into(),
         dtype: Dtype::F32,
         elements: 4,
+        compression: String::new(),
     }
     .encode(0);
     let mut body = good[HEADER_LEN..].to_vec();
     body[3] = 0; // dtype, after the 2-byte length and the 1-byte name
     assert!(body_err(Op::Declare, &body).to_string().contains("dtype"));
+    // Cut inside the elements (the 2-byte compression string follows them).
+    assert!(matches!(
+        body_err(Op::Declare, &good[HEADER_LEN..good.len() - 3]),
+        WireError::Truncated {
+            field: "elements",
+            ..
+        }
+    ));
     assert!(matches!(
         body_err(Op::Declare, &good[HEADER_LEN..good.len() - 1]),
         WireError::Truncated {
-            field: "elements",
+            field: "compression",
             ..
         }
     ));
