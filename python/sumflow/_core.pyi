@@ -140,14 +140,26 @@ class CommunicationService:
     @property
     def num_servers(self) -> int:
         """The number of summation servers."""
-    def declare(self, name: str, dtype_name: str, elements: int) -> int:
+    def declare(
+        self,
+        name: str,
+        dtype_name: str,
+        elements: int,
+        compression: tuple[str, float, bool] | None = None,
+    ) -> int:
         """Declares a tensor by name and returns its id. Every worker must declare it with
-        the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64") and number of
-        elements, or every worker gets ``DeclarationMismatchError`` naming it."""
-    def declare_group(self, tensors: Sequence[tuple[str, str, int]]) -> list[int]:
-        """Declares tensors ``(name, dtype, elements)`` together and places their
-        partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker must
-        declare the same group."""
+        the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64"), number of elements
+        and compression, or every worker gets ``DeclarationMismatchError`` naming it.
+        ``compression`` is ``(compressor, parameter, error_feedback)``: ``("topk", ratio,
+        ...)``, ``("randomk", ratio, ...)``, ``("sign", 0, ...)`` or ``("dithering",
+        levels, ...)``, for f32 tensors; each partition is compressed on the way out and
+        its sum decoded in place."""
+    def declare_group(
+        self, tensors: Sequence[tuple[str, str, int, tuple[str, float, bool] | None]]
+    ) -> list[int]:
+        """Declares tensors ``(name, dtype, elements, compression)`` together and places
+        their partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker
+        must declare the same group."""
     def push_pull(
         self,
         tensor_id: int,

@@ -14,7 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::{CommConfig, CommError, CommunicationService, ReduceOp};
+use sumflow_comm::{CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
@@ -57,6 +57,28 @@ fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
                 "{what} must be a positive number of seconds, not {secs}"
             ))
         })
+}
+
+/// A compression as Python gives it: (compressor, parameter, error feedback).
+type CompressionSpec = (String, f64, bool);
+
+fn declaration<'a>(
+    py: Python<'_>,
+    name: &'a str,
+    dtype_name: &str,
+    elements: u64,
+    compression: Option<CompressionSpec>,
+) -> PyResult<Declaration<'a>> {
+    let compression = compression
+        .map(|(c, param, feedback)| Compression::parse(&c, param, feedback))
+        .transpose()
+        .map_err(|e| py_err(py, e))?;
+    Ok(Declaration {
+        name,
+        dtype: dtype(dtype_name)?,
+        elements,
+        compression,
+    })
 }
 
 fn dtype(name: &str) -> PyResult<Dtype> {
@@ -221,33 +243,36 @@ impl PyCommunicationService {
     }
 
     /// Declares a tensor by name; returns its id. Every worker must declare it with the
-    /// same dtype and number of elements.
+    /// same dtype, number of elements and compression: `(compressor, parameter,
+    /// error_feedback)` or `None`.
+    #[pyo3(signature = (name, dtype_name, elements, compression = None))]
     fn declare(
         &self,
         py: Python<'_>,
         name: &str,
         dtype_name: &str,
         elements: u64,
+        compression: Option<CompressionSpec>,
     ) -> PyResult<u32> {
-        let dt = dtype(dtype_name)?;
+        let decl = declaration(py, name, dtype_name, elements, compression)?;
         let svc = Arc::clone(&self.svc);
-        py.detach(|| svc.declare(name, dt, elements))
+        py.detach(|| svc.declare_one(&decl))
             .map_err(|e| py_err(py, e))
     }
 
-    /// Declares tensors `(name, dtype, elements)` together and places their partitions
-    /// by BytePS's Eq. 1 and 2; returns their ids in order.
+    /// Declares tensors `(name, dtype, elements, compression)` together and places their
+    /// partitions by BytePS's Eq. 1 and 2; returns their ids in order.
     fn declare_group(
         &self,
         py: Python<'_>,
-        tensors: Vec<(String, String, u64)>,
+        tensors: Vec<(String, String, u64, Option<CompressionSpec>)>,
     ) -> PyResult<Vec<u32>> {
-        let specs = tensors
+        let decls = tensors
             .iter()
-            .map(|(n, d, e)| Ok((n.as_str(), dtype(d)?, *e)))
+            .map(|(n, d, e, c)| declaration(py, n, d, *e, c.clone()))
             .collect::<PyResult<Vec<_>>>()?;
         let svc = Arc::clone(&self.svc);
-        py.detach(|| svc.declare_group(&specs))
+        py.detach(|| svc.declare_groups(&decls))
             .map_err(|e| py_err(py, e))
     }
 

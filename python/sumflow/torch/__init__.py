@@ -24,7 +24,7 @@ from sumflow import (
     SumflowTimeoutError,
 )
 from sumflow.torch import _runtime, _staging, ops
-from sumflow.torch.compression import Compression, Compressor
+from sumflow.torch.compression import Compression, Compressor, ErrorFeedback
 from sumflow.torch.csc import CoarseSparseSGD
 from sumflow.torch.ddp import DDPHookState, ddp_hook
 from sumflow.torch.ops import (
@@ -152,6 +152,7 @@ __all__ = [
     "DDPHookState",
     "DeclarationMismatchError",
     "DistributedOptimizer",
+    "ErrorFeedback",
     "Max",
     "Min",
     "NodeFailedError",

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 
 from sumflow.torch import _runtime, _staging
-from sumflow.torch.compression import Compression, Compressor
+from sumflow.torch.compression import Compression, Compressor, CoreSpec, bind, core_spec
 
 
 class ReduceOp:
@@ -59,7 +59,7 @@ class _Pending:
 _pending: dict[int, _Pending] = {}
 _pending_lock = threading.Lock()
 _next_handle = itertools.count(1)
-_declared: dict[str, tuple[int, torch.dtype, int]] = {}
+_declared: dict[str, tuple[int, torch.dtype, int, CoreSpec | None]] = {}
 _declared_lock = threading.Lock()
 _unnamed: dict[str, itertools.count[int]] = {}
 
@@ -96,39 +96,62 @@ def check_dtype(tensor: torch.Tensor, what: str) -> str:
         ) from None
 
 
-def declare(name: str, tensor: torch.Tensor) -> int:
-    """The id of tensor `name`, declaring it on first use. Reusing a name for a tensor of
-    another dtype or size is an error, on this worker as across workers."""
+def declare(name: str, tensor: torch.Tensor, compression: CoreSpec | None = None) -> int:
+    """The id of tensor `name`, declaring it on first use, with how the core compresses it
+    (``None``: not at all). Reusing a name for a tensor of another dtype, size or
+    compression is an error, on this worker as across workers."""
     dtype = check_dtype(tensor, name)
     numel = tensor.numel()
     with _declared_lock:
         known = _declared.get(name)
     if known is not None:
-        tid, kdtype, knumel = known
-        if (kdtype, knumel) != (tensor.dtype, numel):
+        tid, kdtype, knumel, kcompression = known
+        if (kdtype, knumel, kcompression) != (tensor.dtype, numel, compression):
             raise ValueError(
-                f"tensor '{name}' was first used as {knumel} x {kdtype} and now as "
-                f"{numel} x {tensor.dtype}; give tensors of different shapes different names"
+                f"tensor '{name}' was first used as {knumel} x {kdtype} (compression "
+                f"{kcompression}) and now as {numel} x {tensor.dtype} (compression "
+                f"{compression}); give tensors of different shapes different names"
             )
         return tid
-    tid = _runtime.current().service.declare(name, dtype, numel)
+    tid = _runtime.current().service.declare(name, dtype, numel, compression)
     with _declared_lock:
-        _declared[name] = (tid, tensor.dtype, numel)
+        _declared[name] = (tid, tensor.dtype, numel, compression)
     return tid
 
 
-def declare_group(named: list[tuple[str, torch.Tensor]]) -> list[int]:
+def declare_group(
+    named: list[tuple[str, torch.Tensor]],
+    compression: type[Compressor] | Compressor = Compression.none,
+) -> list[int]:
     """Declares tensors together, so their partitions are placed as one group (BytePS
-    Eq. 1 and 2 over the whole set); names already declared keep their placement."""
+    Eq. 1 and 2 over the whole set), as `compression` will send them; names already
+    declared keep their placement."""
+    wires = [(n, w, core_spec(compression, w)) for n, w in _wires(compression, named)]
     with _declared_lock:
-        fresh = [(n, t) for n, t in named if n not in _declared]
+        fresh = [(n, w, c) for n, w, c in wires if n not in _declared]
     if fresh:
-        specs = [(n, check_dtype(t, n), t.numel()) for n, t in fresh]
+        specs = [(n, check_dtype(w, n), w.numel(), c) for n, w, c in fresh]
         ids = _runtime.current().service.declare_group(specs)
         with _declared_lock:
-            for (n, t), tid in zip(fresh, ids):
-                _declared[n] = (tid, t.dtype, t.numel())
-    return [declare(n, t) for n, t in named]
+            for (n, w, c), tid in zip(fresh, ids):
+                _declared[n] = (tid, w.dtype, w.numel(), c)
+    return [declare(n, w, c) for n, w, c in wires]
+
+
+def _wires(
+    compression: type[Compressor] | Compressor, named: list[tuple[str, torch.Tensor]]
+) -> list[tuple[str, torch.Tensor]]:
+    """What `compression` sends for each tensor (their data never matters: they may be on
+    the meta device). The compressor unbound, so no per-tensor state moves; a tensor it
+    cannot compress off its data is left out, to be declared when first sent."""
+    out = []
+    for name, tensor in named:
+        try:
+            wire, _ = compression.compress(tensor)
+        except (RuntimeError, NotImplementedError):
+            continue
+        out.append((name, wire))
+    return out
 
 
 def declare_tensors(named: Sequence[tuple[str, torch.Tensor]], *, api: str = "allreduce") -> None:
@@ -170,11 +193,12 @@ def _issue(
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
     rt = _runtime.current()
-    wire, ctx = compression.compress(output)
+    compressor = bind(compression, name)
+    wire, ctx = compressor.compress(output)
     if prescale_factor != 1.0:
         wire.mul_(prescale_factor)
     host = _staging.to_host(name, wire)
-    tid = declare(name, host)
+    tid = declare(name, host, core_spec(compressor, wire))
     core = rt.service.push_pull(
         tid,
         host,
@@ -187,7 +211,7 @@ def _issue(
     def finish() -> None:
         if host is not wire:
             _staging.copy_back(host, wire)
-        result = compression.decompress(wire, ctx)
+        result = compressor.decompress(wire, ctx)
         if result is not output:
             output.copy_(result)
         if postscale_factor != 1.0:

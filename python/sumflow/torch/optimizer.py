@@ -132,7 +132,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_declare(self) -> None:
         # Declared together so placement balances the whole model over the servers.
         ops.declare_group(
-            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()]
+            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()],
+            self._sf_compression,
         )
 
     def _sf_sent(self, by_gradient: bool = False) -> list[tuple[str, torch.dtype, int]]:
@@ -385,7 +386,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
-    compression: type[Compressor] | Compressor = Compression.none,
+    compression: type[Compressor] | Compressor | None = None,
     backward_passes_per_step: int = 1,
     op: ops.ReduceOp = ops.Average,
     gradient_predivide_factor: float = 1.0,
@@ -407,6 +408,8 @@ def DistributedOptimizer(
 
     ``named_parameters``: ``model.named_parameters()``, for readable tensor names and the
     model order that sets priorities; without it parameters are named by position.
+    ``compression`` (default ``SUMFLOW_COMPRESSION``, else none): how gradients travel,
+    e.g. ``Compression.fp16`` or ``Compression.topk(0.01)``; see docs/compression.md.
     ``backward_passes_per_step``: backward passes accumulated locally per step.
     ``gradient_predivide_factor``: divide gradients by this before summing and by
     size / factor after (Horovod's semantics). ``num_groups`` and ``groups`` (Horovod's
@@ -464,7 +467,7 @@ def DistributedOptimizer(
     wrapped._sf_setup(
         optimizer.__class__,
         list(named_parameters) if named_parameters is not None else [],
-        compression,
+        Compression.from_env() if compression is None else compression,
         backward_passes_per_step,
         op,
         gradient_predivide_factor,
