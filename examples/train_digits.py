@@ -118,6 +118,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--fp16", action="store_true", help="send gradients as float16 (Compression.fp16)"
     )
     parser.add_argument(
+        "--compression",
+        metavar="SPEC",
+        help="send gradients through this compressor (Compression.parse): e.g. topk:ratio=0.01, "
+        "randomk:ratio=0.1, sign, dithering:levels=7, fp16",
+    )
+    parser.add_argument(
         "--csc",
         type=float,
         metavar="DENSITY",
@@ -149,12 +155,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--epochs and --batch-size must be at least 1 and --lr positive")
     if not 0.0 < args.test_fraction < 1.0:
         parser.error("--test-fraction must lie between 0 and 1")
-    if args.csc is not None and args.fp16:
-        parser.error("--csc and --fp16 are separate experiments: give one")
+    if sum([args.csc is not None, args.fp16, args.compression is not None]) > 1:
+        parser.error("--csc, --fp16 and --compression are separate experiments: give one")
     if args.csc is not None and not 0.0 < args.csc <= 1.0:
         parser.error("--csc must lie in (0, 1]")
     if args.csc_chunk < 1 or args.csc_warmup_epochs < 0:
         parser.error("--csc-chunk must be at least 1 and --csc-warmup-epochs at least 0")
+    if args.compression is not None:
+        try:
+            hvd.Compression.parse(args.compression)
+        except ValueError as e:
+            parser.error(f"--compression: {e}")
     return args
 
 
@@ -228,14 +239,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         sgd = torch.optim.SGD(model.parameters(), lr=lr, momentum=args.momentum)
         hvd.broadcast_optimizer_state(sgd, root_rank=0)
-        compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+        if args.compression is not None:
+            compression = hvd.Compression.parse(args.compression)
+            sent_as = repr(compression)
+        else:
+            compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+            sent_as = "float16" if args.fp16 else "float32"
         optimizer = hvd.DistributedOptimizer(
             sgd,
             named_parameters=model.named_parameters(),
             compression=compression,
             op=hvd.Average,
         )
-        sent_as = "float16" if args.fp16 else "float32"
 
     if rank == 0:
         print(
@@ -306,6 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "batch_size": args.batch_size,
         "lr": lr,
         "fp16": args.fp16,
+        "compression": args.compression,
         "csc_density": args.csc,
         "csc_chunk": args.csc_chunk if args.csc is not None else None,
         # Rank 0's bytes to and from the summation servers per training step for its

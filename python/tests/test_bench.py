@@ -24,6 +24,7 @@ from sumflow.bench import (
     schedreport,
     targets,
     theory,
+    train_worker,
     training,
 )
 from sumflow.tune.space import Configuration, SearchSpace
@@ -572,6 +573,18 @@ def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
     # Spans as large as the cell's partitions.
     assert fused_argv[fused_argv.index("--fusion-threshold") + 1] == "4096"
     assert matrix.tuning_space(1e-6) == (4096, 4096)  # never below a page
+    fp16, topk, csc = matrix.scheduler_systems(
+        ["bytescheduler-fp16", "bytescheduler-topk", "csc"], 0
+    )
+    fp16_argv = training.worker_argv(args, matrix.Step(step.cell, fp16), cell, tmp_path)
+    assert fp16_argv[fp16_argv.index("--compression") + 1] == "fp16"
+    assert "--cross-barrier" in fp16_argv
+    topk_argv = training.worker_argv(args, matrix.Step(step.cell, topk), cell, tmp_path)
+    assert topk_argv[topk_argv.index("--compression") + 1] == "topk:ratio=0.01"
+    csc_argv = training.worker_argv(args, matrix.Step(step.cell, csc), cell, tmp_path)
+    assert csc_argv[csc_argv.index("--csc") + 1] == "0.15"
+    assert "--cross-barrier" not in csc_argv
+    train_worker.parse_args(csc_argv[3:])  # a command line train_worker accepts
 
 
 def test_tuner_log_is_read_into_trials(tmp_path: Path) -> None:

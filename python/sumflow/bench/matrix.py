@@ -30,8 +30,15 @@ SCHEDULER_SYSTEMS = (
     "bytescheduler-fusion",
     "prophet",
     "prophet-tuned",
+    "bytescheduler-fp16",
+    "bytescheduler-topk",
+    "csc",
     "ddp",
 )
+#: The compressing systems' settings (issue 7): a Compression.parse spec, or CSC's density.
+FP16 = "fp16"
+TOPK = "topk:ratio=0.01"
+CSC_DENSITY = 0.15
 #: The schedulers a ``-tuned`` system can tune: those with a credit.
 TUNABLE = ("bytescheduler", "prophet")
 #: What SUMFLOW_SCHEDULER selects in sumflow's communication service.
@@ -56,6 +63,8 @@ class System:
         partition_bytes: SUMFLOW_PARTITION_BYTES, or None for the cell's (4 MiB scaled).
         credit_bytes: SUMFLOW_CREDIT_BYTES, or None for the scheduler's default.
         fusion: fuse gradients (lazy allreduce) into spans of at least the partition size.
+        compression: gradients sent through this compressor (a ``Compression.parse`` spec).
+        csc_density: train with ``CoarseSparseSGD`` sending this fraction of chunks.
     """
 
     name: str
@@ -68,6 +77,8 @@ class System:
     partition_bytes: int | None = None
     credit_bytes: int | None = None
     fusion: bool = False
+    compression: str | None = None
+    csc_density: float | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +179,18 @@ def scheduler_systems(names: Sequence[str], k: int) -> list[System]:
                     cross_barrier=True,
                     fusion=True,
                 )
+            )
+        elif name in ("bytescheduler-fp16", "bytescheduler-topk"):
+            spec = FP16 if name.endswith("fp16") else TOPK
+            label = f"bytescheduler {spec}{suffix}"
+            systems.append(
+                System(name, label, "sumflow", k, "bytescheduler", True, compression=spec)
+            )
+        elif name == "csc":
+            # CoarseSparseSGD communicates inside its own step: it cannot cross the barrier.
+            label = f"CSC density {CSC_DENSITY:g}{suffix}"
+            systems.append(
+                System(name, label, "sumflow", k, "bytescheduler", csc_density=CSC_DENSITY)
             )
         else:
             systems.append(System(name, f"{name}{suffix}", "sumflow", k, name, cross_barrier=True))

@@ -19,7 +19,9 @@ not overlap it. Systems:
   ``--cross-barrier`` crosses the global barrier (step() returns at once, each parameter
   is updated when its sum arrives, and the next forward waits per layer), so the order
   the scheduler (``SUMFLOW_SCHEDULER``) sends partitions in decides how much of the next
-  forward overlaps communication;
+  forward overlaps communication; ``--compression SPEC`` sends gradients through a
+  compressor (``Compression.parse``: ``fp16``, ``topk:ratio=0.01``...); ``--csc DENSITY``
+  trains with ``CoarseSparseSGD`` instead (it communicates inside its step);
 - ``ddp-gloo``: ``DistributedDataParallel`` over a gloo process group (env://:
   ``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``), ``--bucket-cap-mb`` (25).
 
@@ -28,7 +30,8 @@ from step into the next forward's layers; the timed window ends once the last st
 parameters are all updated, so no communication escapes the measurement. The first one is
 checked, not
 timed: every gradient must be the exact average of the workers' (each worker's model has
-its own gradient values) and every parameter must be equal on all workers (per-tensor
+its own gradient values; not checked when compression changes what arrives) and every
+parameter must be equal on all workers (per-tensor
 float64 sums compared with rank 0's via the system's own broadcast); any difference stops
 the job with the tensor's name. Then ``--warmup`` iterations, a barrier, and
 ``--iterations`` timed ones. Rank 0 prints progress to stderr and writes ``--json``:
@@ -97,6 +100,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="sumflow: fuse gradients into spans of at least this many bytes, 0 for none [0]",
     )
     p.add_argument(
+        "--compression",
+        metavar="SPEC",
+        help="sumflow: send gradients through this compressor (Compression.parse) [none]",
+    )
+    p.add_argument(
+        "--csc",
+        type=float,
+        metavar="DENSITY",
+        help="sumflow: train with CoarseSparseSGD sending this fraction of chunks [off]",
+    )
+    p.add_argument(
         "--bucket-cap-mb", type=float, default=25.0, help="ddp-gloo: DDP bucket size [25]"
     )
     p.add_argument("--lr", type=float, default=0.01, help="SGD learning rate [0.01]")
@@ -121,6 +135,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--fusion-threshold must be >= 0, got {args.fusion_threshold}")
     if args.cross_barrier and args.system != "sumflow":
         p.error("--cross-barrier is sumflow's (DDP always waits for its buckets in backward)")
+    if (args.compression is not None or args.csc is not None) and args.system != "sumflow":
+        p.error("--compression and --csc are sumflow's")
+    if args.csc is not None:
+        if not 0.0 < args.csc <= 1.0:
+            p.error(f"--csc must be in (0, 1], got {args.csc}")
+        if args.cross_barrier or args.fusion_threshold or args.compression is not None:
+            p.error("--csc communicates in its own step: no --cross-barrier, fusion or compression")
+    if args.compression is not None:
+        from sumflow.torch.compression import Compression
+
+        try:
+            Compression.parse(args.compression)
+        except ValueError as e:
+            p.error(f"--compression: {e}")
     return args
 
 
@@ -138,6 +166,8 @@ class System:
     #: What forward is called on (the model itself, or its DDP wrapper).
     net: torch.nn.Module
     optimizer: torch.optim.Optimizer
+    #: Whether gradients arrive as the exact average (no lossy compression).
+    exact: bool = True
 
     def step(self) -> float:
         """Waits for gradient communication, then steps; returns the seconds of the local
@@ -176,14 +206,23 @@ class Sumflow(System):
         hvd.init()
         self.rank, self.size = hvd.rank(), hvd.size()
         self.model = self.net = build_model(profile, seed=self.rank)
-        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         self.cross_barrier = args.cross_barrier
+        self.csc = args.csc is not None
+        self.exact = not self.csc and args.compression in (None, "none")
+        if self.csc:
+            self.optimizer = hvd.CoarseSparseSGD(
+                self.model.parameters(), lr=args.lr, density=args.csc, warmup_steps=0
+            )
+            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+            return
+        opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         crossing = {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
         try:
             self.optimizer = hvd.DistributedOptimizer(
                 opt,
                 named_parameters=self.model.named_parameters(),
                 fusion_threshold=args.fusion_threshold,
+                compression=hvd.Compression.parse(args.compression or "none"),
                 **crossing,
             )
         except TypeError as e:
@@ -196,6 +235,11 @@ class Sumflow(System):
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def step(self) -> float:
+        if self.csc:
+            # CSC sends the important chunks and updates their weights in one step.
+            started = time.perf_counter()
+            self.optimizer.step()
+            return time.perf_counter() - started
         if self.cross_barrier:
             # Returns at once: the updates happen as the sums arrive.
             started = time.perf_counter()
@@ -303,10 +347,13 @@ def iteration(system: System) -> tuple[float, float, float]:
 
 def check_first_step(system: System) -> None:
     """After the first step: every gradient is the average of the workers' first
-    gradients, and every parameter equals rank 0's. Raises CheckFailed naming the tensor."""
+    gradients (unless compression makes it another), and every parameter equals rank 0's.
+    Raises CheckFailed naming the tensor."""
     want = expected_average(0, range(system.size))
     named = list(system.model.named_parameters())
     for name, p in named:
+        if not system.exact:
+            break
         if p.grad is None:
             raise CheckFailed(f"rank {system.rank}: parameter {name} has no gradient")
         lo, hi = torch.aminmax(p.grad)
@@ -367,7 +414,8 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
     iteration(system)
     system.drain()
     check_first_step(system)
-    log("first step checked: gradients are the workers' average, parameters agree")
+    checked = "gradients are the workers' average, " if system.exact else ""
+    log(f"first step checked: {checked}parameters agree")
     for _ in range(args.warmup):
         iteration(system)
     system.barrier()
@@ -418,6 +466,8 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "profile_compute_ms": profile.compute_ms,
         "partition_bytes": args.partition_bytes if system.name == "sumflow" else None,
         "fusion_threshold": args.fusion_threshold if system.name == "sumflow" else None,
+        "compression": args.compression,
+        "csc_density": args.csc,
         "cross_barrier": args.cross_barrier,
         "scheduler": os.environ.get("SUMFLOW_SCHEDULER") if system.name == "sumflow" else None,
         "bucket_cap_mb": args.bucket_cap_mb if system.name == "ddp-gloo" else None,

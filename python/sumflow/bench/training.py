@@ -168,6 +168,10 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
         argv += ["--fusion-threshold", str(partition)]
     if system.cross_barrier:
         argv.append("--cross-barrier")
+    if system.compression is not None:
+        argv += ["--compression", system.compression]
+    if system.csc_density is not None:
+        argv += ["--csc", repr(system.csc_density)]
     return argv
 
 
