@@ -24,6 +24,7 @@ Three kinds of compressor:
 
 from __future__ import annotations
 
+import copy
 import os
 from typing import Any, Callable, Union
 
@@ -144,8 +145,9 @@ def _ratio(name: str, ratio: float) -> float:
 class ErrorFeedback(Compressor):
     """Error feedback for a Python compressor: per tensor, what ``compress`` followed by
     ``decompress`` of this worker's own wire tensor lost is kept and added to the tensor's
-    next input, so nothing is lost, only delayed. The core's compressors have their own
-    (``error_feedback=True``)."""
+    next input, so nothing is lost, only delayed. Each tensor gets its own (shallow) copy
+    of `inner`, so a compressor with state (a phase, a seed) keeps it per tensor. The
+    core's compressors have their own feedback (``error_feedback=True``)."""
 
     def __init__(self, inner: Compressor | type[Compressor]) -> None:
         self.inner = inner
@@ -155,13 +157,14 @@ class ErrorFeedback(Compressor):
         """The compressor of tensor `name`, holding its residual (the same one each call)."""
         bound = self._tensors.get(name)
         if bound is None:
-            bound = self._tensors[name] = _TensorErrorFeedback(self.inner)
+            bound = self._tensors[name] = _TensorErrorFeedback(copy.copy(self.inner))
         return bound
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
-        """The inner compressor's output, without feedback: what a tensor's wire form looks
-        like. sumflow's operations compress through ``for_tensor(name)``."""
-        return self.inner.compress(tensor)
+        """What a tensor's wire form looks like: a throwaway copy's output, without
+        feedback, so no state moves. sumflow's operations compress through
+        ``for_tensor(name)``."""
+        return copy.copy(self.inner).compress(tensor)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
         return self.inner.decompress(tensor, ctx)
