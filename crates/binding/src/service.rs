@@ -14,7 +14,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::{CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp};
+use sumflow_comm::{
+    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
+};
 use sumflow_wire::{Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};

@@ -9,14 +9,29 @@ use crate::{f32_at, PayloadError};
 
 /// The largest magnitude; NaN if any element is NaN, so that a NaN is not hidden.
 fn norm(input: &[f32]) -> f32 {
-    let mut max = 0f32;
-    for &x in input {
-        if x.is_nan() {
-            return f32::NAN;
-        }
-        max = max.max(x.abs());
+    // Eight running maxima and a NaN flag, so the loop needs no early exit and vectorises.
+    let mut lanes = [0f32; 8];
+    let mut nan = false;
+    let chunks = input.chunks_exact(8);
+    for &x in chunks.remainder() {
+        nan |= x.is_nan();
+        lanes[0] = if x.abs() > lanes[0] {
+            x.abs()
+        } else {
+            lanes[0]
+        };
     }
-    max
+    for c in chunks {
+        for (lane, x) in lanes.iter_mut().zip(c) {
+            let a = x.abs();
+            nan |= a.is_nan();
+            *lane = if a > *lane { a } else { *lane };
+        }
+    }
+    if nan {
+        return f32::NAN;
+    }
+    lanes.into_iter().fold(0.0, f32::max)
 }
 
 pub(crate) fn compress(input: &[f32], levels: u32, rng: &mut Rng, out: &mut [u8]) {
@@ -30,16 +45,24 @@ pub(crate) fn compress(input: &[f32], levels: u32, rng: &mut Rng, out: &mut [u8]
         return;
     }
     let bits = KeyCodec::dither_bits(levels) as usize;
-    let mask = (1u16 << bits) as u8 - 1;
+    let mask = ((1u16 << bits) - 1) as u8;
     let per_unit = levels as f32 / norm;
-    for (i, &x) in input.iter().enumerate() {
-        let q = x.abs() * per_unit;
-        let floor = q.floor();
-        let up = rng.unit_f32() < q - floor;
-        let level = (floor as u32 + u32::from(up)).min(levels) as i8;
-        let signed = if x < 0.0 { -level } else { level };
-        let at = i * bits;
-        packed[at / 8] |= (signed as u8 & mask) << (at % 8);
+    // One 64-bit draw per output byte, cut into 16 random bits for each element (at most
+    // four per byte). floor(q + u), u uniform in [0, 1), is floor(q) + 1 with probability
+    // q - floor(q): stochastic rounding without a floor (a library call on baseline
+    // x86-64) or an int-to-float conversion (a false dependency that serialises the loop).
+    let per_byte = 8 / bits;
+    for (byte, chunk) in packed.iter_mut().zip(input.chunks(per_byte)) {
+        let mut draw = rng.next_u64();
+        let mut b = 0u8;
+        for (j, &x) in chunk.iter().enumerate() {
+            let u = f32::from_bits(0x3f80_0000 | ((draw as u32 & 0xffff) << 7)) - 1.0;
+            draw >>= 16;
+            let level = ((x.abs() * per_unit + u) as u32).min(levels) as i8;
+            let signed = if x < 0.0 { -level } else { level };
+            b |= (signed as u8 & mask) << (j * bits);
+        }
+        *byte = b;
     }
 }
 

@@ -62,7 +62,7 @@ pub struct CodecError {
 /// Memory a compressor reuses from call to call; one per thread that compresses.
 #[derive(Debug, Default)]
 pub struct Scratch {
-    magnitudes: Vec<f32>,
+    magnitudes: Vec<u32>,
     bitmap: Vec<u64>,
     indices: Vec<u32>,
 }
@@ -111,7 +111,7 @@ impl Compressor {
         assert_eq!(input.len(), self.elements, "input length");
         assert_eq!(out.len(), self.payload_len(), "payload length");
         match self.codec.codec {
-            Codec::TopK => topk::compress(input, self.k(), &mut scratch.magnitudes, out),
+            Codec::TopK => topk::compress(input, self.k(), scratch, out),
             Codec::RandomK => {
                 self.random_indices(seed, scratch);
                 for (j, &i) in scratch.indices.iter().enumerate() {

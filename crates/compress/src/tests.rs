@@ -65,6 +65,45 @@ fn top_k_keeps_exactly_the_largest_magnitudes() {
     }
 }
 
+/// The k largest magnitudes of `x`, ties to lower indices, by sorting.
+fn top_k_by_sorting(x: &[f32], k: usize) -> Vec<f32> {
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].abs().total_cmp(&x[a].abs()).then(a.cmp(&b)));
+    let mut out = vec![0.0; x.len()];
+    for &i in &order[..k] {
+        out[i] = x[i];
+    }
+    out
+}
+
+#[test]
+fn top_k_is_exact_when_the_sampled_threshold_misleads() {
+    // The threshold is estimated from every 16th element; here those are the large ones,
+    // fewer than k, so the estimate admits too few and every element must be considered.
+    let n = 1 << 16;
+    let x: Vec<f32> = (0..n)
+        .map(|i| if i % 16 == 0 { 1.0 } else { -0.5 })
+        .collect();
+    for k in [10, 4096, 5000] {
+        let c = compressor(Codec::TopK, k as u32, n);
+        assert_eq!(
+            round_trip(&c, &x, Seed::new(0, 1, 0)),
+            top_k_by_sorting(&x, k),
+            "k = {k}"
+        );
+    }
+    // Large partitions with gradient-like data take the sampled path.
+    let x = data(n, 7);
+    for k in [1, 100, 655] {
+        let c = compressor(Codec::TopK, k as u32, n);
+        assert_eq!(
+            round_trip(&c, &x, Seed::new(0, 1, 0)),
+            top_k_by_sorting(&x, k),
+            "k = {k}"
+        );
+    }
+}
+
 #[test]
 fn top_k_breaks_ties_towards_lower_indices_and_sends_nan() {
     let x = [1.0, -3.0, 3.0, 0.5, -3.0, f32::NAN];
