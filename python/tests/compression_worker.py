@@ -68,6 +68,23 @@ def train(compression: Any) -> dict[str, Any]:
     return {"losses": losses, "params": [p.detach().clone() for p in model.parameters()]}
 
 
+def ddp(compression: Any, name: str) -> list[torch.Tensor]:
+    """A few steps of DDP with sumflow's hook sending gradients through `compression`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 4))
+    net = DistributedDataParallel(model)
+    net.register_comm_hook(hvd.DDPHookState(net, compression, name), hvd.ddp_hook)
+    opt = torch.optim.SGD(net.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(hvd.rank())
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(16, 64, generator=gen)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     hvd.init()
@@ -90,9 +107,15 @@ def main() -> None:
             compression=Compression.topk(1.0, min_elements=1),
         ),
         "trained": train(Compression.topk(0.05, min_elements=1000)),
-        "wire": {k: (v.sent, v.received) for k, v in hvd.wire_bytes().items()},
         "elements": ELEMENTS,
     }
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
+    results["ddp"] = ddp(Compression.none, "ddp-dense")
+    results["ddp-topk"] = ddp(Compression.topk(1.0, min_elements=1), "ddp-topk")
+    dist.destroy_process_group()
+    results["wire"] = {k: (v.sent, v.received) for k, v in hvd.wire_bytes().items()}
     torch.save(results, out / f"rank{hvd.rank()}.pt")
     hvd.shutdown()
 

@@ -231,3 +231,13 @@ def test_the_wire_carries_the_compressed_bytes(ranks: list[dict[str, Any]]) -> N
             sent = r["wire"][f"allreduce.{name}"][0]
             assert sent < fraction * dense, f"{name}: {sent} bytes of {dense}"
         assert r["wire"]["allreduce.small"][0] > ELEMENTS * 4, "small travels dense"
+
+
+def test_the_ddp_hook_compresses_too(ranks: list[dict[str, Any]]) -> None:
+    """Top-k keeping every element is lossless: the hooked DDP ends where it ends dense."""
+    for r in ranks:
+        for dense, topk_all in zip(r["ddp"], r["ddp-topk"]):
+            assert torch.equal(dense, topk_all)
+    for p, q in zip(ranks[0]["ddp-topk"], ranks[1]["ddp-topk"]):
+        assert torch.equal(p, q)
+    assert any(name.startswith("ddp-topk.grad.") for name in ranks[0]["wire"])

@@ -529,7 +529,8 @@ fn push_loop(sh: &Shared, lane: usize) {
             continue;
         }
         debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
-        // Compressed before the connection is taken: the other lanes' sends go on meanwhile.
+        // Compressed by this lane's thread, so lanes compress in parallel, and before the
+        // connection is locked.
         if let Some(c) = task.compressor() {
             compress(sh, &task, c, &mut buffers);
         }

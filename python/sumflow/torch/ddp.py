@@ -18,14 +18,26 @@ import torch
 import torch.distributed as dist
 
 from sumflow.torch import ops
-from sumflow.torch.compression import Compression
+from sumflow.torch.compression import AnyCompressor, Compression
 
 
 class DDPHookState:
-    """Names parameters for ``ddp_hook`` (``state=None`` names them by first appearance,
-    which is the same on every worker but less readable in error messages)."""
+    """What ``ddp_hook`` needs: parameter names (``state=None`` names them by first
+    appearance, which is the same on every worker but less readable in error messages),
+    the ``compression`` of the gradients (default ``SUMFLOW_COMPRESSION``, else none), and
+    a ``name`` prefixing the declared tensors (``ddp.grad.<parameter>``), so two hooked
+    models of one job keep apart."""
 
-    def __init__(self, model: Optional[torch.nn.Module] = None) -> None:
+    def __init__(
+        self,
+        model: Optional[torch.nn.Module] = None,
+        compression: Optional[AnyCompressor] = None,
+        name: str = "ddp",
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, not {name!r}")
+        self.compression = Compression.from_env() if compression is None else compression
+        self.prefix = name
         self._names: dict[int, str] = {}
         self._priority: dict[int, int] = {}
         if model is not None:
@@ -40,7 +52,7 @@ class DDPHookState:
             n = len(self._names)
             self._names[key] = f"param.{n}"
             self._priority[key] = n
-        return f"ddp.grad.{self._names[key]}", self._priority[key]
+        return f"{self.prefix}.grad.{self._names[key]}", self._priority[key]
 
 
 _default_state = DDPHookState()
@@ -94,7 +106,7 @@ def ddp_hook(
         # place in its own span.
         span = buffer.narrow(0, offset, p.numel())
         offset += p.numel()
-        handles.append(ops._issue(name, span, ops.Average, priority, Compression.none, 1.0, 1.0))
+        handles.append(ops._issue(name, span, ops.Average, priority, state.compression, 1.0, 1.0))
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     _start_completer()
     _completions.put((handles, fut, buffer))
