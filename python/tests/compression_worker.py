@@ -28,13 +28,14 @@ class Alternate(Compressor):
 
     def compress(self, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
         self.phase ^= 1
-        return tensor[1 - self.phase :: 2].contiguous(), (tensor.numel(), 1 - self.phase)
+        sent = tensor.reshape(-1)[1 - self.phase :: 2].contiguous()
+        return sent, (tensor.shape, 1 - self.phase)
 
     def decompress(self, tensor: torch.Tensor, ctx: Any) -> torch.Tensor:  # type: ignore[override]
-        numel, phase = ctx
-        out = torch.zeros(numel, dtype=tensor.dtype)
+        shape, phase = ctx
+        out = torch.zeros(shape.numel(), dtype=tensor.dtype)
         out[phase::2] = tensor
-        return out
+        return out.view(shape)
 
 
 def averaged(name: str, compression: Any, steps: int = STEPS) -> list[torch.Tensor]:
@@ -91,8 +92,14 @@ def main() -> None:
     Compression.register("alternate", lambda: ErrorFeedback(Alternate()))
     alternate = Compression.parse("alternate")
     halves = [
-        hvd.allreduce(torch.from_numpy(gradient(hvd.rank(), 0)), name="alt", compression=alternate),
-        hvd.allreduce(torch.zeros(ELEMENTS), name="alt", compression=alternate),
+        hvd.allreduce(
+            torch.from_numpy(gradient(hvd.rank(), 0)).view(50, -1),
+            name="alt",
+            compression=alternate,
+        ).reshape(-1),
+        hvd.allreduce(torch.zeros(50, ELEMENTS // 50), name="alt", compression=alternate).reshape(
+            -1
+        ),
     ]
     results = {
         "topk": averaged("topk", Compression.topk(TOPK_RATIO, min_elements=1000)),
