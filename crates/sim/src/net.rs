@@ -1,0 +1,494 @@
+//! The network: full-duplex NICs into a non-blocking switch (BytePS §4.1's full bisection
+//! bandwidth), carrying messages on connections.
+//!
+//! A machine's *uplink* (NIC to switch) serves the connections that have bytes to send in
+//! turn, one segment each: per-connection fairness, as TCP shares a link. A segment reaches
+//! the destination's *downlink* (switch port to NIC) after the latency and is forwarded in
+//! arrival order (the port's FIFO queue) as soon as its first byte is there (cut-through),
+//! finishing no earlier than its last byte arrives. Both directions are work-conserving,
+//! so a link's busy time is exactly its bytes over its rate; what sharing a link costs a
+//! message shows in when its last segment gets through.
+//!
+//! A message stands for `factor` identical copies on each link it crosses (the GPUs of one
+//! machine pushing the same partition, or identical machines folded into one; see
+//! `crate::plan`): its segments take `factor` times as long there, which is when the last
+//! of the copies would get through if the link interleaved them. A connection sends its
+//! messages in order; a data message first waits the per-message overhead, which holds its
+//! connection, not the link. Messages between processes of one machine (a worker and its
+//! colocated server) never touch the NIC: they take their bytes over the intra-machine
+//! bandwidth, in order per connection.
+
+use std::collections::VecDeque;
+
+use crate::queue::EventQueue;
+use crate::time::{from_secs, transfer, Time};
+
+pub type ConnId = u32;
+pub type MsgId = u32;
+
+/// A part of a message on its way through the switch.
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    msg: MsgId,
+    bytes: u64,
+    /// When its last byte leaves the sender's NIC.
+    sent: Time,
+    last: bool,
+}
+
+/// What the network needs the event loop to come back with.
+#[derive(Debug)]
+pub enum NetEvent {
+    /// A segment's last byte left machine `machine`.
+    Sent { machine: u32 },
+    /// A segment's first byte reached the switch port of machine `machine`.
+    Arrived { machine: u32, segment: Segment },
+    /// Machine `machine`'s downlink finished forwarding a segment.
+    Forwarded { machine: u32 },
+    /// A connection's per-message overhead is over: its message may use the link.
+    Ready { conn: ConnId },
+    /// A message between processes of one machine arrived.
+    Local { msg: MsgId },
+}
+
+pub struct Msg<P> {
+    pub conn: ConnId,
+    pub bytes: u64,
+    /// Copies this message stands for on the sender's NIC and on the receiver's.
+    pub up_factor: u32,
+    pub down_factor: u32,
+    /// Data messages pay the per-message overhead; acknowledgements do not.
+    pub data: bool,
+    pub payload: P,
+    /// When it became its connection's message in progress.
+    pub started: Time,
+}
+
+struct Conn {
+    from: u32,
+    to: u32,
+    /// Between processes of one machine: over the intra-machine bandwidth, not the NIC.
+    local: bool,
+    waiting: VecDeque<MsgId>,
+    /// The message in progress and its bytes not yet on the uplink.
+    sending: Option<(MsgId, u64)>,
+    /// For a connection inside one machine: when its last message arrives.
+    local_free: Time,
+}
+
+#[derive(Default)]
+struct Uplink {
+    rate: f64,
+    busy: bool,
+    turns: VecDeque<ConnId>,
+    /// The connection being served and the bytes of its segment.
+    serving: (ConnId, u64),
+    usage: Usage,
+}
+
+#[derive(Default)]
+struct Downlink {
+    rate: f64,
+    busy: bool,
+    queue: VecDeque<Segment>,
+    serving: Option<Segment>,
+    usage: Usage,
+}
+
+/// A link's transmissions that began while the network was measuring.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Usage {
+    pub busy: Time,
+    pub bytes: u64,
+}
+
+pub struct Network<P> {
+    uplinks: Vec<Uplink>,
+    downlinks: Vec<Downlink>,
+    conns: Vec<Conn>,
+    msgs: Vec<Option<Msg<P>>>,
+    free: Vec<MsgId>,
+    segment: u64,
+    latency: Time,
+    overhead: Time,
+    intra_rate: f64,
+    /// Whether link usage is being counted (the measured iterations).
+    pub measuring: bool,
+}
+
+impl<P> Network<P> {
+    /// Machines with the given NIC rates (bytes/s, each direction).
+    pub fn new(
+        rates: &[f64],
+        segment: u64,
+        latency_s: f64,
+        overhead_s: f64,
+        intra_rate: f64,
+    ) -> Self {
+        Network {
+            uplinks: rates
+                .iter()
+                .map(|&rate| Uplink {
+                    rate,
+                    ..Uplink::default()
+                })
+                .collect(),
+            downlinks: rates
+                .iter()
+                .map(|&rate| Downlink {
+                    rate,
+                    ..Downlink::default()
+                })
+                .collect(),
+            conns: Vec::new(),
+            msgs: Vec::new(),
+            free: Vec::new(),
+            segment,
+            latency: from_secs(latency_s),
+            overhead: from_secs(overhead_s),
+            intra_rate,
+            measuring: false,
+        }
+    }
+
+    /// A connection from machine `from` to machine `to` (the same machine: local).
+    pub fn connect(&mut self, from: u32, to: u32) -> ConnId {
+        self.add(from, to, from == to)
+    }
+
+    /// A connection from machine `m` through its NIC and back in: `m` stands for a ring
+    /// neighbour that behaves exactly as it does (see `crate::plan`).
+    pub fn connect_through_nic(&mut self, m: u32) -> ConnId {
+        self.add(m, m, false)
+    }
+
+    fn add(&mut self, from: u32, to: u32, local: bool) -> ConnId {
+        self.conns.push(Conn {
+            from,
+            to,
+            local,
+            waiting: VecDeque::new(),
+            sending: None,
+            local_free: 0,
+        });
+        (self.conns.len() - 1) as ConnId
+    }
+
+    pub fn msg(&self, id: MsgId) -> &Msg<P> {
+        self.msgs[id as usize].as_ref().expect("a live message")
+    }
+
+    /// Takes a delivered message out of the network.
+    pub fn take(&mut self, id: MsgId) -> Msg<P> {
+        let m = self.msgs[id as usize].take().expect("a live message");
+        self.free.push(id);
+        m
+    }
+
+    /// Queues a message on its connection.
+    #[allow(clippy::too_many_arguments)]
+    pub fn send<E: From<NetEvent>>(
+        &mut self,
+        now: Time,
+        conn: ConnId,
+        bytes: u64,
+        (up_factor, down_factor): (u32, u32),
+        data: bool,
+        payload: P,
+        q: &mut EventQueue<E>,
+    ) {
+        let msg = Msg {
+            conn,
+            bytes,
+            up_factor,
+            down_factor,
+            data,
+            payload,
+            started: now,
+        };
+        let id = match self.free.pop() {
+            Some(id) => {
+                self.msgs[id as usize] = Some(msg);
+                id
+            }
+            None => {
+                self.msgs.push(Some(msg));
+                (self.msgs.len() - 1) as MsgId
+            }
+        };
+        let c = &mut self.conns[conn as usize];
+        if c.local {
+            let m = self.msgs[id as usize].as_mut().expect("just stored");
+            let start = now.max(c.local_free);
+            m.started = start;
+            let overhead = if data { self.overhead } else { 0 };
+            c.local_free =
+                start + overhead + transfer(bytes * u64::from(m.up_factor), self.intra_rate);
+            q.push(c.local_free, NetEvent::Local { msg: id }.into());
+            return;
+        }
+        c.waiting.push_back(id);
+        if c.sending.is_none() {
+            self.next_message(now, conn, q);
+        }
+    }
+
+    /// Starts the connection's next waiting message, if any.
+    fn next_message<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
+        let c = &mut self.conns[conn as usize];
+        let Some(id) = c.waiting.pop_front() else {
+            return;
+        };
+        let m = self.msgs[id as usize].as_mut().expect("a waiting message");
+        m.started = now;
+        c.sending = Some((id, m.bytes));
+        if m.data && self.overhead > 0 {
+            q.push(now + self.overhead, NetEvent::Ready { conn }.into());
+        } else {
+            self.take_turn(now, conn, q);
+        }
+    }
+
+    /// The connection has a segment for its uplink.
+    fn take_turn<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
+        let machine = self.conns[conn as usize].from;
+        self.uplinks[machine as usize].turns.push_back(conn);
+        self.serve_uplink(now, machine, q);
+    }
+
+    /// Sends the next turn's segment, unless the uplink is busy.
+    fn serve_uplink<E: From<NetEvent>>(&mut self, now: Time, machine: u32, q: &mut EventQueue<E>) {
+        let up = &mut self.uplinks[machine as usize];
+        if up.busy {
+            return;
+        }
+        let Some(conn) = up.turns.pop_front() else {
+            return;
+        };
+        let c = &self.conns[conn as usize];
+        let (id, left) = c
+            .sending
+            .expect("a connection takes turns only while sending");
+        let m = self.msgs[id as usize]
+            .as_ref()
+            .expect("the message in progress");
+        let bytes = left.min(self.segment);
+        let busy = transfer(bytes * u64::from(m.up_factor), up.rate);
+        up.busy = true;
+        up.serving = (conn, bytes);
+        if self.measuring {
+            up.usage.busy += busy;
+            up.usage.bytes += bytes * u64::from(m.up_factor);
+        }
+        let segment = Segment {
+            msg: id,
+            bytes,
+            sent: now + busy,
+            last: bytes == left,
+        };
+        q.push(now + busy, NetEvent::Sent { machine }.into());
+        q.push(
+            now + self.latency,
+            NetEvent::Arrived {
+                machine: c.to,
+                segment,
+            }
+            .into(),
+        );
+    }
+
+    fn serve_downlink<E: From<NetEvent>>(
+        &mut self,
+        now: Time,
+        machine: u32,
+        q: &mut EventQueue<E>,
+    ) {
+        let down = &mut self.downlinks[machine as usize];
+        if down.busy {
+            return;
+        }
+        let Some(s) = down.queue.pop_front() else {
+            return;
+        };
+        let m = self.msgs[s.msg as usize]
+            .as_ref()
+            .expect("a message in flight");
+        let busy = transfer(s.bytes * u64::from(m.down_factor), down.rate);
+        if self.measuring {
+            down.usage.busy += busy;
+            down.usage.bytes += s.bytes * u64::from(m.down_factor);
+        }
+        down.busy = true;
+        down.serving = Some(s);
+        let done = (now + busy).max(s.sent + self.latency);
+        q.push(done, NetEvent::Forwarded { machine }.into());
+    }
+
+    /// Handles one of the network's own events; returns the message it delivered, if any.
+    pub fn handle<E: From<NetEvent>>(
+        &mut self,
+        now: Time,
+        event: NetEvent,
+        q: &mut EventQueue<E>,
+    ) -> Option<MsgId> {
+        match event {
+            NetEvent::Sent { machine } => {
+                let up = &mut self.uplinks[machine as usize];
+                up.busy = false;
+                let (conn, bytes) = up.serving;
+                let c = &mut self.conns[conn as usize];
+                let (id, left) = c.sending.expect("the segment's connection is sending");
+                if left == bytes {
+                    c.sending = None;
+                    self.next_message(now, conn, q);
+                } else {
+                    c.sending = Some((id, left - bytes));
+                    self.uplinks[machine as usize].turns.push_back(conn);
+                }
+                self.serve_uplink(now, machine, q);
+                None
+            }
+            NetEvent::Arrived { machine, segment } => {
+                self.downlinks[machine as usize].queue.push_back(segment);
+                self.serve_downlink(now, machine, q);
+                None
+            }
+            NetEvent::Forwarded { machine } => {
+                let down = &mut self.downlinks[machine as usize];
+                down.busy = false;
+                let s = down.serving.take().expect("a segment was being forwarded");
+                self.serve_downlink(now, machine, q);
+                s.last.then_some(s.msg)
+            }
+            NetEvent::Ready { conn } => {
+                self.take_turn(now, conn, q);
+                None
+            }
+            NetEvent::Local { msg } => Some(msg),
+        }
+    }
+
+    /// Usage of machine `m`'s uplink and downlink while measuring.
+    pub fn usage(&self, m: u32) -> (Usage, Usage) {
+        (
+            self.uplinks[m as usize].usage,
+            self.downlinks[m as usize].usage,
+        )
+    }
+
+    pub fn rate(&self, m: u32) -> f64 {
+        self.uplinks[m as usize].rate
+    }
+
+    pub fn machines(&self) -> u32 {
+        self.uplinks.len() as u32
+    }
+
+    /// The machines a connection joins, sender first.
+    pub fn ends(&self, conn: ConnId) -> (u32, u32) {
+        let c = &self.conns[conn as usize];
+        (c.from, c.to)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GB: f64 = 1e9;
+
+    /// Delivers everything; returns (time, payload) in delivery order.
+    fn run(
+        net: &mut Network<&'static str>,
+        q: &mut EventQueue<NetEvent>,
+    ) -> Vec<(Time, &'static str)> {
+        let mut out = Vec::new();
+        while let Some((now, ev)) = q.pop() {
+            if let Some(id) = net.handle(now, ev, q) {
+                out.push((now, net.take(id).payload));
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn one_message_takes_its_bytes_over_the_rate_plus_the_latency() {
+        let mut net = Network::new(&[GB, GB], 1000, 1e-6, 0.0, GB);
+        let mut q = EventQueue::new();
+        let c = net.connect(0, 1);
+        net.measuring = true;
+        net.send(0, c, 10_000, (1, 1), true, "m", &mut q);
+        // 10 us on the wire, 1 us latency, cut-through: 11 us.
+        assert_eq!(run(&mut net, &mut q), [(11_000_000, "m")]);
+        assert_eq!(net.usage(0).0.busy, 10_000_000);
+        assert_eq!(net.usage(1).1.bytes, 10_000);
+    }
+
+    #[test]
+    fn an_uplink_interleaves_connections_segment_by_segment() {
+        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 0.0, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 3000, (1, 1), true, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
+        // a0 b0 a1 a2: b is through after 2 us, a after 4 us.
+        assert_eq!(run(&mut net, &mut q), [(2_000_000, "b"), (4_000_000, "a")]);
+    }
+
+    #[test]
+    fn incast_shares_the_downlink_and_factors_multiply_bytes() {
+        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 0.0, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 2);
+        let b = net.connect(1, 2);
+        net.send(0, a, 2000, (1, 1), true, "a", &mut q);
+        // b stands for three machines' copies arriving at machine 2.
+        net.send(0, b, 2000, (1, 3), true, "b", &mut q);
+        let got = run(&mut net, &mut q);
+        // 2000 + 3 * 2000 bytes through machine 2's downlink: done at 8 us.
+        assert_eq!(got.last().unwrap().0, 8_000_000);
+        assert_eq!(got.len(), 2);
+    }
+
+    #[test]
+    fn overhead_holds_the_connection_not_the_link() {
+        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 5e-6, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 1000, (1, 1), true, "a1", &mut q);
+        net.send(0, a, 1000, (1, 1), true, "a2", &mut q);
+        net.send(0, b, 1000, (1, 1), false, "ack", &mut q);
+        let got = run(&mut net, &mut q);
+        // The acknowledgement goes at once; a1 after 5 us of overhead; a2 after 5 more.
+        assert_eq!(
+            got,
+            [(1_000_000, "ack"), (6_000_000, "a1"), (12_000_000, "a2")]
+        );
+    }
+
+    #[test]
+    fn local_messages_skip_the_nic_in_order() {
+        let mut net = Network::new(&[GB], 1000, 1e-3, 0.0, 2.0 * GB);
+        let mut q = EventQueue::new();
+        let c = net.connect(0, 0);
+        net.send(0, c, 2000, (1, 1), true, "x", &mut q);
+        net.send(0, c, 2000, (2, 1), true, "y", &mut q);
+        assert_eq!(run(&mut net, &mut q), [(1_000_000, "x"), (3_000_000, "y")]);
+        assert_eq!(net.usage(0).0.bytes, 0);
+    }
+
+    #[test]
+    fn empty_messages_keep_their_place() {
+        let mut net = Network::new(&[GB, GB], 1000, 0.0, 0.0, GB);
+        let mut q = EventQueue::new();
+        let c = net.connect(0, 1);
+        net.send(0, c, 1000, (1, 1), true, "data", &mut q);
+        net.send(0, c, 0, (1, 1), false, "ack", &mut q);
+        assert_eq!(
+            run(&mut net, &mut q),
+            [(1_000_000, "data"), (1_000_000, "ack")]
+        );
+    }
+}
