@@ -85,6 +85,10 @@ pub struct Network {
     /// connection, then one of the next. Smaller is closer to packet-level sharing and
     /// costs more events.
     pub segment_bytes: u64,
+    /// Bytes one connection may queue at its NIC ahead of the others' (what TCP's window
+    /// lets it hand the kernel): at most a segment interleaves connections segment by
+    /// segment; more sends them in larger bursts, in the order they were written.
+    pub nic_queue_bytes: u64,
     /// Bytes of a message without payload (a push acknowledgement).
     pub header_bytes: u64,
 }

@@ -14,11 +14,15 @@ use sumflow_comm::scheduler::{Order, Part, Scheduler, SchedulerKind};
 use crate::config::{Architecture, SimConfig};
 use crate::error::SimError;
 use crate::layout::Layout;
-use crate::net::{ConnId, NetEvent, Network};
+use crate::net::{ConnId, Costs, NetEvent, Network};
 use crate::plan::Plan;
 use crate::queue::EventQueue;
 use crate::report::{Progress, Recorder};
 use crate::time::{from_secs, transfer, Clock, Time};
+
+/// The runtime's timer thread waits at least this long between polls when a deadline
+/// has passed but nothing could go (`pipeline.rs`, `timer_loop`).
+const TIMER_RESOLUTION: Time = 1_000_000_000;
 
 /// Stands for the connections of a server that runs on no simulated machine.
 const NO_CONN: ConnId = ConnId::MAX;
@@ -177,10 +181,13 @@ impl<'a> Sim<'a> {
         let net_cfg = cfg.network;
         let mut net = Network::new(
             &plan.rates,
-            net_cfg.segment_bytes,
-            net_cfg.latency_s,
-            net_cfg.message_overhead_s,
-            net_cfg.intra_bandwidth,
+            Costs {
+                segment: net_cfg.segment_bytes,
+                nic_queue: net_cfg.nic_queue_bytes,
+                latency_s: net_cfg.latency_s,
+                overhead_s: net_cfg.message_overhead_s,
+                intra_rate: net_cfg.intra_bandwidth,
+            },
         );
         let clock = Clock::new();
         let servers = layout.servers.len().max(1);
@@ -454,7 +461,7 @@ impl<'a> Sim<'a> {
         }
         let wk = &mut self.workers[w as usize];
         if let Some(deadline) = wk.sched.next_deadline(at) {
-            let t = self.clock.time(deadline).max(self.now);
+            let t = self.clock.time(deadline).max(self.now + TIMER_RESOLUTION);
             if wk.poll_at.is_none_or(|p| t < p) {
                 wk.poll_at = Some(t);
                 self.q.push(t, Event::Poll { worker: w });

@@ -13,8 +13,9 @@
 //! machine pushing the same partition, or identical machines folded into one; see
 //! `crate::plan`): its segments take `factor` times as long there, which is when the last
 //! of the copies would get through if the link interleaved them. A connection sends its
-//! messages in order; a data message first waits the per-message overhead, which holds its
-//! connection, not the link. Messages between processes of one machine (a worker and its
+//! messages in order; a data message first costs its sending machine the per-message
+//! overhead for each copy it stands for there (one message at a time per machine: the
+//! sending process's CPU), which holds its connection, not the link. Messages between processes of one machine (a worker and its
 //! colocated server) never touch the NIC: they take their bytes over the intra-machine
 //! bandwidth, in order per connection.
 
@@ -70,19 +71,31 @@ struct Conn {
     /// Between processes of one machine: over the intra-machine bandwidth, not the NIC.
     local: bool,
     waiting: VecDeque<MsgId>,
-    /// The message in progress and its bytes not yet on the uplink.
-    sending: Option<(MsgId, u64)>,
+    /// The message being written to the NIC and its bytes not written yet.
+    writing: Option<(MsgId, u64)>,
+    /// Whether that message's overhead is over.
+    ready: bool,
+    /// Bytes of this connection in its uplink's queue.
+    queued: u64,
     /// For a connection inside one machine: when its last message arrives.
     local_free: Time,
+}
+
+/// A segment waiting in, or leaving, a NIC's queue.
+#[derive(Clone, Copy, Debug)]
+struct Queued {
+    conn: ConnId,
+    msg: MsgId,
+    bytes: u64,
+    last: bool,
 }
 
 #[derive(Default)]
 struct Uplink {
     rate: f64,
     busy: bool,
-    turns: VecDeque<ConnId>,
-    /// The connection being served and the bytes of its segment.
-    serving: (ConnId, u64),
+    queue: VecDeque<Queued>,
+    serving: Option<Queued>,
     usage: Usage,
 }
 
@@ -109,6 +122,10 @@ pub struct Network<P> {
     msgs: Vec<Option<Msg<P>>>,
     free: Vec<MsgId>,
     segment: u64,
+    /// Bytes a connection may have in its NIC's queue.
+    nic_queue: u64,
+    /// Per machine: when its sending process is done preparing the messages it took on.
+    cpu_free: Vec<Time>,
     latency: Time,
     overhead: Time,
     intra_rate: f64,
@@ -116,15 +133,21 @@ pub struct Network<P> {
     pub measuring: bool,
 }
 
+/// The network's shape and costs.
+#[derive(Clone, Copy, Debug)]
+pub struct Costs {
+    pub segment: u64,
+    /// Bytes a connection may queue at its NIC ahead of other connections' (at most
+    /// one segment: per-segment round robin).
+    pub nic_queue: u64,
+    pub latency_s: f64,
+    pub overhead_s: f64,
+    pub intra_rate: f64,
+}
+
 impl<P> Network<P> {
     /// Machines with the given NIC rates (bytes/s, each direction).
-    pub fn new(
-        rates: &[f64],
-        segment: u64,
-        latency_s: f64,
-        overhead_s: f64,
-        intra_rate: f64,
-    ) -> Self {
+    pub fn new(rates: &[f64], costs: Costs) -> Self {
         Network {
             uplinks: rates
                 .iter()
@@ -143,10 +166,12 @@ impl<P> Network<P> {
             conns: Vec::new(),
             msgs: Vec::new(),
             free: Vec::new(),
-            segment,
-            latency: from_secs(latency_s),
-            overhead: from_secs(overhead_s),
-            intra_rate,
+            segment: costs.segment,
+            nic_queue: costs.nic_queue.max(costs.segment),
+            cpu_free: vec![0; rates.len()],
+            latency: from_secs(costs.latency_s),
+            overhead: from_secs(costs.overhead_s),
+            intra_rate: costs.intra_rate,
             measuring: false,
         }
     }
@@ -168,14 +193,12 @@ impl<P> Network<P> {
             to,
             local,
             waiting: VecDeque::new(),
-            sending: None,
+            writing: None,
+            ready: false,
+            queued: 0,
             local_free: 0,
         });
         (self.conns.len() - 1) as ConnId
-    }
-
-    pub fn msg(&self, id: MsgId) -> &Msg<P> {
-        self.msgs[id as usize].as_ref().expect("a live message")
     }
 
     /// Takes a delivered message out of the network.
@@ -219,78 +242,93 @@ impl<P> Network<P> {
         let c = &mut self.conns[conn as usize];
         if c.local {
             let m = self.msgs[id as usize].as_mut().expect("just stored");
-            let start = now.max(c.local_free);
-            m.started = start;
-            let overhead = if data { self.overhead } else { 0 };
-            c.local_free =
-                start + overhead + transfer(bytes * u64::from(m.up_factor), self.intra_rate);
+            let mut start = now.max(c.local_free);
+            if data && self.overhead > 0 {
+                let cpu = &mut self.cpu_free[c.from as usize];
+                *cpu = (*cpu).max(now) + self.overhead * u64::from(m.up_factor);
+                start = start.max(*cpu);
+            }
+            m.started = now;
+            c.local_free = start + transfer(bytes * u64::from(m.up_factor), self.intra_rate);
             q.push(c.local_free, NetEvent::Local { msg: id }.into());
             return;
         }
         c.waiting.push_back(id);
-        if c.sending.is_none() {
-            self.next_message(now, conn, q);
+        if c.writing.is_none() {
+            self.write(now, conn, q);
         }
     }
 
-    /// Starts the connection's next waiting message, if any.
-    fn next_message<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
+    /// Writes the connection's bytes into its NIC's queue while its share allows: the
+    /// message in progress, then the next ones (each after its overhead).
+    fn write<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
         let c = &mut self.conns[conn as usize];
-        let Some(id) = c.waiting.pop_front() else {
-            return;
-        };
-        let m = self.msgs[id as usize].as_mut().expect("a waiting message");
-        m.started = now;
-        c.sending = Some((id, m.bytes));
-        if m.data && self.overhead > 0 {
-            q.push(now + self.overhead, NetEvent::Ready { conn }.into());
-        } else {
-            self.take_turn(now, conn, q);
+        let machine = c.from;
+        loop {
+            let Some((id, left)) = c.writing else {
+                let Some(id) = c.waiting.pop_front() else {
+                    break;
+                };
+                let m = self.msgs[id as usize].as_mut().expect("a waiting message");
+                m.started = now;
+                c.writing = Some((id, m.bytes));
+                c.ready = !(m.data && self.overhead > 0);
+                if !c.ready {
+                    // The sending machine prepares one message at a time, each copy it
+                    // stands for on its own NIC included.
+                    let cpu = &mut self.cpu_free[machine as usize];
+                    *cpu = (*cpu).max(now) + self.overhead * u64::from(m.up_factor);
+                    q.push(*cpu, NetEvent::Ready { conn }.into());
+                }
+                continue;
+            };
+            let bytes = left.min(self.segment);
+            if !c.ready || (c.queued > 0 && c.queued + bytes > self.nic_queue) {
+                break;
+            }
+            let last = bytes == left;
+            c.queued += bytes;
+            c.writing = (!last).then_some((id, left - bytes));
+            self.uplinks[machine as usize].queue.push_back(Queued {
+                conn,
+                msg: id,
+                bytes,
+                last,
+            });
         }
-    }
-
-    /// The connection has a segment for its uplink.
-    fn take_turn<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
-        let machine = self.conns[conn as usize].from;
-        self.uplinks[machine as usize].turns.push_back(conn);
         self.serve_uplink(now, machine, q);
     }
 
-    /// Sends the next turn's segment, unless the uplink is busy.
+    /// Sends the segment at the head of the NIC's queue, unless the uplink is busy.
     fn serve_uplink<E: From<NetEvent>>(&mut self, now: Time, machine: u32, q: &mut EventQueue<E>) {
         let up = &mut self.uplinks[machine as usize];
         if up.busy {
             return;
         }
-        let Some(conn) = up.turns.pop_front() else {
+        let Some(head) = up.queue.pop_front() else {
             return;
         };
-        let c = &self.conns[conn as usize];
-        let (id, left) = c
-            .sending
-            .expect("a connection takes turns only while sending");
-        let m = self.msgs[id as usize]
+        let m = self.msgs[head.msg as usize]
             .as_ref()
             .expect("the message in progress");
-        let bytes = left.min(self.segment);
-        let busy = transfer(bytes * u64::from(m.up_factor), up.rate);
+        let busy = transfer(head.bytes * u64::from(m.up_factor), up.rate);
         up.busy = true;
-        up.serving = (conn, bytes);
+        up.serving = Some(head);
         if self.measuring {
             up.usage.busy += busy;
-            up.usage.bytes += bytes * u64::from(m.up_factor);
+            up.usage.bytes += head.bytes * u64::from(m.up_factor);
         }
         let segment = Segment {
-            msg: id,
-            bytes,
+            msg: head.msg,
+            bytes: head.bytes,
             sent: now + busy,
-            last: bytes == left,
+            last: head.last,
         };
         q.push(now + busy, NetEvent::Sent { machine }.into());
         q.push(
             now + self.latency,
             NetEvent::Arrived {
-                machine: c.to,
+                machine: self.conns[head.conn as usize].to,
                 segment,
             }
             .into(),
@@ -335,16 +373,9 @@ impl<P> Network<P> {
             NetEvent::Sent { machine } => {
                 let up = &mut self.uplinks[machine as usize];
                 up.busy = false;
-                let (conn, bytes) = up.serving;
-                let c = &mut self.conns[conn as usize];
-                let (id, left) = c.sending.expect("the segment's connection is sending");
-                if left == bytes {
-                    c.sending = None;
-                    self.next_message(now, conn, q);
-                } else {
-                    c.sending = Some((id, left - bytes));
-                    self.uplinks[machine as usize].turns.push_back(conn);
-                }
+                let sent = up.serving.take().expect("a segment was being sent");
+                self.conns[sent.conn as usize].queued -= sent.bytes;
+                self.write(now, sent.conn, q);
                 self.serve_uplink(now, machine, q);
                 None
             }
@@ -361,7 +392,8 @@ impl<P> Network<P> {
                 s.last.then_some(s.msg)
             }
             NetEvent::Ready { conn } => {
-                self.take_turn(now, conn, q);
+                self.conns[conn as usize].ready = true;
+                self.write(now, conn, q);
                 None
             }
             NetEvent::Local { msg } => Some(msg),
@@ -397,6 +429,24 @@ mod tests {
 
     const GB: f64 = 1e9;
 
+    fn net(
+        machines: usize,
+        latency_s: f64,
+        overhead_s: f64,
+        intra_rate: f64,
+    ) -> Network<&'static str> {
+        Network::new(
+            &vec![GB; machines],
+            Costs {
+                segment: 1000,
+                nic_queue: 0,
+                latency_s,
+                overhead_s,
+                intra_rate,
+            },
+        )
+    }
+
     /// Delivers everything; returns (time, payload) in delivery order.
     fn run(
         net: &mut Network<&'static str>,
@@ -413,7 +463,7 @@ mod tests {
 
     #[test]
     fn one_message_takes_its_bytes_over_the_rate_plus_the_latency() {
-        let mut net = Network::new(&[GB, GB], 1000, 1e-6, 0.0, GB);
+        let mut net = net(2, 1e-6, 0.0, GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 1);
         net.measuring = true;
@@ -426,7 +476,7 @@ mod tests {
 
     #[test]
     fn an_uplink_interleaves_connections_segment_by_segment() {
-        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 0.0, GB);
+        let mut net = net(3, 0.0, 0.0, GB);
         let mut q = EventQueue::new();
         let a = net.connect(0, 1);
         let b = net.connect(0, 2);
@@ -438,7 +488,7 @@ mod tests {
 
     #[test]
     fn incast_shares_the_downlink_and_factors_multiply_bytes() {
-        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 0.0, GB);
+        let mut net = net(3, 0.0, 0.0, GB);
         let mut q = EventQueue::new();
         let a = net.connect(0, 2);
         let b = net.connect(1, 2);
@@ -453,7 +503,7 @@ mod tests {
 
     #[test]
     fn overhead_holds_the_connection_not_the_link() {
-        let mut net = Network::new(&[GB, GB, GB], 1000, 0.0, 5e-6, GB);
+        let mut net = net(3, 0.0, 5e-6, GB);
         let mut q = EventQueue::new();
         let a = net.connect(0, 1);
         let b = net.connect(0, 2);
@@ -461,16 +511,50 @@ mod tests {
         net.send(0, a, 1000, (1, 1), true, "a2", &mut q);
         net.send(0, b, 1000, (1, 1), false, "ack", &mut q);
         let got = run(&mut net, &mut q);
-        // The acknowledgement goes at once; a1 after 5 us of overhead; a2 after 5 more.
+        // The acknowledgement goes at once; a1 after 5 us of overhead; a2's overhead runs
+        // from when a1 is written to the NIC, so a2 leaves at 10 us.
         assert_eq!(
             got,
-            [(1_000_000, "ack"), (6_000_000, "a1"), (12_000_000, "a2")]
+            [(1_000_000, "ack"), (6_000_000, "a1"), (11_000_000, "a2")]
         );
     }
 
     #[test]
+    fn a_machine_prepares_one_message_at_a_time() {
+        let mut net = net(3, 0.0, 5e-6, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 1000, (1, 1), true, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
+        assert_eq!(run(&mut net, &mut q), [(6_000_000, "a"), (11_000_000, "b")]);
+    }
+
+    #[test]
+    fn a_deep_nic_queue_sends_in_bursts_in_writing_order() {
+        let mut net = Network::new(
+            &[GB; 3],
+            Costs {
+                segment: 1000,
+                nic_queue: 3000,
+                latency_s: 0.0,
+                overhead_s: 0.0,
+                intra_rate: GB,
+            },
+        );
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 3000, (1, 1), true, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
+        // a's three segments are queued before b's: a at 3 us, b at 4 us (round robin
+        // would have b through first, at 2 us).
+        assert_eq!(run(&mut net, &mut q), [(3_000_000, "a"), (4_000_000, "b")]);
+    }
+
+    #[test]
     fn local_messages_skip_the_nic_in_order() {
-        let mut net = Network::new(&[GB], 1000, 1e-3, 0.0, 2.0 * GB);
+        let mut net = net(1, 1e-3, 0.0, 2.0 * GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 0);
         net.send(0, c, 2000, (1, 1), true, "x", &mut q);
@@ -481,7 +565,7 @@ mod tests {
 
     #[test]
     fn empty_messages_keep_their_place() {
-        let mut net = Network::new(&[GB, GB], 1000, 0.0, 0.0, GB);
+        let mut net = net(2, 0.0, 0.0, GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 1);
         net.send(0, c, 1000, (1, 1), true, "data", &mut q);

@@ -76,6 +76,10 @@ class Network:
             summation server beside it (NVLink: 800 Gbit/s = 100 GB/s).
         segment_bytes: the unit in which a link interleaves its connections; smaller is
             closer to packet-level sharing and costs more events.
+        nic_queue_bytes: bytes one connection may queue at its NIC ahead of the others'
+            (what TCP's window lets it hand the kernel); up to one segment (the default, 0)
+            the NIC serves connections segment by segment in turn, more sends bursts in
+            the order they were written.
         header_bytes: bytes of a message without payload (a push acknowledgement).
     """
 
@@ -84,7 +88,8 @@ class Network:
     latency_us: float = 10.0
     message_overhead_us: float = 50.0
     intra_gbps: float = 800.0
-    segment_bytes: int = 64 * 1024
+    segment_bytes: int = 16 * 1024
+    nic_queue_bytes: int = 0
     header_bytes: int = 64
 
     def __post_init__(self) -> None:
@@ -95,6 +100,7 @@ class Network:
         _number("Network", "message_overhead_us", self.message_overhead_us, positive=False)
         _number("Network", "intra_gbps", self.intra_gbps, positive=True)
         _count("Network", "segment_bytes", self.segment_bytes, least=1)
+        _count("Network", "nic_queue_bytes", self.nic_queue_bytes, least=0)
         _count("Network", "header_bytes", self.header_bytes, least=0)
 
     def to_core(self) -> dict[str, Any]:
@@ -107,6 +113,7 @@ class Network:
             "message_overhead_s": self.message_overhead_us * 1e-6,
             "intra_bandwidth": self.intra_gbps * 1e9 / 8,
             "segment_bytes": self.segment_bytes,
+            "nic_queue_bytes": self.nic_queue_bytes,
             "header_bytes": self.header_bytes,
         }
 
