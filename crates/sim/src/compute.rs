@@ -58,14 +58,11 @@ impl Sim<'_> {
         let wk = &mut self.workers[w as usize];
         wk.starts.push(now);
         if w == 0 {
-            // Links are measured over the measured iterations, as seen by machine 0.
+            // Links are measured from the measured iterations' start on machine 0 until
+            // every machine is through them, so that all their bytes count.
             if wk.iteration == warmup {
                 self.net.measuring = true;
                 self.rec.measuring(now);
-            }
-            if wk.iteration == last {
-                self.net.measuring = false;
-                self.rec.stop(now);
             }
             self.rec.iteration(now, &self.net);
         }
@@ -73,6 +70,10 @@ impl Sim<'_> {
         if wk.iteration == last {
             wk.stage = Stage::Done;
             self.finished += 1;
+            if self.finished == self.workers.len() as u32 {
+                self.net.measuring = false;
+                self.rec.stop(now);
+            }
         }
     }
 

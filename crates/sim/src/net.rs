@@ -13,11 +13,10 @@
 //! machine pushing the same partition, or identical machines folded into one; see
 //! `crate::plan`): its segments take `factor` times as long there, which is when the last
 //! of the copies would get through if the link interleaved them. A connection sends its
-//! messages in order; a data message first costs its sending machine the per-message
-//! overhead for each copy it stands for there (one message at a time per machine: the
-//! sending process's CPU), which holds its connection, not the link. Messages between processes of one machine (a worker and its
-//! colocated server) never touch the NIC: they take their bytes over the intra-machine
-//! bandwidth, in order per connection.
+//! messages in order, each no earlier than its sender has prepared it (the engine accounts
+//! the senders' CPU time); waiting for that holds the connection, not the link. Messages
+//! between processes of one machine (a worker and its colocated server) never touch the
+//! NIC: they take their bytes over the intra-machine bandwidth, in order per connection.
 
 use std::collections::VecDeque;
 
@@ -46,7 +45,7 @@ pub enum NetEvent {
     Arrived { machine: u32, segment: Segment },
     /// Machine `machine`'s downlink finished forwarding a segment.
     Forwarded { machine: u32 },
-    /// A connection's per-message overhead is over: its message may use the link.
+    /// A connection's message has been prepared: it may use the link.
     Ready { conn: ConnId },
     /// A message between processes of one machine arrived.
     Local { msg: MsgId },
@@ -58,8 +57,8 @@ pub struct Msg<P> {
     /// Copies this message stands for on the sender's NIC and on the receiver's.
     pub up_factor: u32,
     pub down_factor: u32,
-    /// Data messages pay the per-message overhead; acknowledgements do not.
-    pub data: bool,
+    /// When its sender has prepared it.
+    pub ready_at: Time,
     pub payload: P,
     /// When it became its connection's message in progress.
     pub started: Time,
@@ -73,7 +72,7 @@ struct Conn {
     waiting: VecDeque<MsgId>,
     /// The message being written to the NIC and its bytes not written yet.
     writing: Option<(MsgId, u64)>,
-    /// Whether that message's overhead is over.
+    /// Whether that message has been prepared.
     ready: bool,
     /// Bytes of this connection in its uplink's queue.
     queued: u64,
@@ -124,10 +123,7 @@ pub struct Network<P> {
     segment: u64,
     /// Bytes a connection may have in its NIC's queue.
     nic_queue: u64,
-    /// Per machine: when its sending process is done preparing the messages it took on.
-    cpu_free: Vec<Time>,
     latency: Time,
-    overhead: Time,
     intra_rate: f64,
     /// Whether link usage is being counted (the measured iterations).
     pub measuring: bool,
@@ -141,7 +137,6 @@ pub struct Costs {
     /// one segment: per-segment round robin).
     pub nic_queue: u64,
     pub latency_s: f64,
-    pub overhead_s: f64,
     pub intra_rate: f64,
 }
 
@@ -168,9 +163,7 @@ impl<P> Network<P> {
             free: Vec::new(),
             segment: costs.segment,
             nic_queue: costs.nic_queue.max(costs.segment),
-            cpu_free: vec![0; rates.len()],
             latency: from_secs(costs.latency_s),
-            overhead: from_secs(costs.overhead_s),
             intra_rate: costs.intra_rate,
             measuring: false,
         }
@@ -208,7 +201,7 @@ impl<P> Network<P> {
         m
     }
 
-    /// Queues a message on its connection.
+    /// Queues a message on its connection, to be written to the NIC from `ready_at`.
     #[allow(clippy::too_many_arguments)]
     pub fn send<E: From<NetEvent>>(
         &mut self,
@@ -216,7 +209,7 @@ impl<P> Network<P> {
         conn: ConnId,
         bytes: u64,
         (up_factor, down_factor): (u32, u32),
-        data: bool,
+        ready_at: Time,
         payload: P,
         q: &mut EventQueue<E>,
     ) {
@@ -225,7 +218,7 @@ impl<P> Network<P> {
             bytes,
             up_factor,
             down_factor,
-            data,
+            ready_at,
             payload,
             started: now,
         };
@@ -241,15 +234,8 @@ impl<P> Network<P> {
         };
         let c = &mut self.conns[conn as usize];
         if c.local {
-            let m = self.msgs[id as usize].as_mut().expect("just stored");
-            let mut start = now.max(c.local_free);
-            if data && self.overhead > 0 {
-                let cpu = &mut self.cpu_free[c.from as usize];
-                *cpu = (*cpu).max(now) + self.overhead * u64::from(m.up_factor);
-                start = start.max(*cpu);
-            }
-            m.started = now;
-            c.local_free = start + transfer(bytes * u64::from(m.up_factor), self.intra_rate);
+            let start = ready_at.max(now).max(c.local_free);
+            c.local_free = start + transfer(bytes * u64::from(up_factor), self.intra_rate);
             q.push(c.local_free, NetEvent::Local { msg: id }.into());
             return;
         }
@@ -260,7 +246,7 @@ impl<P> Network<P> {
     }
 
     /// Writes the connection's bytes into its NIC's queue while its share allows: the
-    /// message in progress, then the next ones (each after its overhead).
+    /// message in progress, then the next ones (each once prepared).
     fn write<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
         let c = &mut self.conns[conn as usize];
         let machine = c.from;
@@ -272,13 +258,9 @@ impl<P> Network<P> {
                 let m = self.msgs[id as usize].as_mut().expect("a waiting message");
                 m.started = now;
                 c.writing = Some((id, m.bytes));
-                c.ready = !(m.data && self.overhead > 0);
+                c.ready = m.ready_at <= now;
                 if !c.ready {
-                    // The sending machine prepares one message at a time, each copy it
-                    // stands for on its own NIC included.
-                    let cpu = &mut self.cpu_free[machine as usize];
-                    *cpu = (*cpu).max(now) + self.overhead * u64::from(m.up_factor);
-                    q.push(*cpu, NetEvent::Ready { conn }.into());
+                    q.push(m.ready_at, NetEvent::Ready { conn }.into());
                 }
                 continue;
             };
@@ -428,20 +410,20 @@ mod tests {
     use super::*;
 
     const GB: f64 = 1e9;
+    const US: Time = 1_000_000;
 
     fn net(
         machines: usize,
         latency_s: f64,
-        overhead_s: f64,
+        nic_queue: u64,
         intra_rate: f64,
     ) -> Network<&'static str> {
         Network::new(
             &vec![GB; machines],
             Costs {
                 segment: 1000,
-                nic_queue: 0,
+                nic_queue,
                 latency_s,
-                overhead_s,
                 intra_rate,
             },
         )
@@ -463,116 +445,89 @@ mod tests {
 
     #[test]
     fn one_message_takes_its_bytes_over_the_rate_plus_the_latency() {
-        let mut net = net(2, 1e-6, 0.0, GB);
+        let mut net = net(2, 1e-6, 0, GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 1);
         net.measuring = true;
-        net.send(0, c, 10_000, (1, 1), true, "m", &mut q);
+        net.send(0, c, 10_000, (1, 1), 0, "m", &mut q);
         // 10 us on the wire, 1 us latency, cut-through: 11 us.
-        assert_eq!(run(&mut net, &mut q), [(11_000_000, "m")]);
-        assert_eq!(net.usage(0).0.busy, 10_000_000);
+        assert_eq!(run(&mut net, &mut q), [(11 * US, "m")]);
+        assert_eq!(net.usage(0).0.busy, 10 * US);
         assert_eq!(net.usage(1).1.bytes, 10_000);
     }
 
     #[test]
     fn an_uplink_interleaves_connections_segment_by_segment() {
-        let mut net = net(3, 0.0, 0.0, GB);
+        let mut net = net(3, 0.0, 0, GB);
         let mut q = EventQueue::new();
         let a = net.connect(0, 1);
         let b = net.connect(0, 2);
-        net.send(0, a, 3000, (1, 1), true, "a", &mut q);
-        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
+        net.send(0, a, 3000, (1, 1), 0, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), 0, "b", &mut q);
         // a0 b0 a1 a2: b is through after 2 us, a after 4 us.
-        assert_eq!(run(&mut net, &mut q), [(2_000_000, "b"), (4_000_000, "a")]);
-    }
-
-    #[test]
-    fn incast_shares_the_downlink_and_factors_multiply_bytes() {
-        let mut net = net(3, 0.0, 0.0, GB);
-        let mut q = EventQueue::new();
-        let a = net.connect(0, 2);
-        let b = net.connect(1, 2);
-        net.send(0, a, 2000, (1, 1), true, "a", &mut q);
-        // b stands for three machines' copies arriving at machine 2.
-        net.send(0, b, 2000, (1, 3), true, "b", &mut q);
-        let got = run(&mut net, &mut q);
-        // 2000 + 3 * 2000 bytes through machine 2's downlink: done at 8 us.
-        assert_eq!(got.last().unwrap().0, 8_000_000);
-        assert_eq!(got.len(), 2);
-    }
-
-    #[test]
-    fn overhead_holds_the_connection_not_the_link() {
-        let mut net = net(3, 0.0, 5e-6, GB);
-        let mut q = EventQueue::new();
-        let a = net.connect(0, 1);
-        let b = net.connect(0, 2);
-        net.send(0, a, 1000, (1, 1), true, "a1", &mut q);
-        net.send(0, a, 1000, (1, 1), true, "a2", &mut q);
-        net.send(0, b, 1000, (1, 1), false, "ack", &mut q);
-        let got = run(&mut net, &mut q);
-        // The acknowledgement goes at once; a1 after 5 us of overhead; a2's overhead runs
-        // from when a1 is written to the NIC, so a2 leaves at 10 us.
-        assert_eq!(
-            got,
-            [(1_000_000, "ack"), (6_000_000, "a1"), (11_000_000, "a2")]
-        );
-    }
-
-    #[test]
-    fn a_machine_prepares_one_message_at_a_time() {
-        let mut net = net(3, 0.0, 5e-6, GB);
-        let mut q = EventQueue::new();
-        let a = net.connect(0, 1);
-        let b = net.connect(0, 2);
-        net.send(0, a, 1000, (1, 1), true, "a", &mut q);
-        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
-        assert_eq!(run(&mut net, &mut q), [(6_000_000, "a"), (11_000_000, "b")]);
+        assert_eq!(run(&mut net, &mut q), [(2 * US, "b"), (4 * US, "a")]);
     }
 
     #[test]
     fn a_deep_nic_queue_sends_in_bursts_in_writing_order() {
-        let mut net = Network::new(
-            &[GB; 3],
-            Costs {
-                segment: 1000,
-                nic_queue: 3000,
-                latency_s: 0.0,
-                overhead_s: 0.0,
-                intra_rate: GB,
-            },
-        );
+        let mut net = net(3, 0.0, 3000, GB);
         let mut q = EventQueue::new();
         let a = net.connect(0, 1);
         let b = net.connect(0, 2);
-        net.send(0, a, 3000, (1, 1), true, "a", &mut q);
-        net.send(0, b, 1000, (1, 1), true, "b", &mut q);
+        net.send(0, a, 3000, (1, 1), 0, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), 0, "b", &mut q);
         // a's three segments are queued before b's: a at 3 us, b at 4 us (round robin
         // would have b through first, at 2 us).
-        assert_eq!(run(&mut net, &mut q), [(3_000_000, "a"), (4_000_000, "b")]);
+        assert_eq!(run(&mut net, &mut q), [(3 * US, "a"), (4 * US, "b")]);
+    }
+
+    #[test]
+    fn incast_shares_the_downlink_and_factors_multiply_bytes() {
+        let mut net = net(3, 0.0, 0, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 2);
+        let b = net.connect(1, 2);
+        net.send(0, a, 2000, (1, 1), 0, "a", &mut q);
+        // b stands for three machines' copies arriving at machine 2.
+        net.send(0, b, 2000, (1, 3), 0, "b", &mut q);
+        let got = run(&mut net, &mut q);
+        // 2000 + 3 * 2000 bytes through machine 2's downlink: done at 8 us.
+        assert_eq!(got.last().unwrap().0, 8 * US);
+        assert_eq!(got.len(), 2);
+    }
+
+    #[test]
+    fn a_message_waits_for_its_sender_and_holds_its_connection_not_the_link() {
+        let mut net = net(3, 0.0, 0, GB);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 1000, (1, 1), 5 * US, "a1", &mut q);
+        net.send(0, a, 1000, (1, 1), 6 * US, "a2", &mut q);
+        net.send(0, b, 1000, (1, 1), 0, "b", &mut q);
+        let got = run(&mut net, &mut q);
+        // b goes at once; a1 once prepared at 5 us; a2, prepared at 6 us, behind it.
+        assert_eq!(got, [(US, "b"), (6 * US, "a1"), (7 * US, "a2")]);
     }
 
     #[test]
     fn local_messages_skip_the_nic_in_order() {
-        let mut net = net(1, 1e-3, 0.0, 2.0 * GB);
+        let mut net = net(1, 1e-3, 0, 2.0 * GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 0);
-        net.send(0, c, 2000, (1, 1), true, "x", &mut q);
-        net.send(0, c, 2000, (2, 1), true, "y", &mut q);
-        assert_eq!(run(&mut net, &mut q), [(1_000_000, "x"), (3_000_000, "y")]);
+        net.send(0, c, 2000, (1, 1), 0, "x", &mut q);
+        net.send(0, c, 2000, (2, 1), 0, "y", &mut q);
+        assert_eq!(run(&mut net, &mut q), [(US, "x"), (3 * US, "y")]);
         assert_eq!(net.usage(0).0.bytes, 0);
     }
 
     #[test]
     fn empty_messages_keep_their_place() {
-        let mut net = net(2, 0.0, 0.0, GB);
+        let mut net = net(2, 0.0, 0, GB);
         let mut q = EventQueue::new();
         let c = net.connect(0, 1);
-        net.send(0, c, 1000, (1, 1), true, "data", &mut q);
-        net.send(0, c, 0, (1, 1), false, "ack", &mut q);
-        assert_eq!(
-            run(&mut net, &mut q),
-            [(1_000_000, "data"), (1_000_000, "ack")]
-        );
+        net.send(0, c, 1000, (1, 1), 0, "data", &mut q);
+        net.send(0, c, 0, (1, 1), 0, "ack", &mut q);
+        assert_eq!(run(&mut net, &mut q), [(US, "data"), (US, "ack")]);
     }
 }
