@@ -317,8 +317,9 @@ def test_folding_worker_machines_changes_nothing(arch: str, k: int, scheduler: s
         profile=p,
         cluster=Cluster(machines=4, gpus_per_machine=2, cpu_machines=k),
         # Fine segments: unfolded, identical pushes arriving together are forwarded in
-        # worker order, which stop-and-wait (p3) amplifies at coarser ones.
-        network=Network(gbps=10, segment_bytes=1024),
+        # worker order, which stop-and-wait (p3) amplifies at coarser ones. No per-message
+        # cost: with one, servers serve the machines one after the other (no folding).
+        network=Network(gbps=10, segment_bytes=1024, message_overhead_us=0),
         architecture=arch,
         scheduling=Scheduling(scheduler=scheduler, partition_bytes=1 << 18),
         warmup_iterations=2,
@@ -333,15 +334,19 @@ def test_folding_worker_machines_changes_nothing(arch: str, k: int, scheduler: s
     assert folded.network_s == pytest.approx(full.network_s, rel=0.005)
 
 
-def test_colocated_servers_with_work_keep_every_machine() -> None:
+def test_machines_that_differ_are_all_simulated() -> None:
     cfg = Config(
         profile=model([1 << 20] * 8, 1.0, 2.0),
         cluster=Cluster(machines=4, cpu_machines=2),
-        network=Network(gbps=10),
+        network=Network(gbps=10, message_overhead_us=0),
     )
     r = simulate(cfg)
     assert len(r.machines) == 6
-    assert "all 4 worker machines simulated" in r.reduction
+    assert "each hosts a summation server with its own share" in r.reduction
+    # A non-colocated PS whose servers take time per message serves the machines in turn.
+    r = simulate(cfg.with_(architecture="ps", network=Network(gbps=10, message_overhead_us=5)))
+    assert len(r.machines) == 6
+    assert "one after the other" in r.reduction
 
 
 def test_gpus_without_intra_machine_aggregation_push_their_own_copies() -> None:

@@ -13,7 +13,7 @@
 //! through it (`crate::plan`).
 
 use crate::engine::{Event, Payload, Phase, Running, Sim};
-use crate::time::transfer;
+use crate::time::{from_secs, transfer};
 
 impl Sim<'_> {
     pub fn collective_enqueue(&mut self, w: u32, part: u32) {
@@ -64,9 +64,10 @@ impl Sim<'_> {
         if run.step == run.steps {
             return self.ring_over(w);
         }
-        // Every step is a message the machine's process prepares.
-        let ready = self.prepare(self.workers[w as usize].machine, 1);
-        let inside = ready + transfer(run.chunk, self.cfg.network.intra_bandwidth);
+        // Every step is a message the machine's process prepares first.
+        let net = self.cfg.network;
+        let inside =
+            self.now + from_secs(net.message_overhead_s) + transfer(run.chunk, net.intra_bandwidth);
         let g = self.cfg.cluster.gpus_per_machine;
         let single = self.cfg.cluster.machines == 1;
         // Hops between the machine's own GPUs: every hop with one machine, the others of a
@@ -88,7 +89,7 @@ impl Sim<'_> {
             self.ring_conns[w as usize],
             run.chunk,
             (1, 1),
-            ready,
+            1,
             Payload::Step { worker: w },
             &mut self.q,
         );

@@ -169,9 +169,6 @@ pub struct Sim<'a> {
     pub finished: u32,
     /// Events handled so far.
     pub events: u64,
-    /// Per simulated machine: when its process has prepared every message it took on.
-    pub cpu_free: Vec<Time>,
-    pub overhead: Time,
     pub rec: Recorder,
 }
 
@@ -188,6 +185,7 @@ impl<'a> Sim<'a> {
                 segment: net_cfg.segment_bytes,
                 nic_queue: net_cfg.nic_queue_bytes,
                 latency_s: net_cfg.latency_s,
+                overhead_s: net_cfg.message_overhead_s,
                 intra_rate: net_cfg.intra_bandwidth,
             },
         );
@@ -257,7 +255,6 @@ impl<'a> Sim<'a> {
             })
             .collect();
         let rec = Recorder::new(cfg, &plan);
-        let machines = plan.rates.len();
         Ok(Sim {
             cfg,
             kind,
@@ -290,8 +287,6 @@ impl<'a> Sim<'a> {
             last_iteration: cfg.training.warmup_iterations + cfg.training.iterations,
             finished: 0,
             events: 0,
-            cpu_free: vec![0; machines],
-            overhead: from_secs(net_cfg.message_overhead_s),
             rec,
         })
     }
@@ -396,14 +391,6 @@ impl<'a> Sim<'a> {
             Payload::Sum { worker, part } => self.sum_arrived(worker, part),
             Payload::Step { worker } => self.step_delivered(worker),
         }
-    }
-
-    /// When machine `m`'s process has prepared `messages` more messages, started now: it
-    /// prepares one at a time (serialising, system calls: the per-message overhead).
-    pub fn prepare(&mut self, m: u32, messages: u32) -> Time {
-        let free = &mut self.cpu_free[m as usize];
-        *free = (*free).max(self.now) + self.overhead * u64::from(messages);
-        *free
     }
 
     /// Bytes an intra-machine reduce or broadcast of `bytes` moves: (g - 1)/g of them,

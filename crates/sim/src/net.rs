@@ -13,10 +13,11 @@
 //! machine pushing the same partition, or identical machines folded into one; see
 //! `crate::plan`): its segments take `factor` times as long there, which is when the last
 //! of the copies would get through if the link interleaved them. A connection sends its
-//! messages in order, each no earlier than its sender has prepared it (the engine accounts
-//! the senders' CPU time); waiting for that holds the connection, not the link. Messages
-//! between processes of one machine (a worker and its colocated server) never touch the
-//! NIC: they take their bytes over the intra-machine bandwidth, in order per connection.
+//! messages in order. When a message comes up, the sending process prepares it (the
+//! per-message overhead, for each message it stands for there), one message at a time per
+//! machine; that holds the connection, not the link. Messages between processes of one
+//! machine (a worker and its colocated server) never touch the NIC: they take their bytes
+//! over the intra-machine bandwidth, in order per connection.
 
 use std::collections::VecDeque;
 
@@ -57,8 +58,8 @@ pub struct Msg<P> {
     /// Copies this message stands for on the sender's NIC and on the receiver's.
     pub up_factor: u32,
     pub down_factor: u32,
-    /// When its sender has prepared it.
-    pub ready_at: Time,
+    /// Messages its sending process prepares for it (0: none, an acknowledgement).
+    pub cpu: u32,
     pub payload: P,
     /// When it became its connection's message in progress.
     pub started: Time,
@@ -123,6 +124,9 @@ pub struct Network<P> {
     segment: u64,
     /// Bytes a connection may have in its NIC's queue.
     nic_queue: u64,
+    /// Per machine: when its sending process has prepared every message it took on.
+    cpu_free: Vec<Time>,
+    overhead: Time,
     latency: Time,
     intra_rate: f64,
     /// Whether link usage is being counted (the measured iterations).
@@ -137,6 +141,8 @@ pub struct Costs {
     /// one segment: per-segment round robin).
     pub nic_queue: u64,
     pub latency_s: f64,
+    /// Sender CPU time per message.
+    pub overhead_s: f64,
     pub intra_rate: f64,
 }
 
@@ -163,6 +169,8 @@ impl<P> Network<P> {
             free: Vec::new(),
             segment: costs.segment,
             nic_queue: costs.nic_queue.max(costs.segment),
+            cpu_free: vec![0; rates.len()],
+            overhead: from_secs(costs.overhead_s),
             latency: from_secs(costs.latency_s),
             intra_rate: costs.intra_rate,
             measuring: false,
@@ -201,7 +209,7 @@ impl<P> Network<P> {
         m
     }
 
-    /// Queues a message on its connection, to be written to the NIC from `ready_at`.
+    /// Queues a message on its connection; its sender prepares `cpu` messages for it.
     #[allow(clippy::too_many_arguments)]
     pub fn send<E: From<NetEvent>>(
         &mut self,
@@ -209,7 +217,7 @@ impl<P> Network<P> {
         conn: ConnId,
         bytes: u64,
         (up_factor, down_factor): (u32, u32),
-        ready_at: Time,
+        cpu: u32,
         payload: P,
         q: &mut EventQueue<E>,
     ) {
@@ -218,7 +226,7 @@ impl<P> Network<P> {
             bytes,
             up_factor,
             down_factor,
-            ready_at,
+            cpu,
             payload,
             started: now,
         };
@@ -232,25 +240,38 @@ impl<P> Network<P> {
                 (self.msgs.len() - 1) as MsgId
             }
         };
-        let c = &mut self.conns[conn as usize];
+        let c = &self.conns[conn as usize];
         if c.local {
-            let start = ready_at.max(now).max(c.local_free);
+            let prepared = self.prepare(now, c.from, cpu);
+            let c = &mut self.conns[conn as usize];
+            let start = prepared.max(c.local_free);
             c.local_free = start + transfer(bytes * u64::from(up_factor), self.intra_rate);
             q.push(c.local_free, NetEvent::Local { msg: id }.into());
             return;
         }
+        let c = &mut self.conns[conn as usize];
         c.waiting.push_back(id);
         if c.writing.is_none() {
             self.write(now, conn, q);
         }
     }
 
+    /// When machine `m`'s process, free from now on, has prepared `messages` more.
+    fn prepare(&mut self, now: Time, m: u32, messages: u32) -> Time {
+        if messages == 0 || self.overhead == 0 {
+            return now;
+        }
+        let free = &mut self.cpu_free[m as usize];
+        *free = (*free).max(now) + self.overhead * u64::from(messages);
+        *free
+    }
+
     /// Writes the connection's bytes into its NIC's queue while its share allows: the
     /// message in progress, then the next ones (each once prepared).
     fn write<E: From<NetEvent>>(&mut self, now: Time, conn: ConnId, q: &mut EventQueue<E>) {
-        let c = &mut self.conns[conn as usize];
-        let machine = c.from;
+        let machine = self.conns[conn as usize].from;
         loop {
+            let c = &mut self.conns[conn as usize];
             let Some((id, left)) = c.writing else {
                 let Some(id) = c.waiting.pop_front() else {
                     break;
@@ -258,9 +279,12 @@ impl<P> Network<P> {
                 let m = self.msgs[id as usize].as_mut().expect("a waiting message");
                 m.started = now;
                 c.writing = Some((id, m.bytes));
-                c.ready = m.ready_at <= now;
-                if !c.ready {
-                    q.push(m.ready_at, NetEvent::Ready { conn }.into());
+                let cpu = m.cpu;
+                let prepared = self.prepare(now, machine, cpu);
+                let ready = prepared <= now;
+                self.conns[conn as usize].ready = ready;
+                if !ready {
+                    q.push(prepared, NetEvent::Ready { conn }.into());
                 }
                 continue;
             };
@@ -418,12 +442,23 @@ mod tests {
         nic_queue: u64,
         intra_rate: f64,
     ) -> Network<&'static str> {
+        with_overhead(machines, latency_s, nic_queue, intra_rate, 0.0)
+    }
+
+    fn with_overhead(
+        machines: usize,
+        latency_s: f64,
+        nic_queue: u64,
+        intra_rate: f64,
+        overhead_s: f64,
+    ) -> Network<&'static str> {
         Network::new(
             &vec![GB; machines],
             Costs {
                 segment: 1000,
                 nic_queue,
                 latency_s,
+                overhead_s,
                 intra_rate,
             },
         )
@@ -449,7 +484,7 @@ mod tests {
         let mut q = EventQueue::new();
         let c = net.connect(0, 1);
         net.measuring = true;
-        net.send(0, c, 10_000, (1, 1), 0, "m", &mut q);
+        net.send(0, c, 10_000, (1, 1), 1, "m", &mut q);
         // 10 us on the wire, 1 us latency, cut-through: 11 us.
         assert_eq!(run(&mut net, &mut q), [(11 * US, "m")]);
         assert_eq!(net.usage(0).0.busy, 10 * US);
@@ -498,16 +533,28 @@ mod tests {
 
     #[test]
     fn a_message_waits_for_its_sender_and_holds_its_connection_not_the_link() {
-        let mut net = net(3, 0.0, 0, GB);
+        let mut net = with_overhead(3, 0.0, 0, GB, 5e-6);
         let mut q = EventQueue::new();
         let a = net.connect(0, 1);
         let b = net.connect(0, 2);
-        net.send(0, a, 1000, (1, 1), 5 * US, "a1", &mut q);
-        net.send(0, a, 1000, (1, 1), 6 * US, "a2", &mut q);
-        net.send(0, b, 1000, (1, 1), 0, "b", &mut q);
+        net.send(0, a, 1000, (1, 1), 1, "a1", &mut q);
+        net.send(0, a, 1000, (1, 1), 1, "a2", &mut q);
+        net.send(0, b, 1000, (1, 1), 0, "ack", &mut q);
         let got = run(&mut net, &mut q);
-        // b goes at once; a1 once prepared at 5 us; a2, prepared at 6 us, behind it.
-        assert_eq!(got, [(US, "b"), (6 * US, "a1"), (7 * US, "a2")]);
+        // The acknowledgement costs nothing and goes at once; a1 after 5 us of preparing;
+        // a2 is prepared from when a1 is written to the NIC, and leaves at 10 us.
+        assert_eq!(got, [(US, "ack"), (6 * US, "a1"), (11 * US, "a2")]);
+    }
+
+    #[test]
+    fn a_machine_prepares_one_message_at_a_time_each_copy_included() {
+        let mut net = with_overhead(3, 0.0, 0, GB, 5e-6);
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 1000, (1, 1), 2, "a", &mut q);
+        net.send(0, b, 1000, (1, 1), 1, "b", &mut q);
+        assert_eq!(run(&mut net, &mut q), [(11 * US, "a"), (16 * US, "b")]);
     }
 
     #[test]

@@ -7,15 +7,19 @@
 //! - **GPUs of one machine.** They compute the same layers in the same times and send the
 //!   same partitions to the same servers. With intra-machine aggregation they leave the
 //!   machine as one copy (after a local reduce); without it, one message stands for g
-//!   copies on every link it crosses (see `crate::net`).
-//! - **Worker machines**, when no summation server runs on them with anything to do: ring
-//!   and hierarchical all-reduce (every node sends the same chunk to its neighbour in every
-//!   step), the non-colocated PS, and BytePS with k >= n (Eq. 2 gives colocated servers
-//!   nothing). Every worker machine then pushes the same partitions to the same CPU servers
-//!   at the same times and gets the same sums back: one machine is simulated, its messages
-//!   stand for n copies at the servers. With colocated servers doing work (colocated PS,
-//!   BytePS with k < n) each machine's NIC also carries the sums of the partitions *it*
-//!   hosts, which differ, so every worker machine is simulated.
+//!   copies on every link it crosses (see `crate::net`), each GPU's process preparing its
+//!   own push. The one approximation: a server's g sums for one machine are written once
+//!   all g are prepared, not each as soon as it is.
+//! - **Worker machines**: in ring and hierarchical all-reduce every node sends the same
+//!   chunk to its neighbour in every step. In the non-colocated PS and BytePS with k >= n
+//!   (Eq. 2 gives colocated servers nothing) every worker machine pushes the same
+//!   partitions to the same CPU servers at the same times and gets the same sums back,
+//!   provided messages cost no CPU time (a server prepares the n sums of a round one after
+//!   the other, so with a per-message cost each machine gets its sum at its own time). One
+//!   machine is then simulated, its messages standing for n copies at the servers. With
+//!   colocated servers doing work (colocated PS, BytePS with k < n) each machine's NIC
+//!   also carries the sums of the partitions *it* hosts, which differ, so every worker
+//!   machine is simulated.
 
 use std::fmt::Write;
 
@@ -50,11 +54,14 @@ impl Plan {
         let arch = cfg.architecture;
         let aggregate = cfg.training.intra_aggregation || !arch.has_servers();
         let gpu_copies = if aggregate { 1 } else { g };
+        // With a per-message cost, a server prepares its sums for the n machines one after
+        // the other, so they get them at different times: no longer identical.
+        let servers_fold = cfg.exploit_symmetry && cfg.network.message_overhead_s == 0.0;
         let foldable = match arch {
             Architecture::Ring | Architecture::Hierarchical => true,
-            Architecture::Ps => cfg.exploit_symmetry,
+            Architecture::Ps => servers_fold,
             Architecture::ColocatedPs | Architecture::Byteps => {
-                cfg.exploit_symmetry && layout.colocated_bytes() == 0
+                servers_fold && layout.colocated_bytes() == 0
             }
         };
         let workers: Vec<WorkerMachine> = if foldable {
@@ -100,16 +107,16 @@ impl Plan {
                 "{n} worker machines simulated as one, exactly: {why}"
             );
         } else if n > 1 {
-            let _ = write!(
-                reduction,
-                "all {n} worker machines simulated{}",
-                if arch.has_servers() && cfg.exploit_symmetry {
-                    ": each hosts a summation server with its own share, so their NICs \
-                     carry different sums at different times"
-                } else {
-                    ""
-                }
-            );
+            let why = if !arch.has_servers() || !cfg.exploit_symmetry {
+                ""
+            } else if layout.colocated_bytes() > 0 {
+                ": each hosts a summation server with its own share, so their NICs carry \
+                 different sums at different times"
+            } else {
+                ": servers prepare their sums for them one after the other (the \
+                 per-message cost), so each gets them at its own time"
+            };
+            let _ = write!(reduction, "all {n} worker machines simulated{why}");
         } else {
             reduction.push_str("one worker machine");
         }

@@ -6,10 +6,8 @@
 //!
 //! Summation itself costs no time here: BytePS §5 measures CPU summation above the NIC
 //! rate (Fig. 9b), and sumflow's servers reduce with SIMD kernels. What costs CPU time is
-//! each message: a worker prepares each push, a server each round's sum (once, for all
-//! its pullers); acknowledgements are free.
-
-use sumflow_comm::placement::ServerKind;
+//! each message (`crate::net`): a worker prepares each push, a server each sum it sends;
+//! acknowledgements are free.
 
 use crate::engine::{Event, Payload, Sim};
 
@@ -30,14 +28,13 @@ impl Sim<'_> {
         let conn = self.push_conns[self.lane(w, part)];
         let bytes = self.layout.parts[part as usize].bytes;
         let (own, all) = self.copies(w);
-        // Each of the machine's copies is a message its process prepares.
-        let ready = self.prepare(self.workers[w as usize].machine, own);
+        // Each GPU's process (or the machine's one, aggregating) prepares its own push.
         self.net.send(
             self.now,
             conn,
             bytes,
             (own, all),
-            ready,
+            1,
             Payload::Push { worker: w, part },
             &mut self.q,
         );
@@ -52,7 +49,7 @@ impl Sim<'_> {
             ack,
             header,
             (all, own),
-            self.now,
+            0,
             Payload::Ack { worker: w, part },
             &mut self.q,
         );
@@ -73,14 +70,8 @@ impl Sim<'_> {
             &self.plan,
         );
         let bytes = self.layout.parts[p].bytes;
-        // The sum is prepared once and written to every worker's connection as it is (the
-        // runtime's servers share one buffer among the pullers).
-        let server = self.layout.servers[self.layout.parts[p].server as usize];
-        let machine = match server.kind {
-            ServerKind::Colocated => server.index,
-            ServerKind::Cpu => self.plan.cpu_machine(server.index),
-        };
-        let ready = self.prepare(machine, 1);
+        // The server prepares one sum per puller as each comes up on its connection (a
+        // machine's GPUs' copies together).
         for to in 0..self.workers.len() as u32 {
             let (own, all) = self.copies(to);
             let conn = self.back_conns[self.lane(to, part)];
@@ -89,7 +80,7 @@ impl Sim<'_> {
                 conn,
                 bytes,
                 (all, own),
-                ready,
+                own,
                 Payload::Sum { worker: to, part },
                 &mut self.q,
             );

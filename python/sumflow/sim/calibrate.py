@@ -32,7 +32,7 @@ from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 #: The emulated network's costs other than bandwidth: the veth pairs and bridge of one
 #: machine (latency) and sumflow's per-partition work on a shared 2-core machine
 #: (overhead). Set once for every run; see docs/simulator.md for how they were chosen.
-EMULATION = {"latency_us": 50.0, "message_overhead_us": 400.0, "nic_queue_bytes": 0}
+EMULATION = {"latency_us": 50.0, "message_overhead_us": 800.0, "nic_queue_bytes": 0}
 #: The emulation's MTU (``--mtu``): links interleave connections packet by packet.
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
