@@ -530,7 +530,9 @@ def test_cli_runs_sweeps_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
         cli.main(["run", "--profile", "resnet50", "--machines", "0"])
 
 
-def test_calibration_reads_the_recorded_runs() -> None:
+def test_calibration_reads_the_recorded_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = Path(__file__).resolve().parents[2] / "bench" / "results"
     runs = cal.measurements(root / "schedulers-omp1-runD")
     systems = {m.system for m in runs}
@@ -544,3 +546,7 @@ def test_calibration_reads_the_recorded_runs() -> None:
     first = cal.compare(goodput[:1])[0]
     assert first.simulated_s > 0
     assert math.isfinite(first.error)
+    table = tmp_path / "calibration.json"
+    assert cli.main(["calibrate", str(root / "cluster"), "--json", str(table)]) == 0
+    assert "runs within 10%" in capsys.readouterr().out
+    assert len(json.loads(table.read_text())) == len(goodput)

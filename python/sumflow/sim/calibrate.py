@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import statistics
 import sys
@@ -32,7 +31,12 @@ from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 #: The emulated network's costs other than bandwidth: the veth pairs and bridge of one
 #: machine (latency) and sumflow's per-partition work on a shared 2-core machine
 #: (overhead). Set once for every run; see docs/simulator.md for how they were chosen.
-EMULATION = {"latency_us": 50.0, "message_overhead_us": 800.0, "nic_queue_bytes": 0}
+EMULATION = {
+    "latency_us": 50.0,
+    "message_overhead_us": 800.0,
+    "sender_gbps": 0.0,
+    "nic_queue_bytes": 0,
+}
 #: The emulation's MTU (``--mtu``): links interleave connections packet by packet.
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
@@ -238,25 +242,48 @@ def compare(ms: Sequence[Measurement], **costs: float) -> list[Comparison]:
     return [Comparison(m, simulate(config_for(m, **costs)).iteration_s) for m in ms]
 
 
-def markdown(rows: Sequence[Comparison]) -> str:
-    """The comparison as a Markdown table, with a closing summary line."""
+def _summary(rows: Sequence[Comparison], key: str) -> list[str]:
+    groups: dict[str, list[float]] = {}
+    for c in rows:
+        name = c.measurement.system if key == "system" else Path(c.measurement.source).parent.name
+        groups.setdefault(name, []).append(c.error)
     lines = [
-        "| run | measured s | simulated s | error |",
-        "|---|---|---|---|",
+        f"| {key} | runs | within 10% | median error | median abs error | largest abs error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, errors in sorted(groups.items()):
+        absolute = [abs(e) for e in errors]
+        lines.append(
+            f"| {name} | {len(errors)} | {sum(e <= 0.10 for e in absolute)} | "
+            f"{statistics.median(errors):+.1%} | {statistics.median(absolute):.1%} | "
+            f"{max(absolute):.1%} |"
+        )
+    return lines
+
+
+def markdown(rows: Sequence[Comparison]) -> str:
+    """The comparison as Markdown: a summary line, summaries by system and by results
+    directory, then every run."""
+    errors = [abs(c.error) for c in rows]
+    within = sum(e <= 0.10 for e in errors)
+    lines = [
+        f"{within} of {len(rows)} runs within 10%; median |error| "
+        f"{statistics.median(errors):.1%}, largest {max(errors):.1%} (error: simulated over "
+        "measured seconds per iteration, less one).",
+        "",
+        *_summary(rows, "system"),
+        "",
+        *_summary(rows, "results"),
+        "",
+        "| run | results | measured s | simulated s | error |",
+        "|---|---|---|---|---|",
     ]
     for c in rows:
         flag = " (CPU over limit)" if c.measurement.cpu > 0.8 else ""
         lines.append(
-            f"| {c.measurement.label}{flag} | {c.measured_s:.3f} | {c.simulated_s:.3f} | "
-            f"{c.error:+.1%} |"
+            f"| {c.measurement.label}{flag} | {Path(c.measurement.source).parent.name} | "
+            f"{c.measured_s:.3f} | {c.simulated_s:.3f} | {c.error:+.1%} |"
         )
-    errors = [abs(c.error) for c in rows]
-    within = sum(e <= 0.10 for e in errors)
-    lines.append("")
-    lines.append(
-        f"{within} of {len(rows)} runs within 10%; median |error| "
-        f"{statistics.median(errors):.1%}, largest {max(errors):.1%}."
-    )
     return "\n".join(lines)
 
 
@@ -302,7 +329,7 @@ def plot(rows: Sequence[Comparison], path: str | Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m sumflow.sim.calibrate DIR...``: the table, and a plot with --plot."""
     ap = argparse.ArgumentParser(
-        prog="python -m sumflow.sim.calibrate",
+        prog="sumflow sim calibrate",
         description="Simulate the emulated-cluster runs recorded in bench/results and compare.",
     )
     ap.add_argument("results", nargs="+", help="results directories (or results.json files)")
@@ -334,8 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             + "\n"
         )
-    worst = max(abs(c.error) for c in rows)
-    return 0 if math.isfinite(worst) else 1
+    return 0
 
 
 if __name__ == "__main__":
