@@ -528,6 +528,30 @@ def test_cli_runs_sweeps_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     assert png.stat().st_size > 0
     with pytest.raises(SystemExit):
         cli.main(["run", "--profile", "resnet50", "--machines", "0"])
+    # A recorded profile is a JSON file in the profiles' format.
+    recorded = profiles.scale(profiles.builtin("transformer"), size_scale=0.1, time_scale=0.5)
+    path = recorded.save(tmp_path / "recorded.json")
+    assert cli.main(["run", "--profile", str(path), "--machines", "2", "--quiet"]) == 0
+    assert "transformer on 2 x 1 GPUs" in capsys.readouterr().out
+
+
+def test_sumflow_console_script_runs_sim(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from sumflow import _cli
+
+    monkeypatch.setattr(
+        "sys.argv", ["sumflow", "sim", "run", "--profile", "resnet50", "--machines", "2"]
+    )
+    with pytest.raises(SystemExit) as done:
+        _cli.main()
+    assert done.value.code == 0
+    assert "resnet50 on 2 x 1 GPUs" in capsys.readouterr().out
+    monkeypatch.setattr("sys.argv", ["sumflow", "train"])
+    with pytest.raises(SystemExit) as done:
+        _cli.main()
+    assert done.value.code == 2
+    assert "sim" in capsys.readouterr().err
 
 
 def test_calibration_reads_the_recorded_runs(

@@ -62,7 +62,7 @@ impl Sim<'_> {
             // every machine is through them, so that all their bytes count.
             if wk.iteration == warmup {
                 self.net.measuring = true;
-                self.rec.measuring(now);
+                self.rec.measuring();
             }
             self.rec.iteration(now, &self.net);
         }
@@ -72,7 +72,7 @@ impl Sim<'_> {
             self.finished += 1;
             if self.finished == self.workers.len() as u32 {
                 self.net.measuring = false;
-                self.rec.stop(now);
+                self.rec.stop();
             }
         }
     }

@@ -190,11 +190,13 @@ impl Recorder {
     }
 
     /// The measured iterations begin: record from now.
-    pub fn measuring(&mut self, _now: Time) {
+    pub fn measuring(&mut self) {
         self.recording = true;
+        // Usage counts from now on: the counters start from zero too.
+        self.last = None;
     }
 
-    pub fn stop(&mut self, _now: Time) {
+    pub fn stop(&mut self) {
         self.recording = false;
     }
 
@@ -203,7 +205,7 @@ impl Recorder {
     pub fn iteration<P>(&mut self, now: Time, net: &Network<P>) {
         let usage: Vec<(Usage, Usage)> = (0..net.machines()).map(|m| net.usage(m)).collect();
         if let Some((since, before)) = self.last.take() {
-            if self.enabled && now > since {
+            if self.enabled && self.recording && now > since {
                 for (m, (u, b)) in usage.iter().zip(&before).enumerate() {
                     if !self.machines[m] || self.events.len() as u64 >= self.max_events {
                         continue;
