@@ -414,10 +414,6 @@ impl<P> Network<P> {
         )
     }
 
-    pub fn rate(&self, m: u32) -> f64 {
-        self.uplinks[m as usize].rate
-    }
-
     pub fn machines(&self) -> u32 {
         self.uplinks.len() as u32
     }
