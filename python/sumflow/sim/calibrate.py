@@ -289,10 +289,9 @@ def markdown(rows: Sequence[Comparison]) -> str:
 
 def plot(rows: Sequence[Comparison], path: str | Path) -> Path:
     """Simulated against measured seconds per iteration, log-log, with the +-10% band."""
-    import matplotlib
+    from sumflow.sim.plots import pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(6.4, 6.0))
     systems = sorted({c.measurement.system for c in rows})

@@ -6,12 +6,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from sumflow.sim.result import Result
 
 
-def _pyplot():
-    import matplotlib
+def pyplot() -> Any:
+    """matplotlib's pyplot on the non-interactive Agg backend, or an ImportError that
+    says how to install it."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise ImportError(
+            "plots need matplotlib: pip install 'sumflow[examples]' (or matplotlib)"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -27,7 +35,7 @@ def plot_cpu_sweep(
 ) -> Path:
     """Iteration speedup over `baseline` (an all-reduce) against k, for BytePS and, if
     given, the non-colocated PS; with Eq. 7's communication-only ratio for reference."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 4.4))
     ks = sorted(byteps)
     ax.plot(
@@ -69,7 +77,7 @@ def plot_schedulers(
 ) -> Path:
     """Iterations/s against bandwidth, one line per scheduler (left), and the same over
     `relative_to` (right, when present)."""
-    plt = _pyplot()
+    plt = pyplot()
     rel = relative_to in results
     fig, axes = plt.subplots(1, 2 if rel else 1, figsize=(11 if rel else 6.4, 4.4))
     axes = list(axes) if rel else [axes]
