@@ -1,7 +1,8 @@
-"""Entry points of the ``sumflow-server`` and ``sumflow-coordinator`` console scripts.
+"""Entry points of the ``sumflow-server``, ``sumflow-coordinator`` and ``sumflow`` console
+scripts.
 
-Each runs the Rust program in this process (see ``sumflow._core.run_server``), so the
-wheel needs no separate binaries. The programs own SIGINT and SIGTERM while they run: both
+The first two run the Rust program in this process (see ``sumflow._core.run_server``), so
+the wheel needs no separate binaries. The programs own SIGINT and SIGTERM while they run: both
 stop them gracefully, and their exit status is the script's.
 """
 
@@ -29,3 +30,17 @@ def server() -> NoReturn:
 def coordinator() -> NoReturn:
     """``sumflow-coordinator``: a job's coordinator (see ``sumflow-coordinator --help``)."""
     _run(_core.run_coordinator)
+
+
+def main() -> NoReturn:
+    """``sumflow``: the package's own commands. ``sumflow sim ...`` runs the simulator
+    (``sumflow.sim.cli``, docs/simulator.md)."""
+    commands = {"sim": "simulate training on a cluster (sumflow sim --help)"}
+    argv = sys.argv[1:]
+    if not argv or argv[0] not in commands:
+        listing = "\n".join(f"  {name}  {what}" for name, what in commands.items())
+        print(f"usage: sumflow COMMAND ...\n\ncommands:\n{listing}", file=sys.stderr)
+        sys.exit(0 if argv[:1] in (["-h"], ["--help"]) else 2)
+    from sumflow.sim import cli
+
+    sys.exit(cli.main(argv[1:]))

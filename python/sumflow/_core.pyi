@@ -1,6 +1,6 @@
 """Typed stub of ``sumflow._core``, the Rust extension module (crates/binding)."""
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from os import PathLike
 from typing import Any
 
@@ -28,6 +28,17 @@ def run_coordinator(argv: Sequence[str]) -> int:
     node joined, 2 for bad arguments. Blocks until the job ends, with the GIL released.
     While it runs, SIGTERM and SIGINT tell every node to shut down; afterwards they no
     longer have their default effect.
+    """
+
+def simulate(
+    config: str,
+    progress: Callable[[int, int, float, int, float], None] | None = None,
+) -> str:
+    """Runs a simulation described by ``config`` (JSON, as ``sumflow.sim.Config.to_json``
+    writes it) and returns its report as JSON, with the GIL released. ``progress`` is called
+    about once a second of a long run with ``(iteration, iterations, simulated_s, events,
+    wall_s)``; an exception it raises stops the run and is raised here. Raises ValueError
+    for a configuration that cannot be simulated, ``SumflowError`` if the simulation stalls.
     """
 
 class SumflowError(RuntimeError):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -133,7 +134,13 @@ def shapes(profile: ModelProfile) -> list[tuple[str, tuple[int, ...]]]:
 
 @pytest.mark.parametrize(
     ("name", "params", "tensors"),
-    [("vgg16", 138_357_544, 32), ("resnet50", 25_557_032, 161), ("transformer", 63_082_496, 253)],
+    [
+        ("vgg16", 138_357_544, 32),
+        ("resnet50", 25_557_032, 161),
+        ("transformer", 63_082_496, 253),
+        ("bert-large", 336_226_108, 398),
+        ("gpt2", 124_439_808, 148),
+    ],
 )
 def test_builtin_parameter_counts_are_the_real_architectures(
     name: str, params: int, tensors: int
@@ -208,10 +215,41 @@ def test_transformer_profile_matches_torch_transformer_layers() -> None:
     assert sum(a.flops for a in arch) / 1e9 == pytest.approx(16.73, abs=0.01)
 
 
+def test_bert_large_and_gpt2_match_torch_layers() -> None:
+    """Every BERT-large encoder layer is a post-norm nn.TransformerEncoderLayer and every
+    GPT-2 block a pre-norm one (the same tensors, q/k/v fused): parameters and FLOPs per
+    layer agree, and so do the embeddings and the tied vocabulary projections."""
+    cases = [
+        (architectures.bert_large(), "bert.encoder.layer", ("attention", "ffn"), 24, 1024, 16, 4096,
+         128, 30522),
+        (architectures.gpt2(), "transformer.h", ("attn", "mlp"), 12, 768, 12, 3072, 1024, 50257),
+    ]  # fmt: skip
+    for arch, prefix, parts, layers, d, heads, ffn, tokens, vocab in cases:
+        by_name = {layer.name: layer for layer in arch}
+        with torch.device("meta"):
+            block = nn.TransformerEncoderLayer(d, heads, ffn, dropout=0.0, batch_first=True)
+            x = torch.empty(1, tokens, d)
+            block_flops = forward_flops(block, x)
+            embed = nn.Embedding(vocab, d)
+            head_flops = forward_flops(partial(nn.functional.linear, weight=embed.weight), x)
+        block_params = sum(t.numel() for t in block.parameters())
+        for i in range(layers):
+            names = [f"{prefix}.{i}.{part}" for part in parts]
+            assert sum(p.numel for n in names for p in by_name[n].params) == block_params
+            assert sum(by_name[n].flops for n in names) == block_flops
+        embeddings = arch[0].params[0]
+        assert embeddings.shape == tuple(embed.weight.shape)
+        head = by_name["cls.predictions.decoder" if "bert" in prefix else "lm_head"]
+        assert head.flops == head_flops
+        assert all(p.numel != vocab * d for p in head.params), "the head's weight is tied"
+
+
 ARCHITECTURES: dict[str, Callable[[], list[architectures.ArchLayer]]] = {
     "vgg16": architectures.vgg16,
     "resnet50": architectures.resnet50,
     "transformer": architectures.transformer_base,
+    "bert-large": architectures.bert_large,
+    "gpt2": architectures.gpt2,
 }
 
 
@@ -226,12 +264,15 @@ def test_builtin_times_follow_the_stated_flop_model() -> None:
             assert layer.forward_ms == pytest.approx(want, abs=1e-6)
             assert layer.backward_ms == pytest.approx(2 * layer.forward_ms, abs=2e-6)
         assert p.source
-        assert (p.device, p.batch_size) == (V100.name, 32)
+        assert (p.device, p.batch_size) == (V100.name, 8 if name == "gpt2" else 32)
     # ResNet-50 at ~350 images/s on a V100 in FP32, the figure the efficiency is set from.
     r = profiles.builtin("resnet50")
     assert 300 < r.batch_size / (r.compute_ms / 1e3) < 450
     assert profiles.builtin("vgg16").compute_ms == pytest.approx(344.0, rel=0.01)
     assert profiles.builtin("transformer").compute_ms == pytest.approx(186.0, rel=0.01)
+    # 3 x 87 GFLOPs per 128-token sequence, 3 x 292 GFLOPs per 1,024-token one.
+    assert profiles.builtin("bert-large").compute_ms == pytest.approx(969.3, rel=0.01)
+    assert profiles.builtin("gpt2").compute_ms == pytest.approx(810.6, rel=0.01)
 
 
 # ---- the JSON format ----------------------------------------------------------------------

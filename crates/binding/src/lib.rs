@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 pub mod errors;
 mod service;
+mod sim;
 mod trace;
 
 /// The name of the SIMD kernels the summation service would use on this CPU:
@@ -53,14 +54,15 @@ fn program(name: &str, argv: Vec<OsString>) -> Vec<OsString> {
     std::iter::once(OsString::from(name)).chain(argv).collect()
 }
 
-/// sumflow's Rust core: the summation server, the coordinator and the communication
-/// service. Use it through the `sumflow` package, which re-exports what is public.
+/// sumflow's Rust core: the summation server, the coordinator, the communication
+/// service and the simulator. Use it through the `sumflow` package, which re-exports what is public.
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
     m.add_function(wrap_pyfunction!(run_coordinator, m)?)?;
+    m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;
     m.add_class::<service::PyCommunicationService>()?;
     errors::register(m)?;
     Ok(())

@@ -210,3 +210,156 @@ def transformer_base(
         ]
     out.append(ArchLayer("decoder.output_projection", (), _linear_flops(d, vocab, tgt_len)))
     return out
+
+
+def _linear(prefix: str, fan_in: int, fan_out: int) -> tuple[ParamSpec, ...]:
+    """A linear layer's weight (out x in, as torch.nn.Linear stores it) and bias."""
+    return (
+        ParamSpec(f"{prefix}.weight", (fan_out, fan_in)),
+        ParamSpec(f"{prefix}.bias", (fan_out,)),
+    )
+
+
+def _norm(prefix: str, d: int) -> tuple[ParamSpec, ...]:
+    return (ParamSpec(f"{prefix}.weight", (d,)), ParamSpec(f"{prefix}.bias", (d,)))
+
+
+def _attention_flops(d: int, tokens: int) -> int:
+    """q, k, v and output projections plus ``QK^T`` and ``AV`` over the full matrices (a
+    dense kernel saves nothing from a causal mask), self-attention over `tokens`."""
+    return 4 * _linear_flops(d, d, tokens) + 2 * 2 * tokens * tokens * d
+
+
+def bert_large(*, vocab: int = 30522, seq_len: int = 128) -> list[ArchLayer]:
+    """BERT-large (Devlin et al., 2019) as Hugging Face's ``BertForPreTraining`` defines
+    it: hidden size 1024, 16 heads, feed-forward 4096, 24 post-norm encoder layers, 512
+    learned positions, 2 segment types, a pooler, and the pre-training heads (masked LM:
+    a dense transform with layer norm and a decoder tied to the word embeddings, so it owns
+    only its bias; next-sentence prediction). Names follow Hugging Face's.
+
+    One sample is a sequence of `seq_len` tokens (128: phase 1 of pre-training); the
+    masked-LM decoder projects every token onto the vocabulary. Layers: the embeddings
+    (no FLOPs counted for look-ups), per encoder layer ``attention`` and ``ffn`` (each with
+    its layer norm), ``pooler`` (first token only), ``cls.predictions.transform``,
+    ``cls.predictions.decoder`` (bias only) and ``cls.seq_relationship``. 398 tensors,
+    336,226,108 parameters (335,141,888 without the heads, the figure usually quoted)."""
+    d, ffn, layers = 1024, 4096, 24
+    out = [
+        ArchLayer(
+            "bert.embeddings",
+            (
+                ParamSpec("bert.embeddings.word_embeddings.weight", (vocab, d)),
+                ParamSpec("bert.embeddings.position_embeddings.weight", (512, d)),
+                ParamSpec("bert.embeddings.token_type_embeddings.weight", (2, d)),
+                *_norm("bert.embeddings.LayerNorm", d),
+            ),
+            0,
+        )
+    ]
+    for i in range(layers):
+        p = f"bert.encoder.layer.{i}"
+        out.append(
+            ArchLayer(
+                f"{p}.attention",
+                (
+                    *_linear(f"{p}.attention.self.query", d, d),
+                    *_linear(f"{p}.attention.self.key", d, d),
+                    *_linear(f"{p}.attention.self.value", d, d),
+                    *_linear(f"{p}.attention.output.dense", d, d),
+                    *_norm(f"{p}.attention.output.LayerNorm", d),
+                ),
+                _attention_flops(d, seq_len),
+            )
+        )
+        out.append(
+            ArchLayer(
+                f"{p}.ffn",
+                (
+                    *_linear(f"{p}.intermediate.dense", d, ffn),
+                    *_linear(f"{p}.output.dense", ffn, d),
+                    *_norm(f"{p}.output.LayerNorm", d),
+                ),
+                _linear_flops(d, ffn, seq_len) + _linear_flops(ffn, d, seq_len),
+            )
+        )
+    out += [
+        ArchLayer("bert.pooler", _linear("bert.pooler.dense", d, d), _linear_flops(d, d)),
+        ArchLayer(
+            "cls.predictions.transform",
+            (
+                *_linear("cls.predictions.transform.dense", d, d),
+                *_norm("cls.predictions.transform.LayerNorm", d),
+            ),
+            _linear_flops(d, d, seq_len),
+        ),
+        ArchLayer(
+            "cls.predictions.decoder",
+            (ParamSpec("cls.predictions.bias", (vocab,)),),
+            _linear_flops(d, vocab, seq_len),
+        ),
+        ArchLayer(
+            "cls.seq_relationship", _linear("cls.seq_relationship", d, 2), _linear_flops(d, 2)
+        ),
+    ]
+    return out
+
+
+def gpt2(*, vocab: int = 50257, positions: int = 1024, seq_len: int = 1024) -> list[ArchLayer]:
+    """GPT-2 (Radford et al., 2019), the 124M model, as Hugging Face's ``GPT2LMHeadModel``
+    defines it: width 768, 12 heads, feed-forward 3072, 12 pre-norm blocks, 1024 learned
+    positions, a final layer norm, and a language-model head tied to the token embedding
+    (no tensor of its own). Hugging Face stores the projections as ``Conv1D`` (in x out);
+    names and shapes follow it.
+
+    One sample is a sequence of `seq_len` tokens (the full context, 1024). Layers:
+    ``transformer.embed`` (token and position embeddings, no FLOPs counted), per block
+    ``attn`` (with ``ln_1``) and ``mlp`` (with ``ln_2``), ``transformer.ln_f``, and
+    ``lm_head``, whose FLOPs are the vocabulary projection of every token. 148 tensors,
+    124,439,808 parameters."""
+    d, ffn, blocks = 768, 3072, 12
+
+    def conv1d(prefix: str, fan_in: int, fan_out: int) -> tuple[ParamSpec, ...]:
+        return (
+            ParamSpec(f"{prefix}.weight", (fan_in, fan_out)),
+            ParamSpec(f"{prefix}.bias", (fan_out,)),
+        )
+
+    out = [
+        ArchLayer(
+            "transformer.embed",
+            (
+                ParamSpec("transformer.wte.weight", (vocab, d)),
+                ParamSpec("transformer.wpe.weight", (positions, d)),
+            ),
+            0,
+        )
+    ]
+    for i in range(blocks):
+        p = f"transformer.h.{i}"
+        out.append(
+            ArchLayer(
+                f"{p}.attn",
+                (
+                    *_norm(f"{p}.ln_1", d),
+                    *conv1d(f"{p}.attn.c_attn", d, 3 * d),
+                    *conv1d(f"{p}.attn.c_proj", d, d),
+                ),
+                _attention_flops(d, seq_len),
+            )
+        )
+        out.append(
+            ArchLayer(
+                f"{p}.mlp",
+                (
+                    *_norm(f"{p}.ln_2", d),
+                    *conv1d(f"{p}.mlp.c_fc", d, ffn),
+                    *conv1d(f"{p}.mlp.c_proj", ffn, d),
+                ),
+                _linear_flops(d, ffn, seq_len) + _linear_flops(ffn, d, seq_len),
+            )
+        )
+    out += [
+        ArchLayer("transformer.ln_f", _norm("transformer.ln_f", d), 0),
+        ArchLayer("lm_head", (), _linear_flops(d, vocab, seq_len)),
+    ]
+    return out

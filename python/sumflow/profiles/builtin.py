@@ -156,10 +156,66 @@ def transformer() -> ModelProfile:
     )
 
 
+#: BERT-large at pre-training phase 1: 32 sequences of 128 tokens per worker.
+BERT_BATCH = 32
+BERT_SEQ_LEN = 128
+#: GPT-2: 8 sequences of its full 1,024-token context per worker.
+GPT2_BATCH = 8
+GPT2_SEQ_LEN = 1024
+
+
+def bert_large() -> ModelProfile:
+    """BERT-large pre-training, 128-token sequences, batch 32, on a V100 (see
+    :func:`architectures.bert_large`)."""
+    return profile_from_architecture(
+        "bert-large",
+        architectures.bert_large(seq_len=BERT_SEQ_LEN),
+        device=V100,
+        batch_size=BERT_BATCH,
+        sample=f"sequence of {BERT_SEQ_LEN} tokens (WordPiece, 30,522-token vocabulary)",
+        source=(
+            "Sizes: BERT-large (Devlin et al. 2019: hidden 1024, 16 heads, ffn 4096, 24 "
+            "post-norm layers, 512 positions, 2 segment types) as Hugging Face's "
+            "BertForPreTraining, derived in sumflow/profiles/architectures.py: pooler, "
+            "masked-LM head (dense transform with layer norm, decoder tied to the word "
+            "embeddings, its own bias) and next-sentence head; 398 tensors, 336,226,108 "
+            "parameters (335,141,888 without the heads). Layers: the embeddings, each "
+            "attention and feed-forward sublayer with its layer norm, then the pooler and "
+            f"the heads. Sequence length {BERT_SEQ_LEN} (pre-training phase 1); the "
+            "masked-LM decoder projects every token; attention FLOPs include the seq^2 "
+            "products."
+        ),
+    )
+
+
+def gpt2() -> ModelProfile:
+    """GPT-2 (124M), 1,024-token sequences, batch 8, on a V100 (see
+    :func:`architectures.gpt2`)."""
+    return profile_from_architecture(
+        "gpt2",
+        architectures.gpt2(seq_len=GPT2_SEQ_LEN),
+        device=V100,
+        batch_size=GPT2_BATCH,
+        sample=f"sequence of {GPT2_SEQ_LEN} tokens (byte-level BPE, 50,257-token vocabulary)",
+        source=(
+            "Sizes: GPT-2 small (Radford et al. 2019: width 768, 12 heads, ffn 3072, 12 "
+            "pre-norm blocks, 1024 positions) as Hugging Face's GPT2LMHeadModel, derived in "
+            "sumflow/profiles/architectures.py: Conv1D projections (in x out) with biases, "
+            "layer norms, a final layer norm, and an LM head tied to the token embedding "
+            "(no tensor of its own); 148 tensors, 124,439,808 parameters. Layers: the "
+            "embeddings, each block's attention and MLP with their layer norms, ln_f, then "
+            f"the LM head. Sequence length {GPT2_SEQ_LEN}; attention FLOPs include the "
+            "seq^2 products over the full matrices."
+        ),
+    )
+
+
 _BUILTINS: dict[str, Callable[[], ModelProfile]] = {
     "vgg16": vgg16,
     "resnet50": resnet50,
     "transformer": transformer,
+    "bert-large": bert_large,
+    "gpt2": gpt2,
 }
 
 

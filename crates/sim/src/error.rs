@@ -1,0 +1,25 @@
+//! Why a simulation did not run.
+
+use sumflow_comm::partition::PartitionError;
+use sumflow_comm::placement::PlacementError;
+use thiserror::Error;
+
+#[derive(Debug, Error)]
+pub enum SimError {
+    /// The configuration cannot be simulated; the sentence names the field.
+    #[error("{0}")]
+    Invalid(String),
+    #[error("the configuration is not valid JSON for a simulation: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("cutting the model into partitions: {0}")]
+    Partition(#[from] PartitionError),
+    #[error("placing partitions on summation servers: {0}")]
+    Placement(#[from] PlacementError),
+    /// The simulation stopped making progress: a bug, reported with where it stood.
+    #[error("the simulation stalled at {at_s:.6} s in iteration {iteration}: {what}")]
+    Stalled {
+        at_s: f64,
+        iteration: u32,
+        what: String,
+    },
+}

@@ -1,0 +1,239 @@
+//! What a worker pushes: push_pull operations (a tensor, or a span of fused tensors), cut
+//! into partitions and placed on summation servers exactly as the runtime does it, with
+//! `sumflow-comm`'s own partitioning, Eq. 1/2 placement and lanes.
+
+use sumflow_comm::lanes;
+use sumflow_comm::partition::{partition_tensors, TensorSpec};
+use sumflow_comm::placement::{place, ServerKind, ServerSet};
+use sumflow_wire::Dtype;
+
+use crate::config::{Architecture, SimConfig};
+use crate::error::SimError;
+
+/// One push_pull per iteration: a tensor, or tensors fused into one buffer.
+#[derive(Clone, Debug)]
+pub struct Op {
+    pub name: String,
+    pub priority: i64,
+    pub bytes: u64,
+    /// Its partitions: `parts[first..first + count]`.
+    pub first: u32,
+    pub count: u32,
+    /// Layers whose parameters it updates.
+    pub layers: Vec<u32>,
+}
+
+/// A partition (or a lane's piece of one) as the scheduler and the network see it.
+#[derive(Clone, Copy, Debug)]
+pub struct Part {
+    pub op: u32,
+    pub key: u64,
+    /// Index into [`Layout::servers`] (for an all-reduce: 0, the collective).
+    pub server: u32,
+    pub lane: u32,
+    pub bytes: u64,
+}
+
+/// A summation server: on worker machine `machine` (colocated) or on CPU machine `cpu`.
+#[derive(Clone, Copy, Debug)]
+pub struct Server {
+    pub kind: ServerKind,
+    /// Worker machine index (colocated) or CPU machine index (CPU).
+    pub index: u32,
+    pub lanes: u32,
+    /// Bytes of the model placed on it.
+    pub bytes: u64,
+}
+
+pub struct Layout {
+    pub ops: Vec<Op>,
+    pub parts: Vec<Part>,
+    /// Per layer, the ops that become ready when its backward ends, in backward order.
+    pub ready_after: Vec<Vec<u32>>,
+    /// Per layer, how many ops update it.
+    pub updated_by: Vec<u32>,
+    pub servers: Vec<Server>,
+    /// The placement's own account of each server's share.
+    pub placement: Vec<String>,
+}
+
+impl Layout {
+    pub fn build(cfg: &SimConfig) -> Result<Layout, SimError> {
+        let partition_bytes = cfg.schedule.layout_partition_bytes()?;
+        let (ops, ready_after, updated_by) = spans(cfg);
+        let names: Vec<String> = ops.iter().map(|o| o.name.clone()).collect();
+        let specs: Vec<TensorSpec<'_>> = ops
+            .iter()
+            .zip(&names)
+            .map(|(o, name)| TensorSpec {
+                name,
+                elements: o.bytes / 4,
+                dtype: Dtype::F32,
+            })
+            .collect();
+        let keyed = partition_tensors(&specs, partition_bytes)?;
+        let mut layout = Layout {
+            ops,
+            parts: Vec::with_capacity(keyed.len()),
+            ready_after,
+            updated_by,
+            servers: Vec::new(),
+            placement: Vec::new(),
+        };
+        if !cfg.architecture.has_servers() {
+            for p in &keyed {
+                layout.push_part(p.tensor_index, p.key, 0, 0, p.bytes);
+            }
+            return Ok(layout);
+        }
+        let n = cfg.cluster.machines;
+        let k = cfg.cluster.cpu_machines;
+        // Ranks as the cluster map would give them: colocated servers first, by machine.
+        let set = match cfg.architecture {
+            Architecture::Ps => ServerSet::non_colocated(n, (0..k).collect())?,
+            _ => ServerSet::new((0..n).collect(), (n..n + k).collect())?,
+        };
+        // The runtime opens lanes to CPU servers only where colocated servers share the load.
+        let cpu_lanes = lanes::per_cpu_server(set.colocated().len() as u32, set.cpu().len() as u32);
+        for &rank in set.colocated() {
+            layout.servers.push(Server {
+                kind: ServerKind::Colocated,
+                index: rank,
+                lanes: 1,
+                bytes: 0,
+            });
+        }
+        for (j, _) in set.cpu().iter().enumerate() {
+            layout.servers.push(Server {
+                kind: ServerKind::Cpu,
+                index: j as u32,
+                lanes: cpu_lanes,
+                bytes: 0,
+            });
+        }
+        let placed = place(
+            &keyed.iter().map(|p| (p.key, p.bytes)).collect::<Vec<_>>(),
+            &set,
+        )?;
+        layout.placement = placed.explain();
+        let slot_of = |rank: u32| -> u32 {
+            set.colocated()
+                .iter()
+                .chain(set.cpu())
+                .position(|&r| r == rank)
+                .expect("placement uses the set's ranks") as u32
+        };
+        for p in &keyed {
+            let rank = placed.server_of(p.key).expect("every partition is placed");
+            let server = slot_of(rank);
+            let lanes = layout.servers[server as usize].lanes;
+            layout.servers[server as usize].bytes += p.bytes;
+            let pieces = lanes::pieces((p.key, 0, p.bytes as usize), 4, lanes)
+                .map_err(|e| SimError::Invalid(e.to_string()))?;
+            for (key, _, bytes) in pieces {
+                let lane = (key % u64::from(lanes)) as u32;
+                layout.push_part(p.tensor_index, key, server, lane, bytes as u64);
+            }
+        }
+        Ok(layout)
+    }
+
+    fn push_part(&mut self, op: u32, key: u64, server: u32, lane: u32, bytes: u64) {
+        let o = &mut self.ops[op as usize];
+        if o.count == 0 {
+            o.first = self.parts.len() as u32;
+        }
+        o.count += 1;
+        self.parts.push(Part {
+            op,
+            key,
+            server,
+            lane,
+            bytes,
+        });
+    }
+
+    /// Bytes placed on colocated servers: none means every worker machine only talks to
+    /// CPU servers.
+    pub fn colocated_bytes(&self) -> u64 {
+        self.servers
+            .iter()
+            .filter(|s| s.kind == ServerKind::Colocated)
+            .map(|s| s.bytes)
+            .sum()
+    }
+
+    pub fn parts_of(&self, op: u32) -> std::ops::Range<usize> {
+        let o = &self.ops[op as usize];
+        o.first as usize..(o.first + o.count) as usize
+    }
+}
+
+/// The push_pulls of one iteration, in declaration order: one per tensor, or, with
+/// `fusion_bytes`, spans cut in backward order that close once they hold at least that
+/// many bytes (GradientFlow's lazy all-reduce; DDP's buckets close the same way). A span
+/// is ready when its last tensor in backward order is, and is as urgent as its most
+/// urgent tensor.
+fn spans(cfg: &SimConfig) -> (Vec<Op>, Vec<Vec<u32>>, Vec<u32>) {
+    let layers = &cfg.model.layers;
+    // (tensor index, layer, name, bytes) in declaration order.
+    let tensors: Vec<(usize, u32, &str, u64)> = layers
+        .iter()
+        .enumerate()
+        .flat_map(|(l, layer)| layer.tensors.iter().map(move |t| (l as u32, t)))
+        .enumerate()
+        .map(|(i, (l, t))| (i, l, t.name.as_str(), t.bytes))
+        .collect();
+    let priority =
+        |i: usize| -> i64 { cfg.schedule.priorities.as_ref().map_or(i as i64, |p| p[i]) };
+    let theta = cfg.schedule.fusion_bytes;
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut open: Vec<usize> = Vec::new();
+    let mut open_bytes = 0;
+    for &(i, _, _, bytes) in tensors.iter().rev() {
+        open.push(i);
+        open_bytes += bytes;
+        if open_bytes >= theta {
+            groups.push(std::mem::take(&mut open));
+            open_bytes = 0;
+        }
+    }
+    if !open.is_empty() {
+        groups.push(open);
+    }
+    // Declaration order: the group holding the lowest tensor index first.
+    groups.reverse();
+    let mut ready_after = vec![Vec::new(); layers.len()];
+    let mut updated_by = vec![0; layers.len()];
+    let mut ops = Vec::with_capacity(groups.len());
+    for (id, group) in groups.iter().enumerate() {
+        let first = *group.iter().min().expect("groups are never empty");
+        let last = *group.iter().max().expect("groups are never empty");
+        let mut op_layers: Vec<u32> = group.iter().map(|&i| tensors[i].1).collect();
+        op_layers.dedup();
+        op_layers.sort_unstable();
+        op_layers.dedup();
+        for &l in &op_layers {
+            updated_by[l as usize] += 1;
+        }
+        // Ready with its tensor that backward produces last: the lowest index.
+        ready_after[tensors[first].1 as usize].push(id as u32);
+        ops.push(Op {
+            name: if group.len() == 1 {
+                tensors[first].2.to_string()
+            } else {
+                format!("fused[{}..{}]", tensors[first].2, tensors[last].2)
+            },
+            priority: group.iter().map(|&i| priority(i)).min().expect("non-empty"),
+            bytes: group.iter().map(|&i| tensors[i].3).sum(),
+            first: 0,
+            count: 0,
+            layers: op_layers,
+        });
+    }
+    // Within a layer, backward completes later tensors first.
+    for ops_of_layer in &mut ready_after {
+        ops_of_layer.reverse();
+    }
+    (ops, ready_after, updated_by)
+}

@@ -1,0 +1,367 @@
+"""Simulated against measured: the emulated-cluster runs recorded in ``bench/results``
+(``docs/benchmarks.md``) replayed in the simulator with the same profiles, scales,
+bandwidth, n, k, scheduler and knobs.
+
+What the emulation is, in the simulator's terms: every host a machine with one NIC of the
+link rate iperf3 measured (``link.b_mbit`` of the results), MTU 9000 (the segment size), a
+worker and its colocated server on one host talking over loopback, and the per-message
+costs of sumflow's pipeline and the kernel's TCP stack on the 2-core machine that runs it
+all, which :data:`EMULATION` states and the calibration table judges.
+
+``python -m sumflow.sim.calibrate bench/results/schedulers-omp1-runD ... --plot out.png``
+prints the comparison as a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sumflow import profiles
+from sumflow.profiles import LayerProfile, ModelProfile, ParamSpec
+from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
+
+#: The emulated network's costs other than bandwidth: the veth pairs and bridge of one
+#: machine (latency) and sumflow's per-partition work on a shared 2-core machine
+#: (overhead). Set once for every run; see docs/simulator.md for how they were chosen.
+EMULATION = {
+    "latency_us": 50.0,
+    "message_overhead_us": 800.0,
+    "sender_gbps": 0.0,
+    "nic_queue_bytes": 0,
+}
+#: The emulation's MTU (``--mtu``): links interleave connections packet by packet.
+EMULATED_SEGMENT_BYTES = 9000
+#: A worker and its colocated server exchange data over loopback on the same machine.
+LOOPBACK_GBPS = 20.0
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One measured run of the emulated cluster.
+
+    Attributes:
+        source: the results file.
+        label: which run, for tables (profile, reference bandwidth, system, k).
+        kind: ``training`` (train_worker) or ``goodput`` (sums of a gradient set, no
+            compute).
+        system: ``fifo``, ``p3``, ``bytescheduler``, ``prophet`` (sumflow's schedulers),
+            ``ddp`` (DDP over gloo: ring all-reduce), or ``push_pull`` (goodput).
+        profile: the scaled profile the run trained (or the goodput set).
+        workers: n; ``k``: CPU-server hosts.
+        link_gbps: the link rate iperf3 measured.
+        scheduling: the scheduler's knobs as the run applied them.
+        cross_barrier: whether the next forward waited layer by layer.
+        measured_s: seconds per iteration (1 / iterations per second), or per round.
+        cpu: the machine's CPU utilisation during the run (over 0.8 the harness flags it).
+    """
+
+    source: str
+    label: str
+    kind: str
+    system: str
+    profile: ModelProfile
+    workers: int
+    k: int
+    link_gbps: float
+    scheduling: Scheduling
+    cross_barrier: bool
+    measured_s: float
+    cpu: float
+
+
+def _scaled(run: dict[str, Any]) -> ModelProfile:
+    """The run's profile, scaled as it was, with its times stretched to the compute the
+    run measured (the sleeping model overruns its profile when the machine is busy;
+    the simulator is judged on communication, not on that)."""
+    base = profiles.builtin(run["profile_arg"])
+    stretch = run["compute_ms"] / run["profile_compute_ms"] if run["profile_compute_ms"] else 1
+    return profiles.scale(
+        base, size_scale=run["size_scale"], time_scale=run["time_scale"] * stretch
+    )
+
+
+def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:
+    if run["system"] == "ddp-gloo":
+        # DDP's buckets close once they hold bucket_cap_mb (MiB), in backward order.
+        bucket = round(run["bucket_cap_mb"] * 2**20)
+        return "ddp", Scheduling(scheduler="fifo", fusion_bytes=bucket), False
+    applied = (run.get("tuner") or {}).get("applied") or {}
+    partition = applied.get("partition_bytes", run["partition_bytes"])
+    credit = applied.get("credit_bytes")
+    # The grid's runs name their credit (bytescheduler-p4096-c8192).
+    named = re.search(r"-c(\d+)$", run.get("name", ""))
+    if credit is None and named:
+        credit = int(named[1])
+    fusion = run.get("fusion_threshold") or 0
+    kind = run["scheduler"]
+    return (
+        kind,
+        Scheduling(
+            scheduler=kind, partition_bytes=partition, credit_bytes=credit, fusion_bytes=fusion
+        ),
+        bool(run["cross_barrier"]),
+    )
+
+
+def _training(path: Path, data: dict[str, Any], link_gbps: float) -> list[Measurement]:
+    out = []
+    for cell in data.get("training", []):
+        # The standard run (issue 5's) names its one reference bandwidth in the config.
+        reference = cell.get("reference_gbit", data["config"].get("reference_gbit"))
+        for run in cell.get("runs", [cell]):
+            if run["system"] == "sumflow" and "scheduler" not in run:
+                # Issue 5's runs predate the schedulers: a build the simulator does not
+                # replay.
+                continue
+            system, scheduling, cross = _scheduling(run)
+            k = 0 if system == "ddp" else run["k"]
+            name = run.get("label", system)
+            out.append(
+                Measurement(
+                    source=str(path),
+                    label=f"{run['profile']} {reference:g}G {name}",
+                    kind="training",
+                    system=system,
+                    profile=_scaled(run),
+                    workers=run["workers"],
+                    k=k,
+                    link_gbps=link_gbps,
+                    scheduling=scheduling,
+                    cross_barrier=cross,
+                    measured_s=1.0 / run["iterations_per_s"],
+                    cpu=run.get("cpu") or 0.0,
+                )
+            )
+    return out
+
+
+def goodput_profile(total_bytes: int, tensors: int) -> ModelProfile:
+    """The goodput benchmark's gradient set: `tensors` equal float32 tensors, no compute,
+    all ready at once."""
+    numel = total_bytes // tensors // 4
+    return ModelProfile(
+        name=f"goodput-{total_bytes // 10**6}MB",
+        source="sumflow.bench.goodput_worker's gradient set",
+        device="none",
+        batch_size=1,
+        sample="none",
+        layers=(
+            LayerProfile(
+                "set", tuple(ParamSpec(f"t{i}", (numel,)) for i in range(tensors)), 0.0, 0.0
+            ),
+        ),
+    )
+
+
+def _goodput(path: Path, data: dict[str, Any], link_gbps: float) -> list[Measurement]:
+    cfg = data["config"]
+    out = []
+    for run in data.get("goodput", {}).get("sumflow", []):
+        out.append(
+            Measurement(
+                source=str(path),
+                label=f"goodput {run['bytes'] // 10**6} MB k={run['k']}",
+                kind="goodput",
+                system="push_pull",
+                profile=goodput_profile(run["bytes"], run["tensors"]),
+                workers=run["workers"],
+                k=run["k"],
+                link_gbps=link_gbps,
+                scheduling=Scheduling(partition_bytes=cfg["partition_bytes"]),
+                cross_barrier=False,
+                measured_s=statistics.median(run["round_seconds"]),
+                cpu=run.get("cpu") or 0.0,
+            )
+        )
+    return out
+
+
+def measurements(path: str | Path) -> list[Measurement]:
+    """Every run recorded in a results directory (or its ``results.json``)."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "results.json"
+    try:
+        data = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{p}: cannot read emulated-cluster results: {e}") from None
+    link_gbps = data["link"]["b_mbit"] / 1e3
+    return _goodput(p, data, link_gbps) + _training(p, data, link_gbps)
+
+
+def config_for(m: Measurement, **costs: float) -> Config:
+    """The simulation of a measured run, with :data:`EMULATION`'s costs unless given."""
+    c = {**EMULATION, **costs}
+    network = Network(
+        gbps=m.link_gbps,
+        latency_us=c["latency_us"],
+        message_overhead_us=c["message_overhead_us"],
+        intra_gbps=LOOPBACK_GBPS,
+        segment_bytes=EMULATED_SEGMENT_BYTES,
+        nic_queue_bytes=int(c["nic_queue_bytes"]),
+    )
+    return Config(
+        profile=m.profile,
+        cluster=Cluster(machines=m.workers, cpu_machines=m.k),
+        network=network,
+        architecture="ring" if m.system == "ddp" else "byteps",
+        scheduling=m.scheduling,
+        cross_barrier=m.cross_barrier,
+        warmup_iterations=3,
+        iterations=3,
+    )
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """A measured run and its simulation."""
+
+    measurement: Measurement
+    simulated_s: float
+
+    @property
+    def error(self) -> float:
+        """Simulated over measured, less one: +0.05 is 5% slow."""
+        return self.simulated_s / self.measured_s - 1.0
+
+    @property
+    def measured_s(self) -> float:
+        return self.measurement.measured_s
+
+
+def compare(ms: Sequence[Measurement], **costs: float) -> list[Comparison]:
+    """Simulates every measured run with `costs` (see :func:`config_for`)."""
+    return [Comparison(m, simulate(config_for(m, **costs)).iteration_s) for m in ms]
+
+
+def _summary(rows: Sequence[Comparison], key: str) -> list[str]:
+    groups: dict[str, list[float]] = {}
+    for c in rows:
+        name = c.measurement.system if key == "system" else Path(c.measurement.source).parent.name
+        groups.setdefault(name, []).append(c.error)
+    lines = [
+        f"| {key} | runs | within 10% | median error | median abs error | largest abs error |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, errors in sorted(groups.items()):
+        absolute = [abs(e) for e in errors]
+        lines.append(
+            f"| {name} | {len(errors)} | {sum(e <= 0.10 for e in absolute)} | "
+            f"{statistics.median(errors):+.1%} | {statistics.median(absolute):.1%} | "
+            f"{max(absolute):.1%} |"
+        )
+    return lines
+
+
+def markdown(rows: Sequence[Comparison]) -> str:
+    """The comparison as Markdown: a summary line, summaries by system and by results
+    directory, then every run."""
+    errors = [abs(c.error) for c in rows]
+    within = sum(e <= 0.10 for e in errors)
+    lines = [
+        f"{within} of {len(rows)} runs within 10%; median |error| "
+        f"{statistics.median(errors):.1%}, largest {max(errors):.1%} (error: simulated over "
+        "measured seconds per iteration, less one).",
+        "",
+        *_summary(rows, "system"),
+        "",
+        *_summary(rows, "results"),
+        "",
+        "| run | results | measured s | simulated s | error |",
+        "|---|---|---|---|---|",
+    ]
+    for c in rows:
+        flag = " (CPU over limit)" if c.measurement.cpu > 0.8 else ""
+        lines.append(
+            f"| {c.measurement.label}{flag} | {Path(c.measurement.source).parent.name} | "
+            f"{c.measured_s:.3f} | {c.simulated_s:.3f} | {c.error:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(rows: Sequence[Comparison], path: str | Path) -> Path:
+    """Simulated against measured seconds per iteration, log-log, with the +-10% band."""
+    from sumflow.sim.plots import pyplot
+
+    plt = pyplot()
+
+    fig, ax = plt.subplots(figsize=(6.4, 6.0))
+    systems = sorted({c.measurement.system for c in rows})
+    markers = dict(zip(systems, "os^vDPX*"))
+    for s in systems:
+        pts = [c for c in rows if c.measurement.system == s]
+        ax.scatter(
+            [c.measured_s for c in pts],
+            [c.simulated_s for c in pts],
+            label=s,
+            marker=markers[s],
+            s=28,
+        )
+    lo = min(min(c.measured_s, c.simulated_s) for c in rows) * 0.8
+    hi = max(max(c.measured_s, c.simulated_s) for c in rows) * 1.25
+    xs = [lo, hi]
+    ax.plot(xs, xs, color="black", linewidth=0.8, label="simulated = measured")
+    ax.fill_between(xs, [x * 0.9 for x in xs], [x * 1.1 for x in xs], color="grey", alpha=0.2)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("measured s per iteration (emulated cluster)")
+    ax.set_ylabel("simulated s per iteration")
+    ax.set_title("Simulator against the emulated cluster (grey: +-10%)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    p = Path(path)
+    fig.savefig(p, dpi=120)
+    plt.close(fig)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m sumflow.sim.calibrate DIR...``: the table, and a plot with --plot."""
+    ap = argparse.ArgumentParser(
+        prog="sumflow sim calibrate",
+        description="Simulate the emulated-cluster runs recorded in bench/results and compare.",
+    )
+    ap.add_argument("results", nargs="+", help="results directories (or results.json files)")
+    ap.add_argument("--plot", help="write simulated-vs-measured to this PNG")
+    ap.add_argument("--json", help="write every comparison to this JSON file")
+    ap.add_argument("--latency-us", type=float, default=EMULATION["latency_us"])
+    ap.add_argument("--overhead-us", type=float, default=EMULATION["message_overhead_us"])
+    args = ap.parse_args(argv)
+    ms = [m for path in args.results for m in measurements(path)]
+    rows = compare(ms, latency_us=args.latency_us, message_overhead_us=args.overhead_us)
+    print(markdown(rows))
+    if args.plot:
+        plot(rows, args.plot)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps(
+                [
+                    {
+                        "run": c.measurement.label,
+                        "source": c.measurement.source,
+                        "measured_s": c.measured_s,
+                        "simulated_s": c.simulated_s,
+                        "error": c.error,
+                        "cpu": c.measurement.cpu,
+                    }
+                    for c in rows
+                ],
+                indent=1,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
