@@ -134,6 +134,18 @@ fn push_pull(
     unsafe { c.push_pull(id, data.as_mut_ptr().cast(), data.len() * 4, priority, op) }.unwrap()
 }
 
+/// Sums `data[t]` as tensor `ids[t]` (priority t) for every t at once, and waits for all.
+fn sum_all(c: &CommunicationService, ids: &[u32], data: &mut [Vec<f32>], op: ReduceOp) {
+    let handles: Vec<u64> = data
+        .iter_mut()
+        .enumerate()
+        .map(|(t, d)| push_pull(c, ids[t], d, t as i64, op))
+        .collect();
+    for h in handles {
+        c.wait(h, Duration::from_secs(20)).unwrap();
+    }
+}
+
 #[test]
 fn workers_sum_and_average_through_colocated_and_cpu_servers() {
     // n = 3, k = 1: two lanes to the CPU server, each of its partitions cut in two; the
@@ -201,14 +213,7 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
                         .collect()
                 })
                 .collect();
-            let handles: Vec<u64> = data
-                .iter_mut()
-                .enumerate()
-                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, op))
-                .collect();
-            for h in handles {
-                c.wait(h, Duration::from_secs(20)).unwrap();
-            }
+            sum_all(&c, &ids, &mut data, op);
             for (t, d) in data.iter().enumerate() {
                 for (i, v) in d.iter().enumerate() {
                     let base = (i % 97 + t) as f32;
@@ -270,14 +275,7 @@ fn compressed_tensors_sum_exactly_where_their_codecs_lose_nothing() {
             let mut data: Vec<Vec<f32>> = (0..4)
                 .map(|t| (0..n).map(|i| inputs(i)[t]).collect())
                 .collect();
-            let handles: Vec<u64> = data
-                .iter_mut()
-                .enumerate()
-                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, ReduceOp::Average))
-                .collect();
-            for h in handles {
-                c.wait(h, Duration::from_secs(20)).unwrap();
-            }
+            sum_all(&c, &ids, &mut data, ReduceOp::Average);
             for (t, d) in data.iter().enumerate() {
                 for (i, v) in d.iter().enumerate() {
                     let want = wants(i as u64)[t];
@@ -323,14 +321,7 @@ fn error_feedback_delivers_everything_a_sparse_codec_held_back() {
                         .collect()
                 })
                 .collect();
-            let handles: Vec<u64> = data
-                .iter_mut()
-                .enumerate()
-                .map(|(t, d)| push_pull(&c, ids[t], d, t as i64, ReduceOp::Sum))
-                .collect();
-            for h in handles {
-                c.wait(h, Duration::from_secs(20)).unwrap();
-            }
+            sum_all(&c, &ids, &mut data, ReduceOp::Sum);
             for (t, d) in data.iter().enumerate() {
                 if round == 0 {
                     let sent = d.iter().filter(|v| **v != 0.0).count() as u64;
