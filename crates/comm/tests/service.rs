@@ -360,13 +360,17 @@ fn workers_compressing_a_tensor_differently_are_stopped_with_both_compressions_n
         };
         // Whichever declaration comes second is refused; the other worker learns it from
         // its next operation.
+        let mut data = vec![1f32; 5000];
         let err = match c.declare_one(&compressed("fc.weight", 5000, how)) {
             Err(e) => e,
-            Ok(id) => {
-                let mut data = vec![1f32; 5000];
-                let h = push_pull(&c, id, &mut data, 0, ReduceOp::Sum);
-                c.wait(h, Duration::from_secs(20)).unwrap_err()
-            }
+            // SAFETY: `data` outlives the wait on the handle.
+            Ok(id) => match unsafe {
+                c.push_pull(id, data.as_mut_ptr().cast(), 5000 * 4, 0, ReduceOp::Sum)
+            } {
+                // The refusal may have arrived already.
+                Err(e) => e,
+                Ok(h) => c.wait(h, Duration::from_secs(20)).unwrap_err(),
+            },
         };
         let msg = err.to_string();
         assert!(
