@@ -574,3 +574,16 @@ def test_calibration_reads_the_recorded_runs(
     assert cli.main(["calibrate", str(root / "cluster"), "--json", str(table)]) == 0
     assert "runs within 10%" in capsys.readouterr().out
     assert len(json.loads(table.read_text())) == len(goodput)
+
+
+def test_calibration_measures_the_steady_state_iteration_not_the_drain() -> None:
+    # Three iterations of 1.0, 1.2 and 1.1 s, then 0.6 s waiting for the last sums: the
+    # window's 3.9 s over 3 iterations is not what the simulator's iteration time means.
+    run = {"iteration_s": [1.0, 1.2, 1.1], "iterations_per_s": 3 / 3.9}
+    assert cal.iteration_s(run) == pytest.approx(1.1)
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    recorded = json.loads((root / "schedulers-omp1-runD" / "results.json").read_text())
+    runs = [r for cell in recorded["training"] for r in cell["runs"]]
+    drained = [r for r in runs if r["cross_barrier"]]
+    assert drained
+    assert all(cal.iteration_s(r) < 1 / r["iterations_per_s"] for r in drained)

@@ -59,7 +59,8 @@ class Measurement:
         link_gbps: the link rate iperf3 measured.
         scheduling: the scheduler's knobs as the run applied them.
         cross_barrier: whether the next forward waited layer by layer.
-        measured_s: seconds per iteration (1 / iterations per second), or per round.
+        measured_s: seconds per iteration in steady state (see :func:`iteration_s`), or
+            per round (goodput: the median round).
         cpu: the machine's CPU utilisation during the run (over 0.8 the harness flags it).
     """
 
@@ -111,6 +112,19 @@ def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:
     )
 
 
+def iteration_s(run: dict[str, Any]) -> float:
+    """A training run's seconds per iteration in steady state, which is what the simulator
+    reports: the mean of the iterations train_worker timed back to back (they tile the
+    timed window from the first forward to the last step, so their mean is the period).
+
+    Not the run's ``1 / iterations_per_s``: that window also holds the drain after the last
+    step (train_worker waits for the last sums so that no communication escapes it), which
+    is one iteration's communication tail spread over ``iterations`` iterations, 3-8% of an
+    iteration of the cross-barrier runs here (0 for DDP, whose step waits)."""
+    times = run.get("iteration_s")
+    return statistics.fmean(times) if times else 1.0 / run["iterations_per_s"]
+
+
 def _training(path: Path, data: dict[str, Any], link_gbps: float) -> list[Measurement]:
     out = []
     for cell in data.get("training", []):
@@ -136,7 +150,7 @@ def _training(path: Path, data: dict[str, Any], link_gbps: float) -> list[Measur
                     link_gbps=link_gbps,
                     scheduling=scheduling,
                     cross_barrier=cross,
-                    measured_s=1.0 / run["iterations_per_s"],
+                    measured_s=iteration_s(run),
                     cpu=run.get("cpu") or 0.0,
                 )
             )
