@@ -40,14 +40,15 @@ from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 #:   those bounds: 512 KiB to 2 MiB fit alike.
 #: - ``message_overhead_us``: the sending process's time per message (the push or sum
 #:   thread's system calls and wake-ups on a busy 2-core machine). Fitted: the tuned runs'
-#:   8-40 KB partitions bound it to 0-50 us; the machine's recorded CPU utilisation puts
+#:   8-45 KB partitions bound it to 0-50 us; the machine's recorded CPU utilisation puts
 #:   all of a message's CPU time, both ends and the kernel, at about 70 us.
 EMULATION = {
     "latency_us": 50.0,
     "message_overhead_us": 25.0,
     "nic_queue_bytes": 1 << 20,
 }
-#: The emulation's MTU (``--mtu``): links interleave connections packet by packet.
+#: The emulation's MTU (``--mtu``): the unit a link carries, and the switch ports
+#: interleave arriving connections by.
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
 LOOPBACK_GBPS = 20.0
