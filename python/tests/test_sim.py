@@ -574,3 +574,36 @@ def test_calibration_reads_the_recorded_runs(
     assert cli.main(["calibrate", str(root / "cluster"), "--json", str(table)]) == 0
     assert "runs within 10%" in capsys.readouterr().out
     assert len(json.loads(table.read_text())) == len(goodput)
+
+
+def test_calibration_counts_runs_over_the_cpu_limit_apart() -> None:
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    runs = cal.measurements(root / "grid")
+    flagged = [m for m in runs if m.over_cpu_limit]
+    # The grid's 4 KiB partitions kept the machine's two cores over the harness's 80%.
+    assert flagged
+    assert all(m.cpu > m.cpu_limit == 0.8 for m in flagged)
+    assert all(m.scheduling.partition_bytes == 4096 for m in flagged[:5])
+    # One run each side of the limit, each simulated 20% slow: the summary counts both
+    # as misses, and only the one under the limit as a valid run.
+    under, over = runs[10], flagged[0]
+    assert not under.over_cpu_limit
+    rows = [cal.Comparison(m, m.measured_s * 1.2) for m in (under, over)]
+    text = cal.markdown(rows)
+    assert text.startswith("0 of 2 runs within 10%")
+    assert "Of the 1 runs under the harness's CPU limit, 0 within 10%" in text
+    rows = [cal.Comparison(under, under.measured_s), cal.Comparison(over, over.measured_s * 2)]
+    assert "Of the 1 runs under the harness's CPU limit, 1 within 10%" in cal.markdown(rows)
+
+
+def test_calibration_measures_the_steady_state_iteration_not_the_drain() -> None:
+    # Three iterations of 1.0, 1.2 and 1.1 s, then 0.6 s waiting for the last sums: the
+    # window's 3.9 s over 3 iterations is not what the simulator's iteration time means.
+    run = {"iteration_s": [1.0, 1.2, 1.1], "iterations_per_s": 3 / 3.9}
+    assert cal.iteration_s(run) == pytest.approx(1.1)
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    recorded = json.loads((root / "schedulers-omp1-runD" / "results.json").read_text())
+    runs = [r for cell in recorded["training"] for r in cell["runs"]]
+    drained = [r for r in runs if r["cross_barrier"]]
+    assert drained
+    assert all(cal.iteration_s(r) < 1 / r["iterations_per_s"] for r in drained)
