@@ -385,13 +385,18 @@ mod tests {
         }
     }
 
-    fn data(pool: &BufferPool, vals: &[i32]) -> PooledBuf {
-        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+    /// A pooled buffer holding `bytes`, as a connection's reader would hand it over.
+    fn pooled(pool: &BufferPool, bytes: &[u8]) -> PooledBuf {
         let mut b = pool
             .take(bytes.len(), Duration::from_millis(1), || false)
             .unwrap();
-        b.copy_from_slice(&bytes);
+        b.copy_from_slice(bytes);
         b
+    }
+
+    fn data(pool: &BufferPool, vals: &[i32]) -> PooledBuf {
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        pooled(pool, &bytes)
     }
 
     fn sum_of(rx: &Receiver<Outgoing>) -> Vec<i32> {
@@ -559,9 +564,7 @@ mod tests {
         e.init(1, m, None);
         let values = |v: [f32; 3]| {
             let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-            let mut b = pool.take(12, Duration::from_millis(1), || false).unwrap();
-            b.copy_from_slice(&bytes);
-            b
+            pooled(&pool, &bytes)
         };
         e.push(1, 1, 0, values([1.0, 2.0, 3.0]), &tx);
         e.push(1, 1, 1, values([10.0, 20.0, 30.0]), &tx);

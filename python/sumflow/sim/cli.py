@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from sumflow import profiles
 from sumflow.sim import (
@@ -33,22 +34,22 @@ from sumflow.sim import (
 from sumflow.sim.result import Result
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
+def _list_of(kind: type, what: str) -> Callable[[str], list[Any]]:
+    """An argparse type: comma-separated values of `kind` (`what` names them in errors)."""
+
+    def parse(text: str) -> list[Any]:
+        try:
+            return [kind(x) for x in text.split(",") if x.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected comma-separated {what}, got {text!r}"
+            ) from None
+
+    return parse
 
 
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated numbers, got {text!r}"
-        ) from None
+_ints = _list_of(int, "integers")
+_floats = _list_of(float, "numbers")
 
 
 def _common(p: argparse.ArgumentParser, *, cluster_k: bool = True, gbps: bool = True) -> None:
