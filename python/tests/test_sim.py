@@ -20,6 +20,7 @@ import json
 import math
 import random
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -607,3 +608,55 @@ def test_calibration_measures_the_steady_state_iteration_not_the_drain() -> None
     drained = [r for r in runs if r["cross_barrier"]]
     assert drained
     assert all(cal.iteration_s(r) < 1 / r["iterations_per_s"] for r in drained)
+
+
+def test_a_tuned_run_is_replayed_with_its_starting_partitions_push_window() -> None:
+    # The tuner changes the partition size and the credit, never the push window the job
+    # began with (4 partitions of the starting size): the calibration must replay that.
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    runs = cal.measurements(root / "fusion-k4")
+    (tuned,) = [m for m in runs if m.label.startswith("transformer 1G bytescheduler tuned")]
+    assert tuned.scheduling.partition_bytes == 24576
+    assert tuned.scheduling.window_bytes == cal.WINDOW_PARTITIONS * 563840
+    untuned = [m for m in runs if "tuned" not in m.label and m.system != "ddp"]
+    assert untuned
+    assert all(m.scheduling.window_bytes is None for m in untuned)
+    with_window = cal.compare([tuned])[0].simulated_s
+    fixed = replace(tuned, scheduling=replace(tuned.scheduling, window_bytes=None))
+    without = cal.compare([fixed])[0].simulated_s
+    # Four 24 KiB partitions per server cannot cover a sum's round trip: 20% slower.
+    assert without > 1.15 * with_window
+
+
+def test_calibration_shows_how_far_apart_repeated_measurements_are() -> None:
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    runs = [
+        m
+        for m in cal.measurements(root / "transformer-ddp-omp1")
+        if m.label.startswith("transformer 1G DDP")
+    ]
+    assert len(runs) == 3
+    rows = [cal.Comparison(m, 1.0) for m in runs]
+    text = cal.markdown(rows)
+    measured = sorted(m.measured_s for m in runs)
+    spread = measured[-1] / measured[0] - 1
+    assert "1 configurations measured more than once" in text
+    row = f"| transformer 1G DDP/gloo | 3 | {measured[0]:.3f}-{measured[-1]:.3f} | {spread:.1%} |"
+    assert row in text
+    assert "None of them is under" not in text
+    over = [cal.Comparison(replace(m, cpu=0.95), 1.0) for m in runs]
+    assert "None of them is under the harness's CPU limit." in cal.markdown(over)
+
+
+def test_calibration_keeps_one_kind_of_run_when_asked() -> None:
+    root = Path(__file__).resolve().parents[2] / "bench" / "results" / "cluster"
+    every = cal.measurements(root)
+    goodput = cal.measurements(f"{root}:goodput")
+    training = cal.measurements(f"{root}:training")
+    assert goodput
+    assert training
+    assert {m.kind for m in goodput} == {"goodput"}
+    assert {m.kind for m in training} == {"training"}
+    assert len(goodput) + len(training) == len(every)
+    with pytest.raises(ValueError, match="give one of goodput, training"):
+        cal.measurements(f"{root}:ddp")

@@ -52,6 +52,9 @@ EMULATION = {
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
 LOOPBACK_GBPS = 20.0
+#: The runtime's push window per server, in partitions of the job's starting size
+#: (``DEFAULT_WINDOW_PARTITIONS`` in ``crates/comm/src/scheduler/mod.rs``).
+WINDOW_PARTITIONS = 4
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:
     applied = (run.get("tuner") or {}).get("applied") or {}
     partition = applied.get("partition_bytes", run["partition_bytes"])
     credit = applied.get("credit_bytes")
+    # The push window is set once, at the partition size the job starts with, and the
+    # tuner's reconfigure changes only the partition size and the credit: a tuned run kept
+    # its starting partition's window.
+    window = WINDOW_PARTITIONS * run["partition_bytes"] if applied else None
     # The grid's runs name their credit (bytescheduler-p4096-c8192).
     named = re.search(r"-c(\d+)$", run.get("name", ""))
     if credit is None and named:
@@ -125,7 +132,11 @@ def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:
     return (
         kind,
         Scheduling(
-            scheduler=kind, partition_bytes=partition, credit_bytes=credit, fusion_bytes=fusion
+            scheduler=kind,
+            partition_bytes=partition,
+            credit_bytes=credit,
+            window_bytes=window,
+            fusion_bytes=fusion,
         ),
         bool(run["cross_barrier"]),
     )
@@ -223,9 +234,22 @@ def _goodput(
     return out
 
 
+#: What a results argument may end with to keep only one kind of run.
+KINDS = ("goodput", "training")
+
+
 def measurements(path: str | Path) -> list[Measurement]:
-    """Every run recorded in a results directory (or its ``results.json``)."""
-    p = Path(path)
+    """Every run recorded in a results directory (or its ``results.json``); ``DIR:goodput``
+    or ``DIR:training`` keeps one kind (a directory whose other runs were measured again
+    since, with a changed build)."""
+    kind = None
+    text = str(path)
+    head, sep, tail = text.rpartition(":")
+    if sep and tail in KINDS:
+        text, kind = head, tail
+    elif sep and "/" not in tail:
+        raise ValueError(f"{path}: after ':' give one of {', '.join(KINDS)}, not {tail!r}")
+    p = Path(text)
     if p.is_dir():
         p = p / "results.json"
     try:
@@ -234,7 +258,8 @@ def measurements(path: str | Path) -> list[Measurement]:
         raise ValueError(f"{p}: cannot read emulated-cluster results: {e}") from None
     link_gbps = data["link"]["b_mbit"] / 1e3
     cpu_limit = data["config"]["cpu_flag"]
-    return _goodput(p, data, link_gbps, cpu_limit) + _training(p, data, link_gbps, cpu_limit)
+    runs = _goodput(p, data, link_gbps, cpu_limit) + _training(p, data, link_gbps, cpu_limit)
+    return [m for m in runs if kind is None or m.kind == kind]
 
 
 def config_for(m: Measurement, **costs: float) -> Config:
@@ -317,22 +342,67 @@ def _summary(rows: Sequence[Comparison], key: str) -> list[str]:
     return lines
 
 
+def _repeatability(rows: Sequence[Comparison]) -> list[str]:
+    """The configurations measured more than once (same run, knobs and barrier, in any
+    results directory): how far apart the emulated cluster measured them, the noise the
+    simulator's error is judged against. Empty when nothing was measured twice."""
+    groups: dict[tuple[str, Scheduling, bool], list[Comparison]] = {}
+    for c in rows:
+        m = c.measurement
+        groups.setdefault((m.label, m.scheduling, m.cross_barrier), []).append(c)
+    repeated = [g for g in groups.values() if len(g) > 1]
+    if not repeated:
+        return []
+    spreads = []
+    lines = [
+        "| run measured again | runs | measured s | spread | simulated s | "
+        "simulated within 10% of a measurement |",
+        "|---|---|---|---|---|---|",
+    ]
+    for group in repeated:
+        measured = [c.measured_s for c in group]
+        simulated = [c.simulated_s for c in group]
+        spread = max(measured) / min(measured) - 1
+        spreads.append(spread)
+        near = sum(abs(c.error) <= TARGET for c in group)
+        lines.append(
+            f"| {group[0].measurement.label} | {len(group)} | {min(measured):.3f}-"
+            f"{max(measured):.3f} | {spread:.1%} | {min(simulated):.3f}-{max(simulated):.3f} "
+            f"| {near} of {len(group)} |"
+        )
+    head = (
+        f"{len(repeated)} configurations measured more than once: measurements of one "
+        f"configuration differ by {statistics.median(spreads):.1%} (median), at most "
+        f"{max(spreads):.1%} (slowest over fastest, less one)."
+    )
+    return [head, "", *lines, ""]
+
+
 def markdown(rows: Sequence[Comparison]) -> str:
     """The comparison as Markdown: a summary line, summaries by system and by results
     directory, then every run."""
     errors = [abs(c.error) for c in rows]
     valid = _valid(rows)
-    lines = [
+    summary = (
         f"{_within(rows)} of {len(rows)} runs within 10%; median |error| "
         f"{statistics.median(errors):.1%}, largest {max(errors):.1%} (error: simulated over "
-        "measured seconds per iteration, less one). Of the "
-        f"{len(valid)} runs under the harness's CPU limit, {_within(valid)} within 10%, median "
-        f"|error| {statistics.median(abs(c.error) for c in valid):.1%}.",
+        "measured seconds per iteration, less one). "
+    )
+    if valid:
+        summary += (
+            f"Of the {len(valid)} runs under the harness's CPU limit, {_within(valid)} within "
+            f"10%, median |error| {statistics.median(abs(c.error) for c in valid):.1%}."
+        )
+    else:
+        summary += "None of them is under the harness's CPU limit."
+    lines = [
+        summary,
         "",
         *_summary(rows, "system"),
         "",
         *_summary(rows, "results"),
         "",
+        *_repeatability(rows),
         "| run | results | CPU | measured s | simulated s | error |",
         "|---|---|---|---|---|---|",
     ]
@@ -409,14 +479,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="sumflow sim calibrate",
         description="Simulate the emulated-cluster runs recorded in bench/results and compare.",
     )
-    ap.add_argument("results", nargs="+", help="results directories (or results.json files)")
+    ap.add_argument(
+        "results",
+        nargs="+",
+        help="results directories (or results.json files); DIR:goodput or DIR:training keeps "
+        "one kind of run",
+    )
     ap.add_argument("--plot", help="write simulated-vs-measured to this PNG")
     ap.add_argument("--json", help="write every comparison to this JSON file")
     ap.add_argument("--latency-us", type=float, default=EMULATION["latency_us"])
     ap.add_argument("--overhead-us", type=float, default=EMULATION["message_overhead_us"])
     ap.add_argument("--nic-queue-bytes", type=int, default=EMULATION["nic_queue_bytes"])
     args = ap.parse_args(argv)
-    ms = [m for path in args.results for m in measurements(path)]
+    try:
+        ms = [m for path in args.results for m in measurements(path)]
+    except ValueError as e:
+        ap.error(str(e))
     rows = compare(
         ms,
         latency_us=args.latency_us,
