@@ -590,6 +590,12 @@ def test_train_worker_runs_both_systems_under_sumflow_run(tmp_path: Path) -> Non
         for t, c, i in zip(r["iteration_s"], r["compute_s"], r["idle_s"]):
             assert 0 < c <= t
             assert i == pytest.approx(t - c)
+        # The backward pass's wall time holds its share of the compute (and the hooks),
+        # never more than the iteration.
+        share = sum(layer.backward_ms for layer in profile.layers) / profile.compute_ms
+        assert len(r["backward_s"]) == 3
+        for t, c, b in zip(r["iteration_s"], r["compute_s"], r["backward_s"]):
+            assert 0.9 * share * c <= b < t
         assert r["iteration_median_s"] <= r["iteration_p90_s"]
         assert [x["rank"] for x in r["per_rank"]] == [0, 1]
         assert all(math.isfinite(x["iteration_median_s"]) for x in r["per_rank"])

@@ -660,3 +660,30 @@ def test_calibration_keeps_one_kind_of_run_when_asked() -> None:
     assert len(goodput) + len(training) == len(every)
     with pytest.raises(ValueError, match="give one of goodput, training"):
         cal.measurements(f"{root}:ddp")
+
+
+def test_a_runs_backward_wall_time_spreads_its_framework_work_over_the_layers() -> None:
+    # A resnet50 run whose backward passes took 30 ms longer than their compute: the
+    # replayed profile's backward holds the 30 ms, evenly over the layers with gradients.
+    run = {
+        "system": "sumflow",
+        "profile_arg": "resnet50",
+        "size_scale": 0.1,
+        "time_scale": 1.0,
+        "compute_ms": 300.0,
+        "profile_compute_ms": 300.0,
+    }
+    plain = cal._scaled(run)
+    computing = sum(layer.backward_ms for layer in plain.layers)
+    timed = cal._scaled({**run, "backward_s": [(computing + 20) / 1e3, (computing + 40) / 1e3]})
+    handing = [layer for layer in plain.layers if layer.params]
+    assert sum(layer.backward_ms for layer in timed.layers) == pytest.approx(computing + 30)
+    for before, after in zip(plain.layers, timed.layers):
+        extra = 30 / len(handing) if before.params else 0.0
+        assert after.backward_ms == pytest.approx(before.backward_ms + extra)
+        assert after.forward_ms == before.forward_ms
+    # A backward faster than its compute (timer rounding) adds nothing, and DDP's, which
+    # also waits for its all-reduce, is not taken as framework work.
+    assert cal._scaled({**run, "backward_s": [computing / 2e3]}) == plain
+    ddp = {**run, "system": "ddp-gloo", "backward_s": [(computing + 20) / 1e3]}
+    assert cal._scaled(ddp) == plain

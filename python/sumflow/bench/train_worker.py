@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import math
 import os
@@ -334,15 +335,21 @@ def load_profile(args: argparse.Namespace) -> profiles.ModelProfile:
     return profile
 
 
-def iteration(system: System) -> tuple[float, float, float]:
+def iteration(system: System) -> tuple[float, float, float, float]:
     """One training iteration; returns its seconds, the seconds the model spent computing,
-    and the seconds of the local optimizer update."""
+    the seconds of the local optimizer update, and the backward pass's wall seconds (its
+    compute and the framework's work between layers: gradient hooks, handing gradients
+    to communication; with sumflow it never waits for communication, DDP's backward()
+    also waits for its last buckets' all-reduce)."""
     clock = system.model.clock
     started, computed = time.perf_counter(), clock.total_s
     system.optimizer.zero_grad()
-    system.net().sum().backward()
+    loss = system.net().sum()
+    backward_started = time.perf_counter()
+    loss.backward()
+    backward = time.perf_counter() - backward_started
     update = system.step()
-    return time.perf_counter() - started, clock.total_s - computed, update
+    return time.perf_counter() - started, clock.total_s - computed, update, backward
 
 
 def check_first_step(system: System) -> None:
@@ -416,17 +423,23 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
     check_first_step(system)
     checked = "gradients are the workers' average, " if system.exact else ""
     log(f"first step checked: {checked}parameters agree")
+    # Start-up's objects (torch's import, the model) go to the collector's permanent
+    # generation: its first full pass over them otherwise stalls one timed iteration of
+    # every worker at the same step, for about half a second on the emulated cluster.
+    gc.collect()
+    gc.freeze()
     for _ in range(args.warmup):
         iteration(system)
     system.barrier()
     window = [time.time()]
     started = time.perf_counter()
-    times, computes, updates = [], [], []
+    times, computes, updates, backwards = [], [], [], []
     for i in range(1, args.iterations + 1):
-        t, c, u = iteration(system)
+        t, c, u, b = iteration(system)
         times.append(t)
         computes.append(c)
         updates.append(u)
+        backwards.append(b)
         if i % args.progress_every == 0 or i == args.iterations:
             elapsed = time.perf_counter() - started
             log(
@@ -480,10 +493,12 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "compute_ms": statistics.median(computes) * 1e3,
         "idle_ms": statistics.median(idles) * 1e3,
         "update_ms": statistics.median(updates) * 1e3,
+        "backward_ms": statistics.median(backwards) * 1e3,
         "iteration_s": times,
         "compute_s": computes,
         "idle_s": idles,
         "update_s": updates,
+        "backward_s": backwards,
         "per_rank": per_rank,
         "checked": True,
         "window": window,

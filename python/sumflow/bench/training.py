@@ -276,7 +276,7 @@ def run_step(
         run["tuner"] = {"store": str(store), "log": str(log), **read_tuner_log(log)}
     if step.tune:
         # What the tuner tried is in the log; the result keeps only its summary.
-        for key in ("iteration_s", "compute_s", "idle_s", "update_s", "per_rank"):
+        for key in ("iteration_s", "compute_s", "idle_s", "update_s", "backward_s", "per_rank"):
             run.pop(key, None)
     run["finished"] = time.strftime("%H:%M:%S")
     return run
