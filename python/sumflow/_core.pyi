@@ -5,6 +5,8 @@ from os import PathLike
 from typing import Any
 
 __version__: str
+#: The push window per server a job starts with, in partitions of its starting size.
+DEFAULT_WINDOW_PARTITIONS: int
 """The version of the core: the Cargo workspace's."""
 
 def simd_level() -> str:

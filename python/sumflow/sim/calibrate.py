@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from sumflow import profiles
+from sumflow import _core, profiles
 from sumflow.profiles import LayerProfile, ModelProfile, ParamSpec
 from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 
@@ -52,9 +52,8 @@ EMULATION = {
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
 LOOPBACK_GBPS = 20.0
-#: The runtime's push window per server, in partitions of the job's starting size
-#: (``DEFAULT_WINDOW_PARTITIONS`` in ``crates/comm/src/scheduler/mod.rs``).
-WINDOW_PARTITIONS = 4
+#: The runtime's push window per server, in partitions of the job's starting size.
+WINDOW_PARTITIONS = _core.DEFAULT_WINDOW_PARTITIONS
 
 
 @dataclass(frozen=True)
