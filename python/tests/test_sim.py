@@ -20,6 +20,7 @@ import json
 import math
 import random
 import re
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -376,6 +377,11 @@ def test_gpus_without_intra_machine_aggregation_push_their_own_copies() -> None:
         ({"architecture": "ps", "cluster": Cluster(2)}, "cpu_machines is 0"),
         ({"architecture": "mesh"}, "Config.architecture"),
         ({"iterations": 0}, "Config.iterations"),
+        ({"compute_jitter": 1.5}, "Config.compute_jitter"),
+        ({"compute_jitter": -0.1}, "Config.compute_jitter"),
+        ({"compute_jitter": "0.1"}, "Config.compute_jitter"),
+        ({"seed": -1}, "Config.seed"),
+        ({"seed": 2**64}, "Config.seed"),
         ({"scheduling": Scheduling(priorities=(0, 1, 2))}, "one per tensor"),
     ],
 )
@@ -626,6 +632,29 @@ def test_a_tuned_run_is_replayed_with_its_starting_partitions_push_window() -> N
     without = cal.compare([fixed])[0].simulated_s
     # Four 24 KiB partitions per server cannot cover a sum's round trip: 20% slower.
     assert without > 1.15 * with_window
+
+
+def test_a_runs_iteration_to_iteration_variation_is_replayed_as_compute_jitter() -> None:
+    run = {"system": "sumflow", "backward_s": [0.09, 0.11, 0.10, 0.10]}
+    cv = statistics.pstdev(run["backward_s"]) / statistics.fmean(run["backward_s"])
+    assert cal._jitter(run) == pytest.approx(cv)
+    # Untimed, timed once, and DDP's (its backward waits for the all-reduce): none.
+    assert cal._jitter({"system": "sumflow"}) == 0.0
+    assert cal._jitter({"system": "sumflow", "backward_s": [0.1]}) == 0.0
+    assert cal._jitter({**run, "system": "ddp-gloo"}) == 0.0
+    # A recorded run with timed backward passes is simulated with its jitter, over as
+    # many iterations as the benchmark times, and the rounds wait for the slowest worker.
+    root = Path(__file__).resolve().parents[2] / "bench" / "results"
+    (m,) = [
+        m
+        for m in cal.measurements(root / "calibration-omp1:training")
+        if m.label == "transformer 2G prophet k=4"
+    ]
+    assert m.compute_jitter > 0.1
+    cfg = cal.config_for(m)
+    assert (cfg.compute_jitter, cfg.iterations) == (m.compute_jitter, cal.JITTER_ITERATIONS)
+    steady = simulate(replace(cfg, compute_jitter=0.0)).iteration_s
+    assert simulate(cfg).iteration_s > steady
 
 
 def test_calibration_shows_how_far_apart_repeated_measurements_are() -> None:

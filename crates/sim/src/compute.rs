@@ -8,6 +8,7 @@
 //! TensorFlow). The local parameter update itself is not modelled.
 
 use crate::engine::{Event, Sim, Stage};
+use crate::time::Time;
 
 impl Sim<'_> {
     fn layer_ready(&self, w: u32, layer: u32) -> bool {
@@ -43,6 +44,11 @@ impl Sim<'_> {
             Stage::Backward(l) => (self.backward[l as usize], Stage::Backward(l)),
         };
         let wk = &mut self.workers[w as usize];
+        let duration = if wk.factor == 1.0 {
+            duration
+        } else {
+            (duration as f64 * wk.factor).round() as Time
+        };
         wk.computing = true;
         wk.stage = stage;
         wk.stage_started = self.now;
@@ -57,6 +63,7 @@ impl Sim<'_> {
         let warmup = self.cfg.training.warmup_iterations;
         let wk = &mut self.workers[w as usize];
         wk.starts.push(now);
+        wk.factor = wk.pace.next_factor();
         if w == 0 {
             // Links are measured from the measured iterations' start on machine 0 until
             // every machine is through them, so that all their bytes count.

@@ -202,6 +202,15 @@ pub struct Training {
     pub warmup_iterations: u32,
     /// Measured iterations.
     pub iterations: u32,
+    /// How much a worker machine's compute varies from one iteration to the next: the
+    /// coefficient of variation of a log-normal factor drawn per machine and iteration
+    /// that stretches all its layers' times (a machine that is slower in one iteration,
+    /// as on a shared or throttled host). 0: every machine keeps the profile's times.
+    #[serde(default)]
+    pub compute_jitter: f64,
+    /// Seeds the jitter's draws: a simulation is reproducible.
+    #[serde(default)]
+    pub seed: u64,
 }
 
 /// What goes on the timeline.
@@ -306,6 +315,12 @@ impl SimConfig {
             )));
         }
         let t = &self.training;
+        if !(t.compute_jitter.is_finite() && (0.0..=1.0).contains(&t.compute_jitter)) {
+            return Err(SimError::Invalid(format!(
+                "training.compute_jitter must be a coefficient of variation from 0 to 1, not {}",
+                t.compute_jitter
+            )));
+        }
         if t.iterations == 0 {
             return Err(SimError::Invalid(
                 "training.iterations must be at least 1 measured iteration".into(),

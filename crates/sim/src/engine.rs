@@ -13,6 +13,7 @@ use sumflow_comm::scheduler::{Order, Part, Scheduler, SchedulerKind};
 
 use crate::config::{Architecture, SimConfig};
 use crate::error::SimError;
+use crate::jitter::Pace;
 use crate::layout::Layout;
 use crate::net::{ConnId, Costs, NetEvent, Network};
 use crate::plan::Plan;
@@ -140,6 +141,9 @@ pub struct Worker {
     pub collective: Collective,
     /// Forward start of each iteration.
     pub starts: Vec<Time>,
+    /// Draws the machine's pace per iteration, and the current iteration's.
+    pub pace: Pace,
+    pub factor: f64,
 }
 
 pub struct Sim<'a> {
@@ -252,6 +256,8 @@ impl<'a> Sim<'a> {
                 poll_at: None,
                 collective: Collective::default(),
                 starts: Vec::new(),
+                pace: Pace::new(cfg.training.compute_jitter, cfg.training.seed, wm.first),
+                factor: 1.0,
             })
             .collect();
         let rec = Recorder::new(cfg, &plan);

@@ -29,6 +29,7 @@ mod compute;
 pub mod config;
 mod engine;
 pub mod error;
+mod jitter;
 mod layout;
 mod net;
 mod plan;

@@ -57,13 +57,16 @@ impl Plan {
         // With a per-message cost, a server prepares its sums for the n machines one after
         // the other, so they get them at different times: no longer identical.
         let servers_fold = cfg.exploit_symmetry && cfg.network.message_overhead_s == 0.0;
-        let foldable = match arch {
-            Architecture::Ring | Architecture::Hierarchical => true,
-            Architecture::Ps => servers_fold,
-            Architecture::ColocatedPs | Architecture::Byteps => {
-                servers_fold && layout.colocated_bytes() == 0
-            }
-        };
+        // With compute jitter every machine keeps its own pace.
+        let steady = cfg.training.compute_jitter == 0.0;
+        let foldable = steady
+            && match arch {
+                Architecture::Ring | Architecture::Hierarchical => true,
+                Architecture::Ps => servers_fold,
+                Architecture::ColocatedPs | Architecture::Byteps => {
+                    servers_fold && layout.colocated_bytes() == 0
+                }
+            };
         let workers: Vec<WorkerMachine> = if foldable {
             vec![WorkerMachine {
                 first: 0,
@@ -107,7 +110,9 @@ impl Plan {
                 "{n} worker machines simulated as one, exactly: {why}"
             );
         } else if n > 1 {
-            let why = if !arch.has_servers() || !cfg.exploit_symmetry {
+            let why = if !steady {
+                ": compute jitter gives each its own pace"
+            } else if !arch.has_servers() || !cfg.exploit_symmetry {
                 ""
             } else if layout.colocated_bytes() > 0 {
                 ": each hosts a summation server with its own share, so their NICs carry \

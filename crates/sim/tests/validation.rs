@@ -91,8 +91,47 @@ fn folded_and_unfolded_workers_agree() {
 }
 
 #[test]
+fn compute_jitter_makes_every_round_wait_for_the_slowest_machine() {
+    // Compute dominates: an iteration is the slowest machine's compute plus a little.
+    let mut cfg = communication("ps", 4, 2, 8, 4096, 4096);
+    cfg["model"]["layers"][0]["forward_s"] = json!(0.02);
+    cfg["model"]["layers"][0]["backward_s"] = json!(0.04);
+    cfg["training"]["warmup_iterations"] = json!(1);
+    cfg["training"]["iterations"] = json!(40);
+    let steady = run(&cfg).unwrap();
+    cfg["training"]["compute_jitter"] = json!(0.3);
+    cfg["training"]["seed"] = json!(11);
+    let jittered = run(&cfg).unwrap();
+    // Folding identical machines would be wrong now: every one is simulated.
+    assert_eq!(steady.machines.len(), 3);
+    assert_eq!(jittered.machines.len(), 6);
+    // Each machine's factor has mean 1, the slowest of four does not.
+    assert!(
+        jittered.iteration_s > 1.15 * steady.iteration_s,
+        "{} against {}",
+        jittered.iteration_s,
+        steady.iteration_s
+    );
+    let spread = |r: &sumflow_sim::Report| {
+        let (lo, hi) = r
+            .iterations_s
+            .iter()
+            .fold((f64::MAX, 0.0f64), |(lo, hi), &t| (lo.min(t), hi.max(t)));
+        hi / lo
+    };
+    assert!((spread(&steady) - 1.0).abs() < 1e-9);
+    assert!(spread(&jittered) > 1.2);
+    // A seed repeats its draws; another seed draws others.
+    assert_eq!(run(&cfg).unwrap().iterations_s, jittered.iterations_s);
+    cfg["training"]["seed"] = json!(12);
+    assert_ne!(run(&cfg).unwrap().iterations_s, jittered.iterations_s);
+}
+
+#[test]
 fn refusals_name_the_field_and_the_way_out() {
-    let base = communication("ring", 2, 0, 2, 4096, 4096);
+    let mut base = communication("ring", 2, 0, 2, 4096, 4096);
+    // Optional in the JSON form (0: none); present here so that it can be replaced.
+    base["training"]["compute_jitter"] = json!(0.0);
     // (JSON pointer, new value, what the refusal must say)
     let cases = [
         ("/cluster/cpu_machines", json!(1), "choose 'byteps'"),
@@ -105,6 +144,11 @@ fn refusals_name_the_field_and_the_way_out() {
             "unknown scheduler 'lifo'",
         ),
         ("/training/iterations", json!(0), "training.iterations"),
+        (
+            "/training/compute_jitter",
+            json!(1.5),
+            "training.compute_jitter",
+        ),
         (
             "/model/layers/0/tensors/0/bytes",
             json!(6),

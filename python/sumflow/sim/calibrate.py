@@ -52,6 +52,8 @@ EMULATION = {
 EMULATED_SEGMENT_BYTES = 9000
 #: A worker and its colocated server exchange data over loopback on the same machine.
 LOOPBACK_GBPS = 20.0
+#: Measured iterations simulated for a run with compute jitter (the benchmark times 15).
+JITTER_ITERATIONS = 15
 #: The runtime's push window per server, in partitions of the job's starting size.
 WINDOW_PARTITIONS = _core.DEFAULT_WINDOW_PARTITIONS
 
@@ -77,6 +79,9 @@ class Measurement:
         cpu: the machine's CPU utilisation during the run.
         cpu_limit: the harness's ``--cpu-flag``: above it, a run measured the shared CPUs
             more than the network, and the harness marks it over the limit.
+        compute_jitter: how much the run's backward passes varied from one iteration to
+            the next (coefficient of variation of ``backward_s``; 0 where not timed), the
+            simulator's ``Config.compute_jitter``.
     """
 
     source: str
@@ -92,6 +97,7 @@ class Measurement:
     measured_s: float
     cpu: float
     cpu_limit: float
+    compute_jitter: float = 0.0
 
     @property
     def over_cpu_limit(self) -> bool:
@@ -127,6 +133,20 @@ def _scaled(run: dict[str, Any]) -> ModelProfile:
         for layer in scaled.layers
     )
     return replace(scaled, layers=layers)
+
+
+def _jitter(run: dict[str, Any]) -> float:
+    """How much a sumflow run's backward passes varied: their coefficient of variation.
+
+    The workers share two cores with the servers, so a worker is slower in some
+    iterations than others, and the rounds wait for the slowest: a trace of ResNet-50 at
+    2 Gbit/s has the same gradient ready on the four workers 26-44 ms apart (10th to 90th
+    percentile), where identical simulated machines are 5 ms apart. Not for DDP, whose
+    backward() also waits for its all-reduce."""
+    walls = run.get("backward_s")
+    if not walls or len(walls) < 2 or run["system"] == "ddp-gloo":
+        return 0.0
+    return min(1.0, statistics.pstdev(walls) / statistics.fmean(walls))
 
 
 def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:
@@ -203,6 +223,7 @@ def _training(
                     measured_s=iteration_s(run),
                     cpu=run.get("cpu") or 0.0,
                     cpu_limit=cpu_limit,
+                    compute_jitter=_jitter(run),
                 )
             )
     return out
@@ -299,7 +320,9 @@ def config_for(m: Measurement, **costs: float) -> Config:
         scheduling=m.scheduling,
         cross_barrier=m.cross_barrier,
         warmup_iterations=3,
-        iterations=3,
+        # With jitter every iteration differs: the mean of more of them, as measured.
+        iterations=JITTER_ITERATIONS if m.compute_jitter else 3,
+        compute_jitter=m.compute_jitter,
     )
 
 

@@ -109,6 +109,14 @@ def _common(p: argparse.ArgumentParser, *, cluster_k: bool = True, gbps: bool = 
     r = p.add_argument_group("run")
     r.add_argument("--warmup", type=int, default=2, help="warm-up iterations (2)")
     r.add_argument("--iterations", type=int, default=3, help="measured iterations (3)")
+    r.add_argument(
+        "--compute-jitter",
+        type=float,
+        default=0.0,
+        help="how much each worker machine's compute varies between iterations, as a "
+        "coefficient of variation (0: none; 0.1: a slower or faster iteration by ~10%%)",
+    )
+    r.add_argument("--seed", type=int, default=0, help="seeds the jitter's draws (0)")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
@@ -144,6 +152,8 @@ def _config(args: argparse.Namespace, **override: object) -> Config:
         cross_barrier=not args.no_cross_barrier,
         warmup_iterations=args.warmup,
         iterations=args.iterations,
+        compute_jitter=args.compute_jitter,
+        seed=args.seed,
         trace=bool(getattr(args, "trace", None)),
     )
 

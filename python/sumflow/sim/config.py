@@ -182,6 +182,11 @@ class Config:
             (sumflow's optimizer); otherwise it waits for every sum.
         warmup_iterations: simulated before the measured ones (Prophet profiles them).
         iterations: measured iterations.
+        compute_jitter: how much a worker machine's compute varies between iterations: the
+            coefficient of variation of a factor (log-normal, mean 1) drawn per machine and
+            iteration that stretches all its layers' times. 0 (default): every machine
+            keeps the profile's times. Above 0, every worker machine is simulated.
+        seed: seeds the jitter's draws.
         trace: record a timeline of the measured iterations.
         trace_machines: simulated machines to record (empty: all).
         trace_max_events: recording stops after this many events.
@@ -198,6 +203,8 @@ class Config:
     cross_barrier: bool = True
     warmup_iterations: int = 2
     iterations: int = 3
+    compute_jitter: float = 0.0
+    seed: int = 0
     trace: bool = False
     trace_machines: tuple[int, ...] = ()
     trace_max_events: int = 500_000
@@ -217,6 +224,18 @@ class Config:
         _count("Config", "warmup_iterations", self.warmup_iterations, least=0)
         _count("Config", "iterations", self.iterations, least=1)
         _count("Config", "trace_max_events", self.trace_max_events, least=1)
+        _count("Config", "seed", self.seed, least=0)
+        if self.seed >= 2**64:
+            raise ValueError(f"Config.seed must be below 2**64, got {self.seed}")
+        if (
+            isinstance(self.compute_jitter, bool)
+            or not isinstance(self.compute_jitter, (int, float))
+            or not 0.0 <= self.compute_jitter <= 1.0
+        ):
+            raise ValueError(
+                f"Config.compute_jitter is {self.compute_jitter!r}: give a coefficient of "
+                "variation from 0 to 1"
+            )
         k = self.cluster.cpu_machines
         if k > 0 and self.architecture in ("ring", "hierarchical", "colocated-ps"):
             raise ValueError(
@@ -277,6 +296,8 @@ class Config:
                 "cross_barrier": self.cross_barrier,
                 "warmup_iterations": self.warmup_iterations,
                 "iterations": self.iterations,
+                "compute_jitter": self.compute_jitter,
+                "seed": self.seed,
             },
             "trace": {
                 "enabled": self.trace,
