@@ -540,6 +540,13 @@ def test_cli_runs_sweeps_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture
     path = recorded.save(tmp_path / "recorded.json")
     assert cli.main(["run", "--profile", str(path), "--machines", "2", "--quiet"]) == 0
     assert "transformer on 2 x 1 GPUs" in capsys.readouterr().out
+    # Stragglers: every machine simulated, on its own pace.
+    jitter = ["run", "--profile", "resnet50", "--machines", "4", "--cpu-machines", "4", "--quiet"]
+    assert cli.main([*jitter, "--compute-jitter", "0.2", "--seed", "3", "--iterations", "5"]) == 0
+    assert "compute jitter gives each its own pace" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli.main([*jitter, "--compute-jitter", "1.5"])
+    assert "Config.compute_jitter" in capsys.readouterr().err
 
 
 def test_sumflow_console_script_runs_sim(
