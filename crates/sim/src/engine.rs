@@ -141,8 +141,9 @@ pub struct Worker {
     pub collective: Collective,
     /// Forward start of each iteration.
     pub starts: Vec<Time>,
-    /// Draws the machine's pace per iteration, and the current iteration's.
+    /// Draws the machine's pace for each iteration.
     pub pace: Pace,
+    /// The current iteration's pace: what its layers' times are multiplied by.
     pub factor: f64,
 }
 
