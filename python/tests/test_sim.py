@@ -398,6 +398,8 @@ def test_impossible_configurations_say_what_is_wrong(kwargs: dict, words: str) -
         (lambda: Network(gbps=0), "Network.gbps"),
         (lambda: Network(latency_us=-1), "Network.latency_us"),
         (lambda: Network(gbps=float("nan")), "Network.gbps"),
+        (lambda: Network(nic_queue_spread=1.5), "Network.nic_queue_spread"),
+        (lambda: Network(nic_queue_spread=-0.1), "Network.nic_queue_spread"),
         (lambda: Scheduling(scheduler="lifo"), "fifo, p3, bytescheduler, prophet"),
         (lambda: Scheduling(partition_bytes=2), "Scheduling.partition_bytes"),
     ],
@@ -405,6 +407,23 @@ def test_impossible_configurations_say_what_is_wrong(kwargs: dict, words: str) -
 def test_bad_values_name_the_field(make, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         make()
+
+
+def test_uneven_connections_and_jitter_draw_from_the_seed() -> None:
+    # Connections sharing NICs unevenly: one configuration, one answer; another seed,
+    # another answer; no spread, no randomness at all.
+    cfg = Config(
+        profile=profiles.scale(profiles.builtin("resnet50"), size_scale=0.05, time_scale=0.5),
+        cluster=Cluster(machines=4, cpu_machines=2),
+        network=Network(gbps=1, nic_queue_bytes=256 << 10, nic_queue_spread=0.9),
+        iterations=5,
+    )
+    assert json.loads(cfg.to_json())["seed"] == 0
+    first = simulate(cfg).iterations_s
+    assert simulate(cfg).iterations_s == first
+    assert simulate(replace(cfg, seed=1)).iterations_s != first
+    even = replace(cfg, network=replace(cfg.network, nic_queue_spread=0.0))
+    assert simulate(replace(even, seed=1)).iterations_s == simulate(even).iterations_s
 
 
 def test_the_core_refuses_what_python_let_through() -> None:
@@ -659,7 +678,9 @@ def test_a_runs_iteration_to_iteration_variation_is_replayed_as_compute_jitter()
     ]
     assert m.compute_jitter > 0.1
     cfg = cal.config_for(m)
-    assert (cfg.compute_jitter, cfg.iterations) == (m.compute_jitter, cal.JITTER_ITERATIONS)
+    assert (cfg.compute_jitter, cfg.iterations) == (m.compute_jitter, cal.MEASURED_ITERATIONS)
+    # The emulation's connections share their hosts' links unevenly (BBR's windows).
+    assert cfg.network.nic_queue_spread == cal.EMULATION["nic_queue_spread"] > 0
     steady = simulate(replace(cfg, compute_jitter=0.0)).iteration_s
     assert simulate(cfg).iteration_s > steady
 

@@ -26,6 +26,10 @@ pub struct SimConfig {
     /// Simulate one worker machine for all where every worker machine provably does the
     /// same thing at the same time (see `crate::plan`); off only to check that reduction.
     pub exploit_symmetry: bool,
+    /// Seeds every draw (`training.compute_jitter`, `network.nic_queue_spread`): a
+    /// simulation is reproducible.
+    #[serde(default)]
+    pub seed: u64,
 }
 
 /// A model as communication sees it: layers in forward order, each with its compute
@@ -89,6 +93,13 @@ pub struct Network {
     /// lets it hand the kernel): at most a segment interleaves connections segment by
     /// segment; more sends them in larger bursts, in the order they were written.
     pub nic_queue_bytes: u64,
+    /// How unevenly connections share their NIC (0: evenly): each connection's allowance is
+    /// drawn from `nic_queue_bytes` times 1 +- this, uniformly, and drawn again each time
+    /// it has queued that much. TCP's windows differ between connections and change from
+    /// one round trip to the next, so flows into one server progress unevenly, and a
+    /// round waits for the slowest.
+    #[serde(default)]
+    pub nic_queue_spread: f64,
     /// Bytes of a message without payload (a push acknowledgement).
     pub header_bytes: u64,
 }
@@ -208,9 +219,6 @@ pub struct Training {
     /// as on a shared or throttled host). 0: every machine keeps the profile's times.
     #[serde(default)]
     pub compute_jitter: f64,
-    /// Seeds the jitter's draws: a simulation is reproducible.
-    #[serde(default)]
-    pub seed: u64,
 }
 
 /// What goes on the timeline.
@@ -294,6 +302,12 @@ impl SimConfig {
             n.message_overhead_s,
             "seconds",
         )?;
+        if !(n.nic_queue_spread.is_finite() && (0.0..=1.0).contains(&n.nic_queue_spread)) {
+            return Err(SimError::Invalid(format!(
+                "network.nic_queue_spread must be a fraction from 0 to 1, not {}",
+                n.nic_queue_spread
+            )));
+        }
         if n.segment_bytes == 0 {
             return Err(SimError::Invalid(
                 "network.segment_bytes must be at least 1".into(),

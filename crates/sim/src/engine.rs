@@ -189,6 +189,8 @@ impl<'a> Sim<'a> {
             Costs {
                 segment: net_cfg.segment_bytes,
                 nic_queue: net_cfg.nic_queue_bytes,
+                nic_queue_spread: net_cfg.nic_queue_spread,
+                seed: cfg.seed,
                 latency_s: net_cfg.latency_s,
                 overhead_s: net_cfg.message_overhead_s,
                 intra_rate: net_cfg.intra_bandwidth,
@@ -257,7 +259,7 @@ impl<'a> Sim<'a> {
                 poll_at: None,
                 collective: Collective::default(),
                 starts: Vec::new(),
-                pace: Pace::new(cfg.training.compute_jitter, cfg.training.seed, wm.first),
+                pace: Pace::new(cfg.training.compute_jitter, cfg.seed, wm.first),
                 factor: 1.0,
             })
             .collect();

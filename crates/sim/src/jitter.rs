@@ -6,19 +6,20 @@
 //! the servers after the others', so every round waits for it. Noise drawn per layer would
 //! average out over a model's hundreds of layers and leave the machines in step.
 
-/// One machine's draws: splitmix64 for the uniforms, Box-Muller for the normal.
+use crate::random::Stream;
+
 #[derive(Clone, Debug)]
 pub struct Pace {
-    state: u64,
+    draws: Stream,
     /// The log-normal's sigma (0: no jitter).
     sigma: f64,
 }
 
 impl Pace {
-    /// The pace of machine `machine` for a job seeded with `seed`, varying by `cv`.
+    /// The pace of machine `machine` for a simulation seeded with `seed`, varying by `cv`.
     pub fn new(cv: f64, seed: u64, machine: u32) -> Pace {
         Pace {
-            state: seed ^ (u64::from(machine) + 1).wrapping_mul(0xD1B5_4A32_D192_ED03),
+            draws: Stream::new(seed, u64::from(machine)),
             sigma: (1.0 + cv * cv).ln().sqrt(),
         }
     }
@@ -28,21 +29,8 @@ impl Pace {
         if self.sigma == 0.0 {
             return 1.0;
         }
-        // 1 - u: in (0, 1], so the logarithm is finite.
-        let u1 = 1.0 - self.uniform();
-        let u2 = self.uniform();
-        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let z = self.draws.normal();
         (self.sigma * z - self.sigma * self.sigma / 2.0).exp()
-    }
-
-    /// Uniform in [0, 1).
-    fn uniform(&mut self) -> f64 {
-        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 

@@ -35,6 +35,7 @@ mod net;
 mod plan;
 mod ps;
 mod queue;
+mod random;
 pub mod report;
 mod time;
 

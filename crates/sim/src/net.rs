@@ -18,10 +18,17 @@
 //! machine; that holds the connection, not the link. Messages between processes of one
 //! machine (a worker and its colocated server) never touch the NIC: they take their bytes
 //! over the intra-machine bandwidth, in order per connection.
+//!
+//! How much a connection may queue at its NIC ahead of the others is its *allowance*: one
+//! segment for round robin, more for bursts. With a spread it differs between connections
+//! and is drawn again each time the connection has queued that much, as TCP's windows
+//! differ between flows and change from one round trip to the next: connections then
+//! share a link unevenly over tens of milliseconds, and never lose bytes or time overall.
 
 use std::collections::VecDeque;
 
 use crate::queue::EventQueue;
+use crate::random::{Stream, CONNECTION_STREAMS};
 use crate::time::{from_secs, transfer, Time};
 
 pub type ConnId = u32;
@@ -77,6 +84,10 @@ struct Conn {
     ready: bool,
     /// Bytes of this connection in its uplink's queue.
     queued: u64,
+    /// Bytes it may have there, and how many it has queued since that was drawn.
+    allowance: u64,
+    queued_since_draw: u64,
+    draws: Stream,
     /// For a connection inside one machine: when its last message arrives.
     local_free: Time,
 }
@@ -122,8 +133,11 @@ pub struct Network<P> {
     msgs: Vec<Option<Msg<P>>>,
     free: Vec<MsgId>,
     segment: u64,
-    /// Bytes a connection may have in its NIC's queue.
+    /// Bytes a connection may have in its NIC's queue, on average, and how far (a
+    /// fraction of it) a connection's allowance may be from that.
     nic_queue: u64,
+    nic_queue_spread: f64,
+    seed: u64,
     /// Per machine: when its sending process has prepared every message it took on.
     cpu_free: Vec<Time>,
     overhead: Time,
@@ -140,6 +154,10 @@ pub struct Costs {
     /// Bytes a connection may queue at its NIC ahead of other connections' (at most
     /// one segment: per-segment round robin).
     pub nic_queue: u64,
+    /// How far a connection's allowance may be from `nic_queue`, as a fraction of it.
+    pub nic_queue_spread: f64,
+    /// Seeds the allowances' draws.
+    pub seed: u64,
     pub latency_s: f64,
     /// Sender CPU time per message.
     pub overhead_s: f64,
@@ -169,6 +187,8 @@ impl<P> Network<P> {
             free: Vec::new(),
             segment: costs.segment,
             nic_queue: costs.nic_queue.max(costs.segment),
+            nic_queue_spread: costs.nic_queue_spread,
+            seed: costs.seed,
             cpu_free: vec![0; rates.len()],
             overhead: from_secs(costs.overhead_s),
             latency: from_secs(costs.latency_s),
@@ -189,6 +209,13 @@ impl<P> Network<P> {
     }
 
     fn add(&mut self, from: u32, to: u32, local: bool) -> ConnId {
+        let mut draws = Stream::new(self.seed, CONNECTION_STREAMS + self.conns.len() as u64);
+        let allowance = allowance(
+            self.nic_queue,
+            self.nic_queue_spread,
+            self.segment,
+            &mut draws,
+        );
         self.conns.push(Conn {
             from,
             to,
@@ -197,6 +224,9 @@ impl<P> Network<P> {
             writing: None,
             ready: false,
             queued: 0,
+            allowance,
+            queued_since_draw: 0,
+            draws,
             local_free: 0,
         });
         (self.conns.len() - 1) as ConnId
@@ -289,11 +319,21 @@ impl<P> Network<P> {
                 continue;
             };
             let bytes = left.min(self.segment);
-            if !c.ready || (c.queued > 0 && c.queued + bytes > self.nic_queue) {
+            if !c.ready || (c.queued > 0 && c.queued + bytes > c.allowance) {
                 break;
             }
             let last = bytes == left;
             c.queued += bytes;
+            c.queued_since_draw += bytes;
+            if self.nic_queue_spread > 0.0 && c.queued_since_draw >= c.allowance {
+                c.allowance = allowance(
+                    self.nic_queue,
+                    self.nic_queue_spread,
+                    self.segment,
+                    &mut c.draws,
+                );
+                c.queued_since_draw = 0;
+            }
             c.writing = (!last).then_some((id, left - bytes));
             self.uplinks[machine as usize].queue.push_back(Queued {
                 conn,
@@ -425,6 +465,15 @@ impl<P> Network<P> {
     }
 }
 
+/// A connection's allowance: `nic_queue` times 1 +- up to `spread`, at least a segment.
+fn allowance(nic_queue: u64, spread: f64, segment: u64, draws: &mut Stream) -> u64 {
+    if spread == 0.0 {
+        return nic_queue;
+    }
+    let share = 1.0 + spread * (2.0 * draws.uniform() - 1.0);
+    ((nic_queue as f64 * share) as u64).max(segment)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -453,6 +502,8 @@ mod tests {
             Costs {
                 segment: 1000,
                 nic_queue,
+                nic_queue_spread: 0.0,
+                seed: 0,
                 latency_s,
                 overhead_s,
                 intra_rate,
@@ -510,6 +561,52 @@ mod tests {
         // a's three segments are queued before b's: a at 3 us, b at 4 us (round robin
         // would have b through first, at 2 us).
         assert_eq!(run(&mut net, &mut q), [(3 * US, "a"), (4 * US, "b")]);
+    }
+
+    /// Two connections of machine 0 each send 200 segments with 20-segment allowances
+    /// spread by `spread`; returns when each is through, and how far apart their bursts
+    /// were in size.
+    fn uneven(spread: f64, seed: u64) -> (Vec<(Time, &'static str)>, u64, u64) {
+        let mut net = Network::new(
+            &[GB; 3],
+            Costs {
+                segment: 1000,
+                nic_queue: 20_000,
+                nic_queue_spread: spread,
+                seed,
+                latency_s: 0.0,
+                overhead_s: 0.0,
+                intra_rate: GB,
+            },
+        );
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 1);
+        let b = net.connect(0, 2);
+        net.send(0, a, 200_000, (1, 1), 0, "a", &mut q);
+        net.send(0, b, 200_000, (1, 1), 0, "b", &mut q);
+        let got = run(&mut net, &mut q);
+        let allowances = [net.conns[0].allowance, net.conns[1].allowance];
+        (got, allowances[0], allowances[1])
+    }
+
+    #[test]
+    fn a_spread_shares_a_link_unevenly_and_loses_nothing() {
+        let (even, a, b) = uneven(0.0, 1);
+        assert_eq!((a, b), (20_000, 20_000));
+        // Bursts of 20 in turn: a is through 20 us before b.
+        assert_eq!(even, [(380 * US, "a"), (400 * US, "b")]);
+        let (spread, a, b) = uneven(0.9, 1);
+        assert_ne!(a, b);
+        assert!(
+            [a, b].iter().all(|x| (2_000..=38_000).contains(x)),
+            "{a} {b}"
+        );
+        // The link stays busy: the last byte leaves at 400 us all the same, but the two
+        // connections no longer finish a burst apart.
+        assert_eq!(spread.last().unwrap().0, 400 * US);
+        assert!(spread[1].0 - spread[0].0 > 20 * US, "{spread:?}");
+        // A seed repeats its draws.
+        assert_eq!(uneven(0.9, 1).0, spread);
     }
 
     #[test]

@@ -100,7 +100,7 @@ fn compute_jitter_makes_every_round_wait_for_the_slowest_machine() {
     cfg["training"]["iterations"] = json!(40);
     let steady = run(&cfg).unwrap();
     cfg["training"]["compute_jitter"] = json!(0.3);
-    cfg["training"]["seed"] = json!(11);
+    cfg["seed"] = json!(11);
     let jittered = run(&cfg).unwrap();
     // Folding identical machines would be wrong now: every one is simulated.
     assert_eq!(steady.machines.len(), 3);
@@ -123,15 +123,16 @@ fn compute_jitter_makes_every_round_wait_for_the_slowest_machine() {
     assert!(spread(&jittered) > 1.2);
     // A seed repeats its draws; another seed draws others.
     assert_eq!(run(&cfg).unwrap().iterations_s, jittered.iterations_s);
-    cfg["training"]["seed"] = json!(12);
+    cfg["seed"] = json!(12);
     assert_ne!(run(&cfg).unwrap().iterations_s, jittered.iterations_s);
 }
 
 #[test]
 fn refusals_name_the_field_and_the_way_out() {
     let mut base = communication("ring", 2, 0, 2, 4096, 4096);
-    // Optional in the JSON form (0: none); present here so that it can be replaced.
+    // Optional in the JSON form (0: none); present here so that they can be replaced.
     base["training"]["compute_jitter"] = json!(0.0);
+    base["network"]["nic_queue_spread"] = json!(0.0);
     // (JSON pointer, new value, what the refusal must say)
     let cases = [
         ("/cluster/cpu_machines", json!(1), "choose 'byteps'"),
@@ -148,6 +149,11 @@ fn refusals_name_the_field_and_the_way_out() {
             "/training/compute_jitter",
             json!(1.5),
             "training.compute_jitter",
+        ),
+        (
+            "/network/nic_queue_spread",
+            json!(-0.5),
+            "network.nic_queue_spread",
         ),
         (
             "/model/layers/0/tensors/0/bytes",

@@ -80,6 +80,11 @@ class Network:
             (what TCP's window lets it hand the kernel); up to one segment (the default, 0)
             the NIC serves connections segment by segment in turn, more sends bursts in
             the order they were written.
+        nic_queue_spread: how unevenly connections share their NIC, from 0 (evenly, the
+            default) to 1: each connection's allowance is drawn uniformly from
+            ``nic_queue_bytes`` times 1 +- this, and again each time it has queued that
+            much (TCP's windows differ between flows and change every round trip), so flows
+            into one server progress unevenly and its rounds wait for the slowest.
         header_bytes: bytes of a message without payload (a push acknowledgement).
     """
 
@@ -90,6 +95,7 @@ class Network:
     intra_gbps: float = 800.0
     segment_bytes: int = 16 * 1024
     nic_queue_bytes: int = 0
+    nic_queue_spread: float = 0.0
     header_bytes: int = 64
 
     def __post_init__(self) -> None:
@@ -101,6 +107,12 @@ class Network:
         _number("Network", "intra_gbps", self.intra_gbps, positive=True)
         _count("Network", "segment_bytes", self.segment_bytes, least=1)
         _count("Network", "nic_queue_bytes", self.nic_queue_bytes, least=0)
+        _number("Network", "nic_queue_spread", self.nic_queue_spread, positive=False)
+        if self.nic_queue_spread > 1:
+            raise ValueError(
+                f"Network.nic_queue_spread must be a fraction from 0 to 1, got "
+                f"{self.nic_queue_spread!r}"
+            )
         _count("Network", "header_bytes", self.header_bytes, least=0)
 
     def to_core(self) -> dict[str, Any]:
@@ -114,6 +126,7 @@ class Network:
             "intra_bandwidth": self.intra_gbps * 1e9 / 8,
             "segment_bytes": self.segment_bytes,
             "nic_queue_bytes": self.nic_queue_bytes,
+            "nic_queue_spread": self.nic_queue_spread,
             "header_bytes": self.header_bytes,
         }
 
@@ -186,7 +199,8 @@ class Config:
             coefficient of variation of a factor (log-normal, mean 1) drawn per machine and
             iteration that stretches all its layers' times. 0 (default): every machine
             keeps the profile's times. Above 0, every worker machine is simulated.
-        seed: seeds the jitter's draws.
+        seed: seeds every draw (the compute jitter, ``Network.nic_queue_spread``): a
+            simulation is reproducible.
         trace: record a timeline of the measured iterations.
         trace_machines: simulated machines to record (empty: all).
         trace_max_events: recording stops after this many events.
@@ -297,7 +311,6 @@ class Config:
                 "warmup_iterations": self.warmup_iterations,
                 "iterations": self.iterations,
                 "compute_jitter": self.compute_jitter,
-                "seed": self.seed,
             },
             "trace": {
                 "enabled": self.trace,
@@ -305,6 +318,7 @@ class Config:
                 "max_events": self.trace_max_events,
             },
             "exploit_symmetry": self.exploit_symmetry,
+            "seed": self.seed,
         }
 
     def to_json(self) -> str:
