@@ -400,6 +400,7 @@ def test_impossible_configurations_say_what_is_wrong(kwargs: dict, words: str) -
         (lambda: Network(gbps=float("nan")), "Network.gbps"),
         (lambda: Network(nic_queue_spread=1.5), "Network.nic_queue_spread"),
         (lambda: Network(nic_queue_spread=-0.1), "Network.nic_queue_spread"),
+        (lambda: Network(fair_downlinks=1), "Network.fair_downlinks"),
         (lambda: Scheduling(scheduler="lifo"), "fifo, p3, bytescheduler, prophet"),
         (lambda: Scheduling(partition_bytes=2), "Scheduling.partition_bytes"),
     ],
@@ -681,6 +682,7 @@ def test_a_runs_iteration_to_iteration_variation_is_replayed_as_compute_jitter()
     assert (cfg.compute_jitter, cfg.iterations) == (m.compute_jitter, cal.MEASURED_ITERATIONS)
     # The emulation's connections share their hosts' links unevenly (BBR's windows).
     assert cfg.network.nic_queue_spread == cal.EMULATION["nic_queue_spread"] > 0
+    assert cfg.network.fair_downlinks
     steady = simulate(replace(cfg, compute_jitter=0.0)).iteration_s
     assert simulate(cfg).iteration_s > steady
 

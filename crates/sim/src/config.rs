@@ -100,6 +100,11 @@ pub struct Network {
     /// round waits for the slowest.
     #[serde(default)]
     pub nic_queue_spread: f64,
+    /// A switch port serves the connections arriving at it in turn, a segment each, as
+    /// TCP's flows converge to equal shares of the link they bottleneck on; off, in arrival
+    /// order (a FIFO port with senders that never slow down).
+    #[serde(default)]
+    pub fair_downlinks: bool,
     /// Bytes of a message without payload (a push acknowledgement).
     pub header_bytes: u64,
 }

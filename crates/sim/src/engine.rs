@@ -190,6 +190,7 @@ impl<'a> Sim<'a> {
                 segment: net_cfg.segment_bytes,
                 nic_queue: net_cfg.nic_queue_bytes,
                 nic_queue_spread: net_cfg.nic_queue_spread,
+                fair_downlinks: net_cfg.fair_downlinks,
                 seed: cfg.seed,
                 latency_s: net_cfg.latency_s,
                 overhead_s: net_cfg.message_overhead_s,

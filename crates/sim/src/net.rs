@@ -5,7 +5,10 @@
 //! turn, one segment each: per-connection fairness, as TCP shares a link. A segment reaches
 //! the destination's *downlink* (switch port to NIC) after the latency and is forwarded in
 //! arrival order (the port's FIFO queue) as soon as its first byte is there (cut-through),
-//! finishing no earlier than its last byte arrives. Both directions are work-conserving,
+//! finishing no earlier than its last byte arrives; with *fair downlinks* the port instead
+//! serves the connections with segments waiting in turn, one segment each, as TCP's flows
+//! converge to equal shares of the link they bottleneck on (in arrival order, a sender
+//! with more upstream capacity would take the port). Both directions are work-conserving,
 //! so a link's busy time is exactly its bytes over its rate; what sharing a link costs a
 //! message shows in when its last segment gets through.
 //!
@@ -90,6 +93,8 @@ struct Conn {
     draws: Stream,
     /// For a connection inside one machine: when its last message arrives.
     local_free: Time,
+    /// With fair downlinks: its segments waiting at the destination's switch port.
+    arrived: VecDeque<Segment>,
 }
 
 /// A segment waiting in, or leaving, a NIC's queue.
@@ -114,7 +119,10 @@ struct Uplink {
 struct Downlink {
     rate: f64,
     busy: bool,
+    /// Arrived segments in arrival order, or with fair downlinks the connections with
+    /// segments waiting, in turn.
     queue: VecDeque<Segment>,
+    turns: VecDeque<ConnId>,
     serving: Option<Segment>,
     usage: Usage,
 }
@@ -138,6 +146,7 @@ pub struct Network<P> {
     nic_queue: u64,
     nic_queue_spread: f64,
     seed: u64,
+    fair_downlinks: bool,
     /// Per machine: when its sending process has prepared every message it took on.
     cpu_free: Vec<Time>,
     overhead: Time,
@@ -158,6 +167,8 @@ pub struct Costs {
     pub nic_queue_spread: f64,
     /// Seeds the allowances' draws.
     pub seed: u64,
+    /// Switch ports serve their connections in turn rather than in arrival order.
+    pub fair_downlinks: bool,
     pub latency_s: f64,
     /// Sender CPU time per message.
     pub overhead_s: f64,
@@ -189,6 +200,7 @@ impl<P> Network<P> {
             nic_queue: costs.nic_queue.max(costs.segment),
             nic_queue_spread: costs.nic_queue_spread,
             seed: costs.seed,
+            fair_downlinks: costs.fair_downlinks,
             cpu_free: vec![0; rates.len()],
             overhead: from_secs(costs.overhead_s),
             latency: from_secs(costs.latency_s),
@@ -228,6 +240,7 @@ impl<P> Network<P> {
             queued_since_draw: 0,
             draws,
             local_free: 0,
+            arrived: VecDeque::new(),
         });
         (self.conns.len() - 1) as ConnId
     }
@@ -391,8 +404,23 @@ impl<P> Network<P> {
         if down.busy {
             return;
         }
-        let Some(s) = down.queue.pop_front() else {
-            return;
+        let s = if self.fair_downlinks {
+            let Some(conn) = down.turns.pop_front() else {
+                return;
+            };
+            let arrived = &mut self.conns[conn as usize].arrived;
+            let s = arrived
+                .pop_front()
+                .expect("a connection in turn has a segment");
+            if !arrived.is_empty() {
+                down.turns.push_back(conn);
+            }
+            s
+        } else {
+            let Some(s) = down.queue.pop_front() else {
+                return;
+            };
+            s
         };
         let m = self.msgs[s.msg as usize]
             .as_ref()
@@ -426,7 +454,18 @@ impl<P> Network<P> {
                 None
             }
             NetEvent::Arrived { machine, segment } => {
-                self.downlinks[machine as usize].queue.push_back(segment);
+                let down = &mut self.downlinks[machine as usize];
+                if self.fair_downlinks {
+                    let m = self.msgs[segment.msg as usize].as_ref();
+                    let conn = m.expect("a message in flight").conn;
+                    let arrived = &mut self.conns[conn as usize].arrived;
+                    if arrived.is_empty() {
+                        down.turns.push_back(conn);
+                    }
+                    arrived.push_back(segment);
+                } else {
+                    down.queue.push_back(segment);
+                }
                 self.serve_downlink(now, machine, q);
                 None
             }
@@ -504,6 +543,7 @@ mod tests {
                 nic_queue,
                 nic_queue_spread: 0.0,
                 seed: 0,
+                fair_downlinks: false,
                 latency_s,
                 overhead_s,
                 intra_rate,
@@ -574,6 +614,7 @@ mod tests {
                 nic_queue: 20_000,
                 nic_queue_spread: spread,
                 seed,
+                fair_downlinks: false,
                 latency_s: 0.0,
                 overhead_s: 0.0,
                 intra_rate: GB,
@@ -607,6 +648,40 @@ mod tests {
         assert!(spread[1].0 - spread[0].0 > 20 * US, "{spread:?}");
         // A seed repeats its draws.
         assert_eq!(uneven(0.9, 1).0, spread);
+    }
+
+    /// Machine 0 (4 GB/s) sends 8 segments and machine 1 (1 GB/s) 2 to machine 2 (1 GB/s).
+    fn converging(fair: bool) -> Vec<(Time, &'static str)> {
+        let mut net = Network::new(
+            &[4.0 * GB, GB, GB],
+            Costs {
+                segment: 1000,
+                nic_queue: 0,
+                nic_queue_spread: 0.0,
+                seed: 0,
+                fair_downlinks: fair,
+                latency_s: 0.0,
+                overhead_s: 0.0,
+                intra_rate: GB,
+            },
+        );
+        let mut q = EventQueue::new();
+        let a = net.connect(0, 2);
+        let b = net.connect(1, 2);
+        net.send(0, a, 8000, (1, 1), 0, "fast", &mut q);
+        net.send(0, b, 2000, (1, 1), 0, "slow", &mut q);
+        run(&mut net, &mut q)
+    }
+
+    #[test]
+    fn a_fair_downlink_serves_its_connections_in_turn() {
+        // In arrival order the slow sender's second segment waits behind the four the
+        // fast one got in meanwhile; in turn it goes next. The port is busy for the 10 us
+        // of 10 segments either way.
+        let fifo = converging(false);
+        let fair = converging(true);
+        assert_eq!(fifo, [(6 * US, "slow"), (10 * US, "fast")]);
+        assert_eq!(fair, [(4 * US, "slow"), (10 * US, "fast")]);
     }
 
     #[test]

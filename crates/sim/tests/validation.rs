@@ -55,16 +55,21 @@ fn byteps_busiest_link_is_eq_6_exactly() {
     for (n, k) in [(4u32, 2u32), (5, 3), (3, 3)] {
         let units = n * n + k * n - 2 * k;
         let part = 65_536u64;
-        let r = run(&communication("byteps", n, k, units as usize, part, part)).unwrap();
         let (nf, kf) = (f64::from(n), f64::from(k));
         let m = f64::from(units) * part as f64;
         let eq6 = 2.0 * nf * (nf - 1.0) * m / ((nf * nf + kf * nf - 2.0 * kf) * 1e9);
-        assert!(
-            close(r.network_s, eq6),
-            "n = {n}, k = {k}: {} against {eq6}",
-            r.network_s
-        );
-        assert!(r.iteration_s >= eq6);
+        // Switch ports in arrival order or in turn: the links carry the same bytes.
+        for fair in [false, true] {
+            let mut cfg = communication("byteps", n, k, units as usize, part, part);
+            cfg["network"]["fair_downlinks"] = json!(fair);
+            let r = run(&cfg).unwrap();
+            assert!(
+                close(r.network_s, eq6),
+                "n = {n}, k = {k}, fair {fair}: {} against {eq6}",
+                r.network_s
+            );
+            assert!(r.iteration_s >= eq6);
+        }
     }
 }
 

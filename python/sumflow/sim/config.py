@@ -85,6 +85,10 @@ class Network:
             ``nic_queue_bytes`` times 1 +- this, and again each time it has queued that
             much (TCP's windows differ between flows and change every round trip), so flows
             into one server progress unevenly and its rounds wait for the slowest.
+        fair_downlinks: a switch port serves the connections arriving at it in turn, a
+            segment each, as TCP's flows converge to equal shares of the link they
+            bottleneck on; off (the default), in arrival order, so a sender with more
+            upstream capacity takes more of the port.
         header_bytes: bytes of a message without payload (a push acknowledgement).
     """
 
@@ -96,6 +100,7 @@ class Network:
     segment_bytes: int = 16 * 1024
     nic_queue_bytes: int = 0
     nic_queue_spread: float = 0.0
+    fair_downlinks: bool = False
     header_bytes: int = 64
 
     def __post_init__(self) -> None:
@@ -114,6 +119,10 @@ class Network:
                 f"{self.nic_queue_spread!r}"
             )
         _count("Network", "header_bytes", self.header_bytes, least=0)
+        if not isinstance(self.fair_downlinks, bool):
+            raise ValueError(
+                f"Network.fair_downlinks must be True or False, got {self.fair_downlinks!r}"
+            )
 
     def to_core(self) -> dict[str, Any]:
         """The core's form: bytes per second and seconds."""
@@ -127,6 +136,7 @@ class Network:
             "segment_bytes": self.segment_bytes,
             "nic_queue_bytes": self.nic_queue_bytes,
             "nic_queue_spread": self.nic_queue_spread,
+            "fair_downlinks": self.fair_downlinks,
             "header_bytes": self.header_bytes,
         }
 
