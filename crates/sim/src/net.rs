@@ -145,7 +145,9 @@ pub struct Network<P> {
     /// fraction of it) a connection's allowance may be from that.
     nic_queue: u64,
     nic_queue_spread: f64,
+    /// Seeds the connections' draws.
     seed: u64,
+    /// Switch ports serve their connections in turn rather than in arrival order.
     fair_downlinks: bool,
     /// Per machine: when its sending process has prepared every message it took on.
     cpu_free: Vec<Time>,
@@ -604,8 +606,8 @@ mod tests {
     }
 
     /// Two connections of machine 0 each send 200 segments with 20-segment allowances
-    /// spread by `spread`; returns when each is through, and how far apart their bursts
-    /// were in size.
+    /// spread by `spread`; returns when each is through, and the allowances they ended
+    /// with.
     fn uneven(spread: f64, seed: u64) -> (Vec<(Time, &'static str)>, u64, u64) {
         let mut net = Network::new(
             &[GB; 3],
