@@ -541,16 +541,27 @@ mod tests {
         Network::new(
             &vec![GB; machines],
             Costs {
-                segment: 1000,
                 nic_queue,
-                nic_queue_spread: 0.0,
-                seed: 0,
-                fair_downlinks: false,
                 latency_s,
                 overhead_s,
                 intra_rate,
+                ..costs()
             },
         )
+    }
+
+    /// 1000-byte segments, round robin, no latency, no per-message cost, 1 GB/s inside.
+    fn costs() -> Costs {
+        Costs {
+            segment: 1000,
+            nic_queue: 0,
+            nic_queue_spread: 0.0,
+            seed: 0,
+            fair_downlinks: false,
+            latency_s: 0.0,
+            overhead_s: 0.0,
+            intra_rate: GB,
+        }
     }
 
     /// Delivers everything; returns (time, payload) in delivery order.
@@ -612,14 +623,10 @@ mod tests {
         let mut net = Network::new(
             &[GB; 3],
             Costs {
-                segment: 1000,
                 nic_queue: 20_000,
                 nic_queue_spread: spread,
                 seed,
-                fair_downlinks: false,
-                latency_s: 0.0,
-                overhead_s: 0.0,
-                intra_rate: GB,
+                ..costs()
             },
         );
         let mut q = EventQueue::new();
@@ -657,14 +664,8 @@ mod tests {
         let mut net = Network::new(
             &[4.0 * GB, GB, GB],
             Costs {
-                segment: 1000,
-                nic_queue: 0,
-                nic_queue_spread: 0.0,
-                seed: 0,
                 fair_downlinks: fair,
-                latency_s: 0.0,
-                overhead_s: 0.0,
-                intra_rate: GB,
+                ..costs()
             },
         );
         let mut q = EventQueue::new();
