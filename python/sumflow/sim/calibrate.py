@@ -38,8 +38,8 @@ from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 #:   The emulation's kernel runs BBR, whose windows there (sampled with ``ss``) are 18-50
 #:   jumbo segments, 160-450 KB, differing between connections and changing from one round
 #:   trip to the next: flows into one server progress unevenly. Fitted within those bounds:
-#:   512 KiB +- 90% (a spread of 0.7-1.0 with 512 KiB-1 MiB fits alike; an even 1 MiB,
-#:   the second pass's, leaves the tuned ResNet-50 runs 11-15% fast).
+#:   512 KiB +- 90% (with fair downlinks a spread of 0.5-1.0 with 512 KiB-1 MiB fits alike;
+#:   an even 1 MiB, the second pass's, leaves the tuned ResNet-50 runs 11-15% fast).
 #: - ``message_overhead_us``: the sending process's time per message (the push or sum
 #:   thread's system calls and wake-ups on a busy 2-core machine). Fitted: the tuned runs'
 #:   8-45 KB partitions bound it to 0-50 us; the machine's recorded CPU utilisation puts

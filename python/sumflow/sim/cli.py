@@ -116,7 +116,7 @@ def _common(p: argparse.ArgumentParser, *, cluster_k: bool = True, gbps: bool = 
         help="how much each worker machine's compute varies between iterations, as a "
         "coefficient of variation (0: none; 0.1: a slower or faster iteration by ~10%%)",
     )
-    r.add_argument("--seed", type=int, default=0, help="seeds the jitter's draws (0)")
+    r.add_argument("--seed", type=int, default=0, help="seeds every random draw (0)")
     r.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 

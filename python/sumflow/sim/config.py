@@ -30,6 +30,12 @@ def _number(owner: str, name: str, value: Any, *, positive: bool) -> None:
         raise ValueError(f"{owner}.{name} must be >= 0, got {value!r}")
 
 
+def _fraction(owner: str, name: str, value: Any, what: str) -> None:
+    _number(owner, name, value, positive=False)
+    if value > 1:
+        raise ValueError(f"{owner}.{name} must be {what} from 0 to 1, got {value!r}")
+
+
 def _count(owner: str, name: str, value: Any, *, least: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ValueError(f"{owner}.{name} must be an integer >= {least}, got {value!r}")
@@ -112,12 +118,7 @@ class Network:
         _number("Network", "intra_gbps", self.intra_gbps, positive=True)
         _count("Network", "segment_bytes", self.segment_bytes, least=1)
         _count("Network", "nic_queue_bytes", self.nic_queue_bytes, least=0)
-        _number("Network", "nic_queue_spread", self.nic_queue_spread, positive=False)
-        if self.nic_queue_spread > 1:
-            raise ValueError(
-                f"Network.nic_queue_spread must be a fraction from 0 to 1, got "
-                f"{self.nic_queue_spread!r}"
-            )
+        _fraction("Network", "nic_queue_spread", self.nic_queue_spread, "a fraction")
         _count("Network", "header_bytes", self.header_bytes, least=0)
         if not isinstance(self.fair_downlinks, bool):
             raise ValueError(
@@ -251,15 +252,7 @@ class Config:
         _count("Config", "seed", self.seed, least=0)
         if self.seed >= 2**64:
             raise ValueError(f"Config.seed must be below 2**64, got {self.seed}")
-        if (
-            isinstance(self.compute_jitter, bool)
-            or not isinstance(self.compute_jitter, (int, float))
-            or not 0.0 <= self.compute_jitter <= 1.0
-        ):
-            raise ValueError(
-                f"Config.compute_jitter is {self.compute_jitter!r}: give a coefficient of "
-                "variation from 0 to 1"
-            )
+        _fraction("Config", "compute_jitter", self.compute_jitter, "a coefficient of variation")
         k = self.cluster.cpu_machines
         if k > 0 and self.architecture in ("ring", "hierarchical", "colocated-ps"):
             raise ValueError(
