@@ -5,9 +5,35 @@ from os import PathLike
 from typing import Any
 
 __version__: str
+"""The version of the core: the Cargo workspace's."""
+
+# The core's defaults (crates/binding/src/defaults.rs): sumflow.settings reads them from here.
+#: Partition size in bytes (BytePS §6.1's 4 MB).
+DEFAULT_PARTITION_BYTES: int
+#: The scheduler a job runs unless it asks for another.
+DEFAULT_SCHEDULER: str
+#: The credit per server, in partitions, when none is given.
+DEFAULT_CREDIT_PARTITIONS: int
 #: The push window per server a job starts with, in partitions of its starting size.
 DEFAULT_WINDOW_PARTITIONS: int
-"""The version of the core: the Cargo workspace's."""
+#: The most connections a worker may open to one CPU summation server.
+MAX_CPU_SERVER_CONNECTIONS: int
+#: Longest wait for one collective operation, in seconds.
+DEFAULT_OPERATION_TIMEOUT_S: float
+#: Time every expected node has to join the job, in seconds.
+DEFAULT_JOIN_TIMEOUT_S: float
+#: How long a node retries connecting to a peer that may still be starting, in seconds.
+DEFAULT_CONNECT_TIMEOUT_S: float
+#: How often a node heartbeats to the coordinator, in seconds.
+DEFAULT_HEARTBEAT_INTERVAL_S: float
+#: Silence after which a node is declared failed, in seconds.
+DEFAULT_HEARTBEAT_TIMEOUT_S: float
+#: The first step a trace records.
+DEFAULT_TRACE_START_STEP: int
+#: How many steps a trace records.
+DEFAULT_TRACE_STEPS: int
+#: The most events a trace holds.
+DEFAULT_TRACE_MAX_EVENTS: int
 
 def simd_level() -> str:
     """The SIMD kernels the summation service would use on this CPU: "avx512",
@@ -80,7 +106,7 @@ class CommunicationService:
         rank: int | None = None,
         name: str | None = None,
         partition_bytes: int = 4194304,
-        scheduler: str = "bytescheduler",
+        scheduler: str | None = None,
         credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
         prophet_stage_factor: float = 0.0,

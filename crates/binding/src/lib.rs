@@ -10,6 +10,7 @@ use std::ffi::OsString;
 
 use pyo3::prelude::*;
 
+mod defaults;
 pub mod errors;
 mod service;
 mod sim;
@@ -59,10 +60,7 @@ fn program(name: &str, argv: Vec<OsString>) -> Vec<OsString> {
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
-    m.add(
-        "DEFAULT_WINDOW_PARTITIONS",
-        sumflow_comm::scheduler::DEFAULT_WINDOW_PARTITIONS,
-    )?;
+    defaults::register(m)?;
     m.add_function(wrap_pyfunction!(simd_level, m)?)?;
     m.add_function(wrap_pyfunction!(run_server, m)?)?;
     m.add_function(wrap_pyfunction!(run_coordinator, m)?)?;

@@ -14,10 +14,11 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
 };
-use sumflow_wire::{Dtype, ErrorCode, JobToken};
+use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
 use crate::trace;
@@ -105,10 +106,14 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = 4 << 20, scheduler = "bytescheduler", credit_bytes = None,
+        partition_bytes = DEFAULT_PARTITION_BYTES, scheduler = None, credit_bytes = None,
         push_window_bytes = None, prophet_stage_factor = 0.0,
-        connections_per_cpu_server = None, join_timeout = 300.0, declare_timeout = 300.0,
-        connect_timeout = 60.0, heartbeat_interval = 1.0, heartbeat_timeout = 10.0,
+        connections_per_cpu_server = None,
+        join_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
+        declare_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
+        connect_timeout = timing::DEFAULT_CONNECT_TIMEOUT.as_secs_f64(),
+        heartbeat_interval = timing::DEFAULT_HEARTBEAT_INTERVAL.as_secs_f64(),
+        heartbeat_timeout = timing::DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64(),
         trace_dir = None, trace_start_step = None, trace_steps = None, trace_max_events = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -120,7 +125,7 @@ impl PyCommunicationService {
         rank: Option<u32>,
         name: Option<String>,
         partition_bytes: u64,
-        scheduler: &str,
+        scheduler: Option<&str>,
         credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
         prophet_stage_factor: f64,
@@ -143,7 +148,9 @@ impl PyCommunicationService {
             cfg.name = name;
         }
         cfg.partition_bytes = partition_bytes;
-        cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
+        if let Some(scheduler) = scheduler {
+            cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
+        }
         cfg.credit_bytes = credit_bytes;
         cfg.push_window_bytes = push_window_bytes;
         if !(prophet_stage_factor.is_finite() && prophet_stage_factor >= 0.0) {

@@ -38,6 +38,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{unbounded, Receiver, Sender};
 use sumflow_wire::io::{connect, write_message, FrameReader};
+use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, ErrorReply, JobToken, Message, NodeId, Peer,
     Registration, Role, Service, WireError, DEFAULT_MAX_BODY, MAX_STRING,
@@ -74,9 +75,9 @@ pub struct CoordinatorOptions {
 impl Default for CoordinatorOptions {
     fn default() -> Self {
         CoordinatorOptions {
-            heartbeat_interval: Duration::from_secs(1),
-            heartbeat_timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(60),
+            heartbeat_interval: timing::DEFAULT_HEARTBEAT_INTERVAL,
+            heartbeat_timeout: timing::DEFAULT_HEARTBEAT_TIMEOUT,
+            connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             max_body: DEFAULT_MAX_BODY,
         }
     }

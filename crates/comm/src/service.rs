@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
+use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Registration, Role,
 };
@@ -92,15 +93,15 @@ impl CommConfig {
             name: format!("worker pid {}", std::process::id()),
             host_id: host_id.to_string(),
             partition_bytes: DEFAULT_PARTITION_BYTES,
-            scheduler: SchedulerKind::ByteScheduler,
+            scheduler: SchedulerKind::default(),
             credit_bytes: None,
             push_window_bytes: None,
             prophet: ProphetConfig::default(),
             connections_per_cpu_server: None,
-            join_timeout: Duration::from_secs(300),
-            declare_timeout: Duration::from_secs(300),
+            join_timeout: timing::DEFAULT_JOIN_TIMEOUT,
+            declare_timeout: timing::DEFAULT_JOIN_TIMEOUT,
             coordinator_options: CoordinatorOptions::default(),
-            connect_timeout: Duration::from_secs(60),
+            connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             trace: None,
         }
     }

@@ -21,7 +21,9 @@ use sumflow_wire::program::{parse_args, positive_seconds, write_addr_file, StopS
 use sumflow_wire::JobToken;
 use tracing::{error, info, warn};
 
-use crate::config::{random_job_id, DEFAULT_MAX_BODY};
+use crate::config::{
+    random_job_id, DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT, DEFAULT_MAX_BODY,
+};
 use crate::{CoordinatorConfig, CoordinatorError, CoordinatorService};
 
 /// Rendezvous for a sumflow job: waits for every worker and summation server to join,
@@ -52,7 +54,7 @@ struct Args {
     #[arg(
         long,
         env = "SUMFLOW_HEARTBEAT_TIMEOUT",
-        default_value_t = 10.0,
+        default_value_t = DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64(),
         value_name = "SECS"
     )]
     heartbeat_timeout: f64,
@@ -61,7 +63,7 @@ struct Args {
     #[arg(
         long,
         env = "SUMFLOW_JOIN_TIMEOUT",
-        default_value_t = 300.0,
+        default_value_t = DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
         value_name = "SECS"
     )]
     join_timeout: f64,

@@ -7,10 +7,7 @@ use sumflow_wire::{JobToken, MAX_STRING};
 
 use crate::CoordinatorError;
 
-/// Default silence after which a node is declared failed.
-pub const DEFAULT_HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
-/// Default time every expected node has to join.
-pub const DEFAULT_JOIN_TIMEOUT: Duration = Duration::from_secs(300);
+pub use sumflow_wire::timing::{DEFAULT_HEARTBEAT_TIMEOUT, DEFAULT_JOIN_TIMEOUT};
 /// Default cap on an incoming frame body: coordinator traffic is small control frames.
 pub const DEFAULT_MAX_BODY: u32 = 1 << 20;
 /// Smallest accepted cap: a registration with three maximal strings must fit.

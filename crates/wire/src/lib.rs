@@ -18,6 +18,7 @@ pub mod logging;
 pub mod message;
 #[cfg(feature = "cli")]
 pub mod program;
+pub mod timing;
 
 pub use auth::JobToken;
 pub use cluster::{ClusterMap, NodeId, NodeInfo, Role};

@@ -39,8 +39,8 @@ use window::PushWindow;
 /// A partition's place in its server's sending order: lower goes first.
 pub type Order = (i64, u64);
 
-/// The schedulers a job can run.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// The schedulers a job can run; ByteScheduler unless the job asks for another.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum SchedulerKind {
     /// Whole tensors in the order they became ready, straight into the network (no
     /// credit): the baseline of every framework.
@@ -48,6 +48,7 @@ pub enum SchedulerKind {
     /// P3: priority order, one partition per server in flight (stop-and-wait).
     P3,
     /// ByteScheduler Algorithm 1: priority order under a byte credit per server.
+    #[default]
     ByteScheduler,
     /// Prophet: ByteScheduler, plus blocks that go past the credit during backward, sized
     /// to the predicted gaps at the measured bandwidth.

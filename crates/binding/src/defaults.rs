@@ -1,0 +1,52 @@
+//! The core's defaults as module constants of `sumflow._core`, so that Python
+//! (`sumflow.settings`, the launcher, the docs' table of settings) never writes a default
+//! of its own: each lives once, in the crate that uses it.
+
+use pyo3::prelude::*;
+use sumflow_comm::{lanes, partition, scheduler, trace};
+use sumflow_wire::timing;
+
+/// Adds the `DEFAULT_*` and `MAX_*` constants to the module `m`.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "DEFAULT_PARTITION_BYTES",
+        partition::DEFAULT_PARTITION_BYTES,
+    )?;
+    m.add(
+        "DEFAULT_SCHEDULER",
+        scheduler::SchedulerKind::default().name(),
+    )?;
+    m.add(
+        "DEFAULT_CREDIT_PARTITIONS",
+        scheduler::DEFAULT_CREDIT_PARTITIONS,
+    )?;
+    m.add(
+        "DEFAULT_WINDOW_PARTITIONS",
+        scheduler::DEFAULT_WINDOW_PARTITIONS,
+    )?;
+    m.add("MAX_CPU_SERVER_CONNECTIONS", lanes::MAX)?;
+    m.add(
+        "DEFAULT_OPERATION_TIMEOUT_S",
+        timing::DEFAULT_OPERATION_TIMEOUT.as_secs_f64(),
+    )?;
+    m.add(
+        "DEFAULT_JOIN_TIMEOUT_S",
+        timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
+    )?;
+    m.add(
+        "DEFAULT_CONNECT_TIMEOUT_S",
+        timing::DEFAULT_CONNECT_TIMEOUT.as_secs_f64(),
+    )?;
+    m.add(
+        "DEFAULT_HEARTBEAT_INTERVAL_S",
+        timing::DEFAULT_HEARTBEAT_INTERVAL.as_secs_f64(),
+    )?;
+    m.add(
+        "DEFAULT_HEARTBEAT_TIMEOUT_S",
+        timing::DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64(),
+    )?;
+    m.add("DEFAULT_TRACE_START_STEP", trace::DEFAULT_START_STEP)?;
+    m.add("DEFAULT_TRACE_STEPS", trace::DEFAULT_STEPS)?;
+    m.add("DEFAULT_TRACE_MAX_EVENTS", trace::DEFAULT_MAX_EVENTS)?;
+    Ok(())
+}
