@@ -14,10 +14,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
 };
+use sumflow_plan::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};

@@ -24,13 +24,8 @@ mod average;
 pub mod compression;
 pub mod error;
 pub mod handles;
-pub mod lanes;
-pub mod partition;
 pub mod pipeline;
-pub mod placement;
 mod queue;
-mod scatter;
-pub mod scheduler;
 pub mod service;
 pub mod trace;
 

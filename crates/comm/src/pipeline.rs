@@ -1,7 +1,7 @@
 //! The staged pipeline (BytePS §6.1) under a scheduler: partitions become ready, the
 //! [`Scheduler`] decides when each starts, a push thread per lane sends what started, and
 //! each lane's receiver thread reads the sums straight into the tensors they belong to.
-//! A lane is one connection to a server; a server has one or more (see [`crate::lanes`]),
+//! A lane is one connection to a server; a server has one or more (see [`sumflow_plan::lanes`]),
 //! and each of its keys always travels on the same one, `key % lanes`, so a key's push,
 //! pull and sum stay in order on one connection.
 //!
@@ -43,8 +43,8 @@ use crate::compression::{KeySpan, Residuals};
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
-use crate::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
 use crate::trace::{Arg, Tracer, Track};
+use sumflow_plan::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);

@@ -17,14 +17,16 @@ use crate::accounting::{KeyBytes, WireBytes};
 use crate::compression::{Compression, KeySpan};
 use crate::error::CommError;
 use crate::handles::Handles;
-use crate::lanes;
-use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
-use crate::placement::{place, ServerSet};
-use crate::scatter::scatter;
-use crate::scheduler::prophet::ProphetConfig;
-use crate::scheduler::{Schedule, SchedulerKind};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::{
+    partition, partition_key, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES,
+};
+use sumflow_plan::placement::{place, ServerSet};
+use sumflow_plan::scatter::scatter;
+use sumflow_plan::scheduler::prophet::ProphetConfig;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
 const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);
@@ -58,7 +60,7 @@ pub struct CommConfig {
     pub host_id: String,
     /// The size tensors are cut into, except under `fifo`, which sends whole tensors.
     pub partition_bytes: u64,
-    /// Which scheduler decides when partitions go out (see [`crate::scheduler`]).
+    /// Which scheduler decides when partitions go out (see [`sumflow_plan::scheduler`]).
     pub scheduler: SchedulerKind,
     /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
     /// `None`: 2 partitions; 0: unbounded.
@@ -72,7 +74,7 @@ pub struct CommConfig {
     /// Connections to each CPU server, each partition for it cut into one piece per
     /// connection; colocated servers get one. `None`: round(c/g) of Eq. 1 and 2, so that
     /// TCP's per-connection fairness gives each server its share of every link (see
-    /// [`crate::lanes`]); at most [`lanes::MAX`]. Pieces are keys, so every worker of a
+    /// [`sumflow_plan::lanes`]); at most [`lanes::MAX`]. Pieces are keys, so every worker of a
     /// job must use the same value, as it must the same partition size.
     pub connections_per_cpu_server: Option<u32>,
     pub join_timeout: Duration,
@@ -553,7 +555,7 @@ impl CommunicationService {
     }
 
     /// Cuts each placed partition bound for a server with several lanes into one piece per
-    /// lane (see [`crate::lanes`]).
+    /// lane (see [`sumflow_plan::lanes`]).
     fn spread(&self, dtype: Dtype, parts: Parts) -> Result<Parts, CommError> {
         let mut out = Vec::with_capacity(parts.len());
         for (key, server, offset, bytes) in parts {

@@ -7,9 +7,9 @@ use std::time::Duration;
 use sumflow_client::{ServerClient, ServerOptions};
 use sumflow_comm::handles::Handles;
 use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
-use sumflow_comm::scheduler::{Schedule, SchedulerKind};
 use sumflow_comm::trace::Tracer;
 use sumflow_comm::CommError;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken, KeyCodec};
 

@@ -7,12 +7,12 @@ use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::accounting::WireBytes;
-use sumflow_comm::partition::WHOLE_TENSOR_BYTES;
-use sumflow_comm::scheduler::SchedulerKind;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
 };
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
+use sumflow_plan::partition::WHOLE_TENSOR_BYTES;
+use sumflow_plan::scheduler::SchedulerKind;
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };

@@ -1,15 +1,15 @@
 //! The event loop and the state it drives: worker machines (compute, and the runtime's
 //! scheduler), summation servers or all-reduce collectives, and the network.
 //!
-//! Each simulated worker machine owns a `sumflow_comm::scheduler::Scheduler`, the same
+//! Each simulated worker machine owns a `sumflow_plan::scheduler::Scheduler`, the same
 //! state machine the runtime's pipeline drives, fed with the same events (partitions ready,
 //! push acknowledged, sum back, step mark) at simulated instants; whatever it starts goes
 //! onto the lane's connection, in the order it started them.
 
 use std::time::Instant;
 
-use sumflow_comm::placement::ServerKind;
-use sumflow_comm::scheduler::{Order, Part, Scheduler, SchedulerKind};
+use sumflow_plan::placement::ServerKind;
+use sumflow_plan::scheduler::{Order, Part, Scheduler, SchedulerKind};
 
 use crate::config::{Architecture, SimConfig};
 use crate::error::SimError;

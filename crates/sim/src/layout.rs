@@ -1,10 +1,10 @@
 //! What a worker pushes: push_pull operations (a tensor, or a span of fused tensors), cut
 //! into partitions and placed on summation servers exactly as the runtime does it, with
-//! `sumflow-comm`'s own partitioning, Eq. 1/2 placement and lanes.
+//! `sumflow-plan`'s own partitioning, Eq. 1/2 placement and lanes.
 
-use sumflow_comm::lanes;
-use sumflow_comm::partition::{partition_tensors, TensorSpec};
-use sumflow_comm::placement::{place, ServerKind, ServerSet};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::{partition_tensors, TensorSpec};
+use sumflow_plan::placement::{place, ServerKind, ServerSet};
 use sumflow_wire::Dtype;
 
 use crate::config::{Architecture, SimConfig};

@@ -4,8 +4,8 @@
 
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use sumflow_comm::placement::ServerKind;
-use sumflow_comm::scheduler::Decision;
+use sumflow_plan::placement::ServerKind;
+use sumflow_plan::scheduler::Decision;
 
 use crate::config::SimConfig;
 use crate::engine::Payload;

@@ -394,7 +394,7 @@ impl Connection<'_> {
             })?;
         }
         // Acknowledged on receipt, not on summation: the worker's credit must not wait for
-        // the other workers (see crates/comm/src/scheduler/credit.rs).
+        // the other workers (see crates/plan/src/scheduler/credit.rs).
         let _ = self
             .tx
             .send(Outgoing::Message(Message::PushAck { key, round }));

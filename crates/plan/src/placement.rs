@@ -406,7 +406,7 @@ fn cheaper(a: &Slot, b: &Slot, size: u64) -> Ordering {
 /// Costs O(partitions × servers).
 ///
 /// ```
-/// use sumflow_comm::placement::{place, ServerSet};
+/// use sumflow_plan::placement::{place, ServerSet};
 ///
 /// // Two worker machines (servers 0 and 1 beside them) and one CPU server: Eq. 1 and 2
 /// // give each colocated server a quarter of the model and the CPU server half.
@@ -414,7 +414,7 @@ fn cheaper(a: &Slot, b: &Slot, size: u64) -> Ordering {
 /// let placement = place(&[(10, 4_000_000), (11, 2_000_000), (12, 2_000_000)], &servers)?;
 /// assert_eq!(placement.server_of(10), Some(2));
 /// assert_eq!(placement.explain()[2], "server 2 (CPU): 4.0 MB, 50.0% of the model, target 50.0%");
-/// # Ok::<(), sumflow_comm::placement::PlacementError>(())
+/// # Ok::<(), sumflow_plan::placement::PlacementError>(())
 /// ```
 pub fn place(partitions: &[(u64, u64)], servers: &ServerSet) -> Result<Placement, PlacementError> {
     let (colocated_weight, cpu_weight) = servers.weights();

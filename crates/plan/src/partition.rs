@@ -152,7 +152,7 @@ pub const fn partition_key(tensor_index: u32, index_in_tensor: u32) -> u64 {
 /// is the caller's job.
 ///
 /// ```
-/// use sumflow_comm::partition::{partition_tensors, TensorSpec};
+/// use sumflow_plan::partition::{partition_tensors, TensorSpec};
 /// use sumflow_wire::Dtype;
 ///
 /// let decl = [
@@ -162,7 +162,7 @@ pub const fn partition_key(tensor_index: u32, index_in_tensor: u32) -> u64 {
 /// let parts = partition_tensors(&decl, 4 << 20)?;
 /// let keys: Vec<_> = parts.iter().map(|p| (p.key, p.bytes)).collect();
 /// assert_eq!(keys, [(0, 4 << 20), (1, 4 << 20), (2, 1_611_392), (1 << 32, 4000)]);
-/// # Ok::<(), sumflow_comm::partition::PartitionError>(())
+/// # Ok::<(), sumflow_plan::partition::PartitionError>(())
 /// ```
 pub fn partition_tensors(
     tensors: &[TensorSpec<'_>],
