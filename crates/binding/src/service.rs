@@ -26,7 +26,9 @@ use crate::trace;
 /// Which Python exception a communication error becomes.
 fn kind_of(e: &CommError) -> ErrorKind {
     match e {
-        CommError::Invalid(_) | CommError::UnknownHandle(_) => ErrorKind::Invalid,
+        CommError::Invalid(_) | CommError::Layout(_) | CommError::UnknownHandle(_) => {
+            ErrorKind::Invalid
+        }
         CommError::Timeout { .. } => ErrorKind::Timeout,
         CommError::Busy(_) | CommError::Shutdown => ErrorKind::Other,
         CommError::Failed { code, .. } | CommError::Client(_, code) => match code {

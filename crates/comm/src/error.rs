@@ -1,6 +1,7 @@
 //! Errors of the communication service. Each names the tensor, key, server or timeout.
 
 use sumflow_client::ClientError;
+use sumflow_plan::layout::LayoutError;
 use sumflow_wire::ErrorCode;
 use thiserror::Error;
 
@@ -30,6 +31,9 @@ pub enum CommError {
     UnknownHandle(u64),
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// A declaration that cannot be cut, placed or cut into pieces per lane.
+    #[error("invalid argument: {0}")]
+    Layout(#[from] LayoutError),
     #[error("the communication service is shut down")]
     Shutdown,
     #[error("{0}")]
@@ -41,9 +45,10 @@ impl CommError {
         match self {
             CommError::Failed { code, .. } | CommError::Client(_, code) => *code,
             CommError::Timeout { .. } => ErrorCode::Timeout,
-            CommError::Busy(_) | CommError::Invalid(_) | CommError::UnknownHandle(_) => {
-                ErrorCode::Internal
-            }
+            CommError::Busy(_)
+            | CommError::Invalid(_)
+            | CommError::Layout(_)
+            | CommError::UnknownHandle(_) => ErrorCode::Internal,
             CommError::Shutdown => ErrorCode::ShuttingDown,
         }
     }

@@ -9,6 +9,8 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use sumflow_plan::partition::Partition;
+
 use crate::error::CommError;
 
 struct Op {
@@ -43,19 +45,20 @@ impl Handles {
         self.state.lock().expect("handles lock").busy.len()
     }
 
-    /// Starts an operation on a tensor whose partitions are keyed by `keys` with their
-    /// servers; refuses a tensor that is already in flight.
+    /// Starts an operation on a tensor of these partitions; refuses a tensor that is
+    /// already in flight.
     pub fn start(
         &self,
         tensor_id: u32,
         tensor: &str,
-        parts: impl IntoIterator<Item = (u64, usize)>,
+        parts: &[Partition],
     ) -> Result<u64, CommError> {
         let mut s = self.state.lock().expect("handles lock");
         if !s.busy.insert(tensor_id) {
             return Err(CommError::Busy(tensor.to_string()));
         }
-        let outstanding: HashMap<u64, usize> = parts.into_iter().collect();
+        let outstanding: HashMap<u64, usize> =
+            parts.iter().map(|p| (p.key, p.server as usize)).collect();
         s.next += 1;
         let id = s.next;
         let parts = outstanding.len();
@@ -214,12 +217,26 @@ impl Handles {
 mod tests {
     use super::*;
 
+    /// Partitions of these keys on these servers.
+    fn on_servers(parts: &[(u64, u32)]) -> Vec<Partition> {
+        parts
+            .iter()
+            .map(|&(key, server)| Partition {
+                key,
+                tensor: 0,
+                offset: 0,
+                bytes: 4,
+                server,
+            })
+            .collect()
+    }
+
     #[test]
     fn completes_when_every_partition_is_done() {
         let h = Handles::default();
-        let id = h.start(1, "w", [(10, 0), (11, 1)]).unwrap();
+        let id = h.start(1, "w", &on_servers(&[(10, 0), (11, 1)])).unwrap();
         assert!(matches!(
-            h.start(1, "w", [(12, 0)]),
+            h.start(1, "w", &on_servers(&[(12, 0)])),
             Err(CommError::Busy(_))
         ));
         assert!(!h.poll(id).unwrap());
@@ -230,13 +247,15 @@ mod tests {
             .unwrap();
         assert!(matches!(h.poll(id), Err(CommError::UnknownHandle(_))));
         // The tensor is free again.
-        h.start(1, "w", [(10, 0)]).unwrap();
+        h.start(1, "w", &on_servers(&[(10, 0)])).unwrap();
     }
 
     #[test]
     fn errors_reach_the_waiter_and_timeouts_name_the_servers() {
         let h = Handles::default();
-        let id = h.start(2, "fc.weight", [(1, 0), (2, 3)]).unwrap();
+        let id = h
+            .start(2, "fc.weight", &on_servers(&[(1, 0), (2, 3)]))
+            .unwrap();
         h.part_done(id, 1);
         let e = h
             .wait(id, Duration::from_millis(20), |s| format!("server {s}"))
@@ -256,7 +275,7 @@ mod tests {
     #[test]
     fn no_access_starts_after_a_failure_and_a_failed_wait_outlasts_one() {
         let h = std::sync::Arc::new(Handles::default());
-        let id = h.start(4, "c", [(1, 0), (2, 1)]).unwrap();
+        let id = h.start(4, "c", &on_servers(&[(1, 0), (2, 1)])).unwrap();
         assert!(h.begin_access(id));
         h.fail(id, |t| CommError::Invalid(format!("{t} lost a server")));
         assert!(
@@ -279,7 +298,7 @@ mod tests {
     #[test]
     fn a_waiter_wakes_when_another_thread_completes() {
         let h = std::sync::Arc::new(Handles::default());
-        let id = h.start(3, "b", [(7, 0)]).unwrap();
+        let id = h.start(3, "b", &on_servers(&[(7, 0)])).unwrap();
         let h2 = h.clone();
         let t = std::thread::spawn(move || h2.wait(id, Duration::from_secs(10), |s| s.to_string()));
         std::thread::sleep(Duration::from_millis(20));

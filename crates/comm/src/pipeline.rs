@@ -39,12 +39,14 @@ use tracing::{debug, warn};
 
 use crate::accounting::{KeyBytes, Ledger, WireBytes};
 use crate::average::scale_in_place;
-use crate::compression::{KeySpan, Residuals};
+use crate::compression::Residuals;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
 use crate::trace::{Arg, Tracer, Track};
-use sumflow_plan::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::Partition;
+use sumflow_plan::scheduler::{Decision, Order, Ready, Schedule, Scheduler, Started};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
@@ -102,21 +104,29 @@ impl HostSlice {
 #[derive(Debug)]
 pub struct PartTask {
     pub handle: u64,
-    pub key: u64,
+    pub partition: Partition,
     pub round: u64,
-    pub server: usize,
     pub dtype: Dtype,
+    /// The partition's span of the caller's tensor.
     pub data: HostSlice,
     /// How its push and sum are encoded on the wire.
     pub codec: KeyCodec,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
     /// The tensor's name and the partition's index in it, for the trace.
-    pub tensor: Arc<str>,
+    pub name: Arc<str>,
     pub index: u32,
 }
 
 impl PartTask {
+    fn key(&self) -> u64 {
+        self.partition.key
+    }
+
+    fn server(&self) -> usize {
+        self.partition.server as usize
+    }
+
     /// Bytes of its push on the wire, what the scheduler's credit counts.
     fn wire_len(&self) -> u64 {
         let elements = (self.data.len / self.dtype.size()) as u64;
@@ -134,7 +144,7 @@ impl PartTask {
     /// Where random-k's indices and dithering's rounding come from: this worker's stream
     /// of the key's round.
     fn seed(&self, rank: u32) -> Seed {
-        Seed::new(self.key, self.round, u64::from(rank))
+        Seed::new(self.key(), self.round, u64::from(rank))
     }
 }
 
@@ -199,7 +209,7 @@ impl Shared {
     /// The lane that carries `key` to `server`.
     fn lane_of(&self, server: usize, key: u64) -> usize {
         let (first, count) = self.server_lanes[server];
-        first + (key % count as u64) as usize
+        first + lanes::lane_of(key, count as u32) as usize
     }
 
     fn lanes_of(&self, server: usize) -> &[Lane] {
@@ -221,7 +231,7 @@ impl Shared {
             item,
         } in started
         {
-            let lane = self.lane_of(server, item.key);
+            let lane = self.lane_of(server, item.key());
             self.lanes[lane].queue.push((order, now, item));
         }
     }
@@ -350,15 +360,14 @@ impl Pipeline {
                 sh.handles.fail(task.handle, |_| CommError::Shutdown);
                 continue;
             }
-            if let Some(why) = sh.dead[task.server].lock().expect("dead lock").clone() {
-                let name = sh.server_names[task.server].clone();
+            if let Some(why) = sh.dead[task.server()].lock().expect("dead lock").clone() {
+                let name = sh.server_names[task.server()].clone();
                 sh.handles.fail(task.handle, |t| lost(t, &name, &why));
                 continue;
             }
-            parts.push(Part {
-                key: task.key,
-                server: task.server,
-                bytes: task.wire_len(),
+            parts.push(Ready {
+                partition: task.partition,
+                wire_bytes: task.wire_len(),
                 item: task,
             });
         }
@@ -407,7 +416,7 @@ impl Pipeline {
 
     /// Moves a tensor's error-feedback residuals from its keys under one partition size
     /// to its keys under another (see [`Residuals::relayout`]).
-    pub fn relayout_residuals(&self, old: &[KeySpan], new: &[KeySpan]) {
+    pub fn relayout_residuals(&self, old: &[Partition], new: &[Partition]) {
         self.shared.residuals.relayout(old, new);
     }
 
@@ -471,7 +480,7 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
         let mut inf = sh.in_flight.lock().expect("in-flight lock");
         let keys: Vec<u64> = inf
             .iter()
-            .filter(|(_, f)| f.task.server == server)
+            .filter(|(_, f)| f.task.server() == server)
             .map(|(k, _)| *k)
             .collect();
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
@@ -528,14 +537,14 @@ fn push_loop(sh: &Shared, lane: usize) {
             sh.scheduler().abandoned(order, Instant::now());
             continue;
         }
-        debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
+        debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
         // Compressed by this lane's thread, so lanes compress in parallel, and before the
         // connection is locked.
         if let Some(c) = task.compressor() {
             compress(sh, &task, c, &mut buffers);
         }
         let (key, round, dtype, len, handle, codec) = (
-            task.key,
+            task.key(),
             task.round,
             task.dtype,
             task.data.len,
@@ -543,11 +552,11 @@ fn push_loop(sh: &Shared, lane: usize) {
             task.codec,
         );
         let data = task.data;
-        let tensor_name = Arc::clone(&task.tensor);
+        let tensor_name = Arc::clone(&task.name);
         let label = sh
             .tracer
             .active()
-            .then(|| (Arc::clone(&task.tensor), task.index));
+            .then(|| (Arc::clone(&task.name), task.index));
         // Registered before the frames go out: the reply may beat this thread back (so
         // `pushed` is corrected below, which only the trace reads).
         sh.in_flight.lock().expect("in-flight lock").insert(
@@ -649,9 +658,9 @@ fn compress(sh: &Shared, task: &PartTask, c: Compressor, buffers: &mut CodecBuff
         &mut buffers.payload,
     );
     if task.codec.feedback {
-        let mut residual = sh.residuals.take(task.key, c.elements());
+        let mut residual = sh.residuals.take(task.key(), c.elements());
         c.compress_with_feedback(input, &mut residual, seed, scratch, out);
-        sh.residuals.put(task.key, residual);
+        sh.residuals.put(task.key(), residual);
     } else {
         c.compress(input, seed, scratch, out);
     }
@@ -799,10 +808,10 @@ fn receive_sum(
         }
         sh.tracer.span(
             Track::Receive {
-                server: task.server as u32,
+                server: task.partition.server,
                 lane: sh.lanes[lane].index as u32,
             },
-            format!("{} [{}]", task.tensor, task.index),
+            format!("{} [{}]", task.name, task.index),
             arrived,
             Instant::now(),
             &args,
@@ -811,7 +820,7 @@ fn receive_sum(
     count(rx);
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles
-        .end_access(task.handle, read.is_ok().then_some(task.key));
+        .end_access(task.handle, read.is_ok().then_some(task.key()));
     read.map_err(|e| format!("sum of key {}: {e}", head.key))
 }
 

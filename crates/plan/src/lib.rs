@@ -18,10 +18,12 @@
 //! 4. [`scheduler`] decides, at every event, which ready partitions enter the network:
 //!    priority order, credit, push window and Prophet's blocks.
 //!
-//! Steps 1 to 3 run once per declaration, not per iteration; step 4 at every push_pull,
-//! acknowledgement and sum.
+//! Steps 1 to 3 run once per declaration, not per iteration, together in [`layout`]; step
+//! 4 at every push_pull, acknowledgement and sum. A [`partition::Partition`] carries a
+//! partition through all of them, and through the runtime and the simulator after them.
 
 pub mod lanes;
+pub mod layout;
 pub mod partition;
 pub mod placement;
 pub mod scatter;

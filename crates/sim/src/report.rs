@@ -294,7 +294,7 @@ impl Recorder {
             return;
         }
         let p = &layout.parts[part as usize];
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             w,
@@ -316,7 +316,7 @@ impl Recorder {
         if !self.wants(machine) {
             return;
         }
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             machine,
@@ -351,11 +351,11 @@ impl Recorder {
             return;
         }
         let (_, p) = part;
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             machine,
-            format!("{track} server {} lane {}", p.server, p.lane),
+            format!("{track} server {} lane {}", p.server, layout.lane(p)),
             op.name.clone(),
             msg.started,
             now,

@@ -2,11 +2,16 @@ use super::*;
 
 const MS: Duration = Duration::from_millis(1);
 
-fn part(key: u64, server: usize, bytes: u64) -> Part<u64> {
-    Part {
-        key,
-        server,
-        bytes,
+fn part(key: u64, server: u32, bytes: u64) -> Ready<u64> {
+    Ready {
+        partition: Partition {
+            key,
+            tensor: 0,
+            offset: 0,
+            bytes,
+            server,
+        },
+        wire_bytes: bytes,
         item: key,
     }
 }
@@ -99,7 +104,7 @@ fn credit_is_per_server() {
     s.ready(
         0,
         0,
-        (0..6).map(|k| part(k, (k % 2) as usize, 100)).collect(),
+        (0..6).map(|k| part(k, (k % 2) as u32, 100)).collect(),
         t,
     );
     let out = s.poll(t);
@@ -219,7 +224,7 @@ fn drain_removes_the_waiting_partitions_of_a_server() {
     s.ready(
         0,
         0,
-        (0..4).map(|k| part(k, (k % 2) as usize, 100)).collect(),
+        (0..4).map(|k| part(k, (k % 2) as u32, 100)).collect(),
         t,
     );
     let started = s.poll(t);
