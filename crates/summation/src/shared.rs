@@ -13,7 +13,7 @@ use tracing::info;
 
 use crate::accounting::Traffic;
 use crate::directory::KeyDirectory;
-use crate::engine::Command;
+use crate::messages::Command;
 
 /// Per-connection limits.
 #[derive(Clone, Debug)]
