@@ -106,12 +106,6 @@ impl Handles {
         }
     }
 
-    /// Marks one partition (by key) done.
-    pub fn part_done(&self, handle: u64, key: u64) {
-        let mut s = self.state.lock().expect("handles lock");
-        Self::complete(&mut s, handle, key, &self.changed);
-    }
-
     fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) {
         let Some(op) = s.ops.get_mut(&handle) else {
             return;
@@ -231,6 +225,12 @@ mod tests {
             .collect()
     }
 
+    /// What a receiver does with a partition's sum: reads it in, and marks it done.
+    fn done(h: &Handles, handle: u64, key: u64) {
+        assert!(h.begin_access(handle));
+        h.end_access(handle, Some(key));
+    }
+
     #[test]
     fn completes_when_every_partition_is_done() {
         let h = Handles::default();
@@ -240,8 +240,8 @@ mod tests {
             Err(CommError::Busy(_))
         ));
         assert!(!h.poll(id).unwrap());
-        h.part_done(id, 10);
-        h.part_done(id, 11);
+        done(&h, id, 10);
+        done(&h, id, 11);
         assert!(h.poll(id).unwrap());
         h.wait(id, Duration::from_secs(1), |s| s.to_string())
             .unwrap();
@@ -256,7 +256,7 @@ mod tests {
         let id = h
             .start(2, "fc.weight", &on_servers(&[(1, 0), (2, 3)]))
             .unwrap();
-        h.part_done(id, 1);
+        done(&h, id, 1);
         let e = h
             .wait(id, Duration::from_millis(20), |s| format!("server {s}"))
             .unwrap_err();
@@ -302,7 +302,7 @@ mod tests {
         let h2 = h.clone();
         let t = std::thread::spawn(move || h2.wait(id, Duration::from_secs(10), |s| s.to_string()));
         std::thread::sleep(Duration::from_millis(20));
-        h.part_done(id, 7);
+        done(&h, id, 7);
         t.join().unwrap().unwrap();
     }
 }

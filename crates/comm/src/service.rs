@@ -612,7 +612,7 @@ impl CommunicationService {
     }
 
     /// The bytes this worker wrote to and read from the summation servers so far, per key
-    /// (with its tensor), and those no key names (see [`crate::accounting`]).
+    /// (with its tensor), and those no key names (see [`KeyBytes`]).
     pub fn wire_bytes(&self) -> (Vec<KeyBytes>, WireBytes) {
         self.pipeline.wire_bytes()
     }

@@ -6,9 +6,8 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::accounting::WireBytes;
 use sumflow_comm::{
-    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
+    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, WireBytes,
 };
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
 use sumflow_plan::partition::WHOLE_TENSOR_BYTES;

@@ -5,14 +5,15 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::{ServerClient, ServerOptions};
-use sumflow_comm::handles::Handles;
-use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
-use sumflow_comm::trace::Tracer;
-use sumflow_comm::CommError;
 use sumflow_plan::partition::Partition;
 use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken, KeyCodec};
+
+use super::{HostSlice, PartTask, Pipeline, ServerLink};
+use crate::error::CommError;
+use crate::handles::Handles;
+use crate::trace::Tracer;
 
 fn token() -> JobToken {
     JobToken::new("pipeline-test-token-123456").unwrap()

@@ -858,3 +858,6 @@ fn read_compressed(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;
