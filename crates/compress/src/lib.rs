@@ -85,7 +85,9 @@ impl Compressor {
         if codec.is_raw() {
             return Err(fail("raw keys are not compressed".into()));
         }
-        codec.check(Dtype::F32, elements as u64).map_err(fail)?;
+        codec
+            .check(Dtype::F32, elements as u64)
+            .map_err(|e| fail(e.to_string()))?;
         Ok(Compressor { codec, elements })
     }
 

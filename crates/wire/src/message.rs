@@ -457,7 +457,7 @@ impl Message {
                 }
                 codec
                     .check(dtype, byte_len / dtype.size() as u64)
-                    .map_err(|why| d.bad("codec", why))?;
+                    .map_err(|why| d.bad("codec", why.to_string()))?;
                 if has_init && !codec.is_raw() {
                     return Err(d.bad("has_init", "a compressed key has no initial value"));
                 }
