@@ -29,6 +29,7 @@ fn kind_of(e: &CommError) -> ErrorKind {
         CommError::Invalid(_) | CommError::Layout(_) | CommError::UnknownHandle(_) => {
             ErrorKind::Invalid
         }
+        CommError::Io { .. } => ErrorKind::Io,
         CommError::Timeout { .. } => ErrorKind::Timeout,
         CommError::Busy(_) | CommError::Shutdown => ErrorKind::Other,
         CommError::Failed { code, .. } | CommError::Client(_, code) => match code {
@@ -361,7 +362,9 @@ impl PyCommunicationService {
     /// was written.
     fn mark_step(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
         let svc = Arc::clone(&self.svc);
-        let file = py.detach(|| svc.mark_step()).map_err(trace::py_err)?;
+        let file = py
+            .detach(|| svc.mark_step())
+            .map_err(|e| trace::py_err(py, e))?;
         Ok(trace::written(file))
     }
 
@@ -369,7 +372,9 @@ impl PyCommunicationService {
     /// (path, steps it holds or why none).
     fn trace_flush(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
         let tracer = self.svc.tracer();
-        let file = py.detach(|| tracer.flush()).map_err(trace::py_err)?;
+        let file = py
+            .detach(|| tracer.flush())
+            .map_err(|e| trace::py_err(py, e))?;
         Ok(trace::written(file))
     }
 

@@ -274,9 +274,7 @@ impl CommunicationService {
             }
         }
         if let Some(trace) = &cfg.trace {
-            trace
-                .prepare()
-                .map_err(|e| CommError::Invalid(e.to_string()))?;
+            trace.prepare()?;
         }
         let reg = Registration {
             role: Role::Worker,
@@ -344,8 +342,7 @@ impl CommunicationService {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
         let tracer = Arc::new(match cfg.trace {
-            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)
-                .map_err(|e| CommError::Invalid(e.to_string()))?,
+            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)?,
             None => Tracer::disabled(),
         });
         let handles = Arc::new(Handles::default());

@@ -6,6 +6,7 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::trace::TraceConfig;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, WireBytes,
 };
@@ -564,4 +565,34 @@ fn wire_accounting_counts_every_frame_per_key() {
         let (_, other) = c.wire_bytes();
         assert_eq!(other.sent, 2 * leave, "one Shutdown per server connection");
     });
+}
+
+#[test]
+fn a_trace_directory_that_cannot_be_made_is_an_io_error_and_a_bad_window_an_invalid_argument() {
+    // Both are checked before joining: no coordinator needed.
+    let dir = std::env::temp_dir().join(format!("sumflow-trace-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, "").unwrap();
+    let start = |trace: TraceConfig| {
+        let mut cfg = CommConfig::new("127.0.0.1:1", token(), "h");
+        cfg.trace = Some(trace);
+        CommunicationService::start(cfg).err().expect("refused")
+    };
+    let e = start(TraceConfig::new(file.join("sub")));
+    assert!(matches!(e, CommError::Io { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "cannot create the trace directory {}",
+            file.join("sub").display()
+        )),
+        "{msg}"
+    );
+    let e = start(TraceConfig {
+        steps: 0,
+        ..TraceConfig::new(&dir)
+    });
+    assert!(matches!(e, CommError::Invalid(_)), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -33,8 +33,9 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
-use sumflow_compress::{Compressor, Scratch, Seed};
-use sumflow_wire::{Dtype, ErrorCode, KeyCodec};
+use sumflow_compress::{Compressor, PayloadError, Scratch, Seed};
+use sumflow_wire::{Codec, Dtype, ErrorCode, KeyCodec};
+use thiserror::Error;
 use tracing::{debug, warn};
 
 use crate::accounting::{KeyBytes, Ledger, WireBytes};
@@ -50,6 +51,36 @@ use sumflow_plan::scheduler::{Decision, Order, Ready, Schedule, Scheduler, Start
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
+
+/// Why a lane's receiver gives its server up.
+#[derive(Debug, Error)]
+enum ReceiveError {
+    #[error(transparent)]
+    Connection(#[from] ClientError),
+    #[error("sent the sum of key {key} round {round} that was not asked for ({asked:?})")]
+    NotAsked {
+        key: u64,
+        round: u64,
+        /// What this worker had in flight under that key.
+        asked: Option<PartTask>,
+    },
+    #[error("sum of key {key}: {source}")]
+    Sum { key: u64, source: SumError },
+}
+
+/// Why a sum could not be read into its partition.
+#[derive(Debug, Error)]
+enum SumError {
+    #[error(transparent)]
+    Read(#[from] ClientError),
+    #[error("a {got} sum for a key declared {declared}")]
+    Codec { got: Codec, declared: KeyCodec },
+    #[error("the {codec} sum: {source}")]
+    Payload {
+        codec: KeyCodec,
+        source: PayloadError,
+    },
+}
 
 /// A span of the caller's tensor memory.
 ///
@@ -322,9 +353,12 @@ impl Pipeline {
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
-                .name(name)
+                .name(name.clone())
                 .spawn(f)
-                .map_err(|e| CommError::Invalid(format!("cannot start a pipeline thread: {e}")))
+                .map_err(|source| CommError::Io {
+                    what: format!("cannot start the pipeline thread {name}"),
+                    source: Arc::new(source),
+                })
         };
         let mut threads = Vec::new();
         for (l, rx) in receivers.into_iter().enumerate() {
@@ -702,12 +736,12 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 }
                 (Some(key), Ok(()))
             }
-            Err(e) => (None, Err(e.to_string())),
+            Err(e) => (None, Err(ReceiveError::from(e))),
         };
         sh.wire.received(key, rx.bytes_received() - before);
         if let Err(why) = received {
             if !sh.stop.load(Ordering::Acquire) {
-                server_lost(sh, server, &why);
+                server_lost(sh, server, &why.to_string());
             }
             debug!(server, lane, "receiver stopping");
             return;
@@ -752,7 +786,7 @@ fn receive_sum(
     head: SumHeader,
     counted_from: &mut u64,
     buffers: &mut CodecBuffers,
-) -> Result<(), String> {
+) -> Result<(), ReceiveError> {
     let mut count = |rx: &ServerReceiver| {
         sh.wire
             .received(Some(head.key), rx.bytes_received() - *counted_from);
@@ -769,25 +803,24 @@ fn receive_sum(
             (f.order, f.task, (f.started, f.pushed, f.acknowledged))
         }
         other => {
-            return Err(format!(
-                "sent the sum of key {} round {} that was not asked for ({:?})",
-                head.key,
-                head.round,
-                other.map(|f| f.task)
-            ))
+            return Err(ReceiveError::NotAsked {
+                key: head.key,
+                round: head.round,
+                asked: other.map(|f| f.task),
+            })
         }
     };
     // The credit returns before the sum is read: the next push overlaps the read.
     finished(sh, order, true);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
-        let skipped = rx.skip_sum().map_err(|e| e.to_string());
+        let skipped = rx.skip_sum();
         count(rx);
-        return skipped;
+        return Ok(skipped?);
     }
     let dst = task.data.bytes_mut();
     let read = match task.compressor() {
-        None => rx.read_sum(dst).map_err(|e| e.to_string()),
+        None => rx.read_sum(dst).map_err(SumError::from),
         Some(c) => read_compressed(sh, rx, &head, &task, c, dst, buffers),
     };
     if read.is_ok() {
@@ -821,7 +854,10 @@ fn receive_sum(
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles
         .end_access(task.handle, read.is_ok().then_some(task.key()));
-    read.map_err(|e| format!("sum of key {}: {e}", head.key))
+    read.map_err(|source| ReceiveError::Sum {
+        key: head.key,
+        source,
+    })
 }
 
 /// Reads a compressed sum, checks it, and decodes it into the partition's memory.
@@ -833,18 +869,20 @@ fn read_compressed(
     c: Compressor,
     dst: &mut [u8],
     buffers: &mut CodecBuffers,
-) -> Result<(), String> {
+) -> Result<(), SumError> {
     if head.codec != task.codec.codec {
-        return Err(format!(
-            "a {} sum for a key declared {}",
-            head.codec, task.codec
-        ));
+        return Err(SumError::Codec {
+            got: head.codec,
+            declared: task.codec,
+        });
     }
     buffers.payload.resize(c.payload_len(), 0);
-    rx.read_sum(&mut buffers.payload)
-        .map_err(|e| e.to_string())?;
+    rx.read_sum(&mut buffers.payload)?;
     c.validate(&buffers.payload)
-        .map_err(|e| format!("the {} sum: {e}", task.codec))?;
+        .map_err(|source| SumError::Payload {
+            codec: task.codec,
+            source,
+        })?;
     let (seed, scratch) = (task.seed(sh.rank), &mut buffers.scratch);
     match bytemuck::try_cast_slice_mut::<u8, f32>(dst) {
         Ok(out) => c.decompress(&buffers.payload, seed, scratch, out),
