@@ -98,6 +98,7 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 /// The communication service of one worker: joins the job through its coordinator,
 /// connects to every summation server, and sums tensors across workers.
 #[pyclass(name = "CommunicationService", module = "sumflow._core", frozen)]
+#[derive(Debug)]
 pub struct PyCommunicationService {
     svc: Arc<CommunicationService>,
     /// The objects owning the buffers of operations not yet waited for, by handle.

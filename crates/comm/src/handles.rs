@@ -13,6 +13,7 @@ use sumflow_plan::partition::Partition;
 
 use crate::error::CommError;
 
+#[derive(Debug)]
 struct Op {
     tensor_id: u32,
     tensor: String,
@@ -26,14 +27,14 @@ struct Op {
     in_use: u32,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct State {
     next: u64,
     ops: HashMap<u64, Op>,
     busy: HashSet<u32>,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Handles {
     state: Mutex<State>,
     changed: Condvar,

@@ -138,7 +138,7 @@ struct Tensor {
 }
 
 impl Tensor {
-    fn new(decl: &Declaration, id: u32, group: Option<usize>, parts: Vec<Partition>) -> Tensor {
+    fn new(decl: &Declaration<'_>, id: u32, group: Option<usize>, parts: Vec<Partition>) -> Tensor {
         Tensor {
             id,
             name: Arc::from(decl.name),
@@ -161,7 +161,7 @@ impl Tensor {
     }
 
     /// Refuses a declaration of the same tensor with another compression.
-    fn check_same(&self, decl: &Declaration) -> Result<(), CommError> {
+    fn check_same(&self, decl: &Declaration<'_>) -> Result<(), CommError> {
         if self.compression == decl.compression {
             return Ok(());
         }
@@ -219,6 +219,7 @@ impl<'a> Declaration<'a> {
 }
 
 /// The declared tensors and how they are laid out.
+#[derive(Debug)]
 struct Table {
     tensors: HashMap<u32, Tensor>,
     /// Tensor ids of each declared group, in declaration order.
@@ -236,6 +237,7 @@ impl Table {
 }
 
 /// The worker side of a job.
+#[derive(Debug)]
 pub struct CommunicationService {
     job: CoordinatorClient,
     servers: ServerSet,
@@ -422,7 +424,7 @@ impl CommunicationService {
 
     /// Declares one tensor, compressed or not (see [`Self::declare`]); every worker must
     /// declare it with the same compression too.
-    pub fn declare_one(&self, decl: &Declaration) -> Result<u32, CommError> {
+    pub fn declare_one(&self, decl: &Declaration<'_>) -> Result<u32, CommError> {
         decl.check()?;
         let id = self.declare_id(decl)?;
         let mut table = self.table.lock().expect("table lock");
@@ -438,7 +440,7 @@ impl CommunicationService {
 
     /// Declares a group of uncompressed tensors (see [`Self::declare_groups`]).
     pub fn declare_group(&self, tensors: &[(&str, Dtype, u64)]) -> Result<Vec<u32>, CommError> {
-        let decls: Vec<Declaration> = tensors
+        let decls: Vec<Declaration<'_>> = tensors
             .iter()
             .map(|&(name, dtype, elements)| Declaration::raw(name, dtype, elements))
             .collect();
@@ -448,7 +450,7 @@ impl CommunicationService {
     /// Declares a group of tensors (a model's parameters) and places their partitions
     /// together, balancing bytes over the servers by BytePS's Eq. 1 and 2. Every worker
     /// must declare the same group.
-    pub fn declare_groups(&self, decls: &[Declaration]) -> Result<Vec<u32>, CommError> {
+    pub fn declare_groups(&self, decls: &[Declaration<'_>]) -> Result<Vec<u32>, CommError> {
         let mut ids = Vec::with_capacity(decls.len());
         for decl in decls {
             decl.check()?;
@@ -456,7 +458,7 @@ impl CommunicationService {
         }
         let mut table = self.table.lock().expect("table lock");
         // A repeated declaration keeps its first placement and round count.
-        let mut fresh: Vec<(u32, Declaration)> = Vec::new();
+        let mut fresh: Vec<(u32, Declaration<'_>)> = Vec::new();
         for (&id, decl) in ids.iter().zip(decls) {
             match table.tensors.get(&id) {
                 Some(t) => t.check_same(decl)?,
@@ -466,7 +468,8 @@ impl CommunicationService {
         if fresh.is_empty() {
             return Ok(ids);
         }
-        let specs: Vec<(u32, TensorSpec)> = fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
+        let specs: Vec<(u32, TensorSpec<'_>)> =
+            fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
         let laid = self.layout(&table).group(&specs)?;
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
@@ -477,7 +480,7 @@ impl CommunicationService {
         Ok(ids)
     }
 
-    fn declare_id(&self, decl: &Declaration) -> Result<u32, CommError> {
+    fn declare_id(&self, decl: &Declaration<'_>) -> Result<u32, CommError> {
         let Declaration {
             name,
             dtype,
@@ -566,7 +569,7 @@ impl CommunicationService {
                 parts.insert(t.id, next.single(t.id, &t.spec())?);
             }
             for ids in &table.groups {
-                let members: Vec<(u32, TensorSpec)> = ids
+                let members: Vec<(u32, TensorSpec<'_>)> = ids
                     .iter()
                     .map(|id| (*id, table.tensors[id].spec()))
                     .collect();

@@ -577,7 +577,7 @@ fn a_trace_directory_that_cannot_be_made_is_an_io_error_and_a_bad_window_an_inva
     let start = |trace: TraceConfig| {
         let mut cfg = CommConfig::new("127.0.0.1:1", token(), "h");
         cfg.trace = Some(trace);
-        CommunicationService::start(cfg).err().expect("refused")
+        CommunicationService::start(cfg).expect_err("refused")
     };
     let e = start(TraceConfig::new(file.join("sub")));
     assert!(matches!(e, CommError::Io { .. }), "{e}");

@@ -176,7 +176,7 @@ impl Compressor {
         assert_eq!(acc.len(), self.elements, "accumulator length");
         match self.codec.codec {
             Codec::TopK | Codec::RandomK => {
-                self.for_each_sparse(payload, seed, scratch, |i, v| acc[i] += v)
+                self.for_each_sparse(payload, seed, scratch, |i, v| acc[i] += v);
             }
             _ => self.for_each_dense(payload, |i, v| acc[i] += v),
         }

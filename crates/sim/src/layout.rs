@@ -34,6 +34,7 @@ pub struct Server {
     pub bytes: u64,
 }
 
+#[derive(Debug)]
 pub struct Layout {
     pub ops: Vec<Op>,
     /// Every op's partitions (or lanes' pieces of them), as the scheduler and the network

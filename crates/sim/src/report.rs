@@ -83,6 +83,7 @@ pub struct Report {
 }
 
 /// Collects the timeline while the measured iterations run.
+#[derive(Debug)]
 pub struct Recorder {
     enabled: bool,
     machines: Vec<bool>,

@@ -57,6 +57,7 @@ pub fn write_addr_file(path: &Path, addr: impl Display) -> std::io::Result<()> {
 /// SIGTERM and SIGINT, caught while this lives: they set a flag instead of killing the
 /// process. Dropping it removes the handlers; the signals' default actions are not put back
 /// (see `signal_hook::low_level::unregister`).
+#[derive(Debug)]
 pub struct StopSignals {
     requested: Arc<AtomicBool>,
     ids: Vec<signal_hook::SigId>,

@@ -109,11 +109,9 @@ impl HostSlice {
     /// The sub-span `offset..offset+len`.
     pub fn sub(&self, offset: usize, len: usize) -> HostSlice {
         assert!(offset + len <= self.len, "sub-span out of range");
-        // SAFETY: in bounds of the span the caller vouched for.
-        HostSlice {
-            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) },
-            len,
-        }
+        // SAFETY: in bounds of the span the caller vouched for, which is not null.
+        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) };
+        HostSlice { ptr, len }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -190,6 +188,7 @@ struct CodecBuffers {
 }
 
 /// A started partition until its sum is back.
+#[derive(Debug)]
 struct Flight {
     order: Order,
     task: PartTask,
@@ -208,6 +207,7 @@ pub struct ServerLink {
 }
 
 /// One connection to a server, with its send queue.
+#[derive(Debug)]
 struct Lane {
     server: usize,
     sender: Mutex<ServerSender>,
@@ -216,6 +216,7 @@ struct Lane {
     index: usize,
 }
 
+#[derive(Debug)]
 struct Shared {
     lanes: Vec<Lane>,
     /// Per server: (its first lane, how many).
@@ -296,6 +297,7 @@ impl Shared {
     }
 }
 
+#[derive(Debug)]
 pub struct Pipeline {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,

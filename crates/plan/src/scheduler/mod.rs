@@ -196,6 +196,7 @@ pub struct Decision {
     pub why: Option<Release>,
 }
 
+#[derive(Debug)]
 struct Queued<T> {
     bytes: u64,
     /// In a block Prophet sized to a gap: the budget is its credit.
@@ -203,6 +204,7 @@ struct Queued<T> {
     item: T,
 }
 
+#[derive(Debug)]
 struct ServerQueue<T> {
     /// Eligible partitions waiting for credit, in sending order.
     ready: BTreeMap<Order, Queued<T>>,
@@ -219,6 +221,7 @@ struct Flight {
 }
 
 /// A worker's scheduler over `T`, the caller's handle on a partition.
+#[derive(Debug)]
 pub struct Scheduler<T> {
     schedule: Schedule,
     partition_bytes: u64,
