@@ -151,12 +151,12 @@ impl Tensor {
         }
     }
 
-    /// What partitioning needs to know of it.
-    fn spec(&self) -> TensorSpec<'_> {
-        TensorSpec {
+    fn declaration(&self) -> Declaration<'_> {
+        Declaration {
             name: &self.name,
-            elements: self.elements,
             dtype: self.dtype,
+            elements: self.elements,
+            compression: self.compression,
         }
     }
 
@@ -198,7 +198,7 @@ impl<'a> Declaration<'a> {
     }
 
     /// What partitioning needs to know of it.
-    fn spec(&self) -> TensorSpec<'_> {
+    fn spec(self) -> TensorSpec<'a> {
         TensorSpec {
             name: self.name,
             elements: self.elements,
@@ -566,12 +566,12 @@ impl CommunicationService {
             };
             let mut parts: HashMap<u32, Vec<Partition>> = HashMap::new();
             for t in table.tensors.values().filter(|t| t.group.is_none()) {
-                parts.insert(t.id, next.single(t.id, &t.spec())?);
+                parts.insert(t.id, next.single(t.id, &t.declaration().spec())?);
             }
             for ids in &table.groups {
                 let members: Vec<(u32, TensorSpec<'_>)> = ids
                     .iter()
-                    .map(|id| (*id, table.tensors[id].spec()))
+                    .map(|id| (*id, table.tensors[id].declaration().spec()))
                     .collect();
                 for (id, laid) in ids.iter().zip(next.group(&members)?) {
                     parts.insert(*id, laid);
