@@ -211,10 +211,9 @@ mod tests {
                 .iter()
                 .map(|&(key, offset, bytes)| Partition {
                     key,
-                    tensor: 0,
                     offset,
                     bytes,
-                    server: 0,
+                    ..Partition::default()
                 })
                 .collect()
         };

@@ -218,10 +218,9 @@ mod tests {
             .iter()
             .map(|&(key, server)| Partition {
                 key,
-                tensor: 0,
-                offset: 0,
                 bytes: 4,
                 server,
+                ..Partition::default()
             })
             .collect()
     }

@@ -31,7 +31,7 @@ pub const WHOLE_TENSOR_BYTES: u64 = (DEFAULT_MAX_BODY as u64 - DATA_META_LEN as 
 /// Every step carries it whole: [`partition`] cuts it, placement ([`crate::placement`],
 /// [`crate::scatter`]) sets its server, [`crate::lanes`] cuts it into pieces per lane, and
 /// the [`crate::scheduler`] lets it out; the runtime's pipeline and the simulator send it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Partition {
     /// The key every worker names it by.
     pub key: u64,

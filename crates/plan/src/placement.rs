@@ -505,10 +505,8 @@ mod tests {
             .iter()
             .map(|&(key, bytes)| Partition {
                 key,
-                tensor: 0,
-                offset: 0,
                 bytes,
-                server: 0,
+                ..Partition::default()
             })
             .collect()
     }

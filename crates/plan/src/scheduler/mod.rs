@@ -40,7 +40,7 @@ use crate::partition::Partition;
 
 /// A partition's place in its server's sending order: lower goes first, by `priority`,
 /// then by key (the same on every worker).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Order {
     /// Its push_pull's priority, or under `fifo` the push_pull's arrival number.
     pub priority: i64,

@@ -6,10 +6,9 @@ fn part(key: u64, server: u32, bytes: u64) -> Ready<u64> {
     Ready {
         partition: Partition {
             key,
-            tensor: 0,
-            offset: 0,
             bytes,
             server,
+            ..Partition::default()
         },
         wire_bytes: bytes,
         item: key,
