@@ -7,6 +7,12 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
+use sumflow_plan::lanes;
+use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
+use sumflow_plan::partition::{Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
+use sumflow_plan::placement::ServerSet;
+use sumflow_plan::scheduler::prophet::ProphetConfig;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Registration, Role,
@@ -19,12 +25,6 @@ use crate::error::CommError;
 use crate::handles::Handles;
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
-use sumflow_plan::lanes;
-use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
-use sumflow_plan::partition::{Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
-use sumflow_plan::placement::ServerSet;
-use sumflow_plan::scheduler::prophet::ProphetConfig;
-use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
 const JOB_ERROR_CHECK: Duration = Duration::from_millis(100);

@@ -34,6 +34,9 @@ use std::time::{Duration, Instant};
 use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
 use sumflow_compress::{Compressor, PayloadError, Scratch, Seed};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::Partition;
+use sumflow_plan::scheduler::{Decision, Order, Ready, Schedule, Scheduler, Started};
 use sumflow_wire::{Codec, Dtype, ErrorCode, KeyCodec};
 use thiserror::Error;
 use tracing::{debug, warn};
@@ -45,9 +48,6 @@ use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
 use crate::trace::{Arg, Tracer, Track};
-use sumflow_plan::lanes;
-use sumflow_plan::partition::Partition;
-use sumflow_plan::scheduler::{Decision, Order, Ready, Schedule, Scheduler, Started};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
