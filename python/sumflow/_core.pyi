@@ -146,7 +146,8 @@ class CommunicationService:
         (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most
         ``trace_max_events`` events (default 500000), into
         ``trace_dir/sumflow-trace-rank{rank}.json`` (see ``docs/tracing.md``); the
-        directory is created now.
+        directory is created now, and ``OSError`` (never ``ValueError``) is raised if it
+        cannot be. Bad arguments raise ``ValueError``.
         """
 
     def reconfigure(

@@ -225,10 +225,11 @@ def test_the_service_refuses_bad_trace_keywords(tmp_path: Path) -> None:
             "127.0.0.1:1", "t" * 32, host_id="h", trace_dir=tmp_path, trace_steps=0
         )
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="cannot create the trace directory"):
+    with pytest.raises(OSError, match="cannot create the trace directory") as refused:
         _core.CommunicationService(
             "127.0.0.1:1", "t" * 32, host_id="h", trace_dir=tmp_path / "file" / "sub"
         )
+    assert not isinstance(refused.value, ValueError), "an I/O failure is not a bad argument"
 
 
 @pytest.mark.parametrize(

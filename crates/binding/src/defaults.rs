@@ -3,7 +3,8 @@
 //! of its own: each lives once, in the crate that uses it.
 
 use pyo3::prelude::*;
-use sumflow_comm::{lanes, partition, scheduler, trace};
+use sumflow_comm::trace;
+use sumflow_plan::{lanes, partition, scheduler};
 use sumflow_wire::timing;
 
 /// Adds the `DEFAULT_*` and `MAX_*` constants to the module `m`.

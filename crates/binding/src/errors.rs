@@ -4,6 +4,9 @@
 //! so `except sumflow.SumflowError` catches them all; timeouts are also the builtin
 //! `TimeoutError`, so code that already handles timeouts handles sumflow's:
 //!
+//! Bad arguments are the builtin `ValueError`, and what the operating system refused (a
+//! trace directory, a thread) the builtin `OSError`, so that they are told apart:
+//!
 //! ```text
 //! RuntimeError
 //! └── SumflowError
@@ -18,7 +21,7 @@
 //! timeout.
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyRuntimeError, PyTimeoutError};
+use pyo3::exceptions::{PyOSError, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple, PyType};
@@ -93,6 +96,8 @@ pub enum ErrorKind {
     Protocol,
     /// A bad argument from the caller: the builtin `ValueError`.
     Invalid,
+    /// The operating system refused a file, directory or thread: the builtin `OSError`.
+    Io,
     /// Anything else: `SumflowError`.
     Other,
 }
@@ -108,7 +113,8 @@ pub fn to_py_err(py: Python<'_>, kind: ErrorKind, message: String) -> PyErr {
         ErrorKind::NodeFailed => NodeFailedError::new_err(message),
         ErrorKind::DeclarationMismatch => DeclarationMismatchError::new_err(message),
         ErrorKind::Protocol => ProtocolError::new_err(message),
-        ErrorKind::Invalid => pyo3::exceptions::PyValueError::new_err(message),
+        ErrorKind::Invalid => PyValueError::new_err(message),
+        ErrorKind::Io => PyOSError::new_err(message),
         ErrorKind::Other => SumflowError::new_err(message),
     }
 }

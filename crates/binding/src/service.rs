@@ -14,10 +14,10 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
 };
+use sumflow_plan::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
@@ -26,7 +26,10 @@ use crate::trace;
 /// Which Python exception a communication error becomes.
 fn kind_of(e: &CommError) -> ErrorKind {
     match e {
-        CommError::Invalid(_) | CommError::UnknownHandle(_) => ErrorKind::Invalid,
+        CommError::Invalid(_) | CommError::Layout(_) | CommError::UnknownHandle(_) => {
+            ErrorKind::Invalid
+        }
+        CommError::Io { .. } => ErrorKind::Io,
         CommError::Timeout { .. } => ErrorKind::Timeout,
         CommError::Busy(_) | CommError::Shutdown => ErrorKind::Other,
         CommError::Failed { code, .. } | CommError::Client(_, code) => match code {
@@ -95,6 +98,7 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 /// The communication service of one worker: joins the job through its coordinator,
 /// connects to every summation server, and sums tensors across workers.
 #[pyclass(name = "CommunicationService", module = "sumflow._core", frozen)]
+#[derive(Debug)]
 pub struct PyCommunicationService {
     svc: Arc<CommunicationService>,
     /// The objects owning the buffers of operations not yet waited for, by handle.
@@ -359,7 +363,9 @@ impl PyCommunicationService {
     /// was written.
     fn mark_step(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
         let svc = Arc::clone(&self.svc);
-        let file = py.detach(|| svc.mark_step()).map_err(trace::py_err)?;
+        let file = py
+            .detach(|| svc.mark_step())
+            .map_err(|e| trace::py_err(py, e))?;
         Ok(trace::written(file))
     }
 
@@ -367,7 +373,9 @@ impl PyCommunicationService {
     /// (path, steps it holds or why none).
     fn trace_flush(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
         let tracer = self.svc.tracer();
-        let file = py.detach(|| tracer.flush()).map_err(trace::py_err)?;
+        let file = py
+            .detach(|| tracer.flush())
+            .map_err(|e| trace::py_err(py, e))?;
         Ok(trace::written(file))
     }
 

@@ -3,18 +3,19 @@
 
 use std::path::PathBuf;
 
-use pyo3::exceptions::{PyOSError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyString};
 use sumflow_comm::trace::{Arg, TraceConfig, TraceError, TraceFile, Tracer, Track};
 
-pub fn py_err(e: TraceError) -> PyErr {
-    match e {
-        TraceError::Invalid(_) => PyValueError::new_err(e.to_string()),
-        TraceError::Directory { .. } | TraceError::Write { .. } => {
-            PyOSError::new_err(e.to_string())
-        }
-    }
+use crate::errors::{to_py_err, ErrorKind};
+
+pub fn py_err(py: Python<'_>, e: TraceError) -> PyErr {
+    let kind = match e {
+        TraceError::Invalid(_) => ErrorKind::Invalid,
+        TraceError::Directory { .. } | TraceError::Write { .. } => ErrorKind::Io,
+    };
+    to_py_err(py, kind, e.to_string())
 }
 
 /// The trace settings from the constructor's keywords: tracing is on when `dir` is given;

@@ -106,6 +106,7 @@ impl NodeFailure {
 ///
 /// Call [`leave`](Self::leave) when done; dropping the client without it closes the
 /// connection abruptly, which the coordinator reports to every other node as a failure.
+#[derive(Debug)]
 pub struct CoordinatorClient {
     rank: u32,
     map: ClusterMap,
@@ -401,6 +402,7 @@ impl CoordinatorClient {
 }
 
 /// The socket and the two threads behind a client; dropping it stops both.
+#[derive(Debug)]
 struct Connection {
     inner: Arc<Inner>,
     threads: Vec<JoinHandle<()>>,
@@ -431,7 +433,7 @@ impl Connection {
         let (reader, beat) = (inner.clone(), inner.clone());
         let interval = opts.heartbeat_interval;
         conn.spawn("coord-client-read", move || {
-            reader.read_loop(FrameReader::new(read_half, max_body))
+            reader.read_loop(FrameReader::new(read_half, max_body));
         })?;
         conn.spawn("coord-client-beat", move || beat.heartbeat_loop(interval))?;
         Ok(conn)
@@ -494,6 +496,7 @@ impl Drop for Connection {
     }
 }
 
+#[derive(Debug)]
 struct Inner {
     /// "coordinator at ADDR", for messages.
     peer: String,
@@ -531,6 +534,7 @@ impl Declaration {
     }
 }
 
+#[derive(Debug)]
 struct State {
     map: Option<(u32, ClusterMap)>,
     map_seen: bool,

@@ -76,16 +76,19 @@ pub enum Reply<S = Pulled> {
     },
 }
 
+#[derive(Debug)]
 pub struct ServerClient {
     pub tx: ServerSender,
     pub rx: ServerReceiver,
 }
 
+#[derive(Debug)]
 pub struct ServerSender {
     stream: Counted<TcpStream>,
     peer: String,
 }
 
+#[derive(Debug)]
 pub struct ServerReceiver {
     reader: FrameReader<Counted<TcpStream>>,
     peer: String,

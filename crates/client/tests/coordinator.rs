@@ -272,8 +272,7 @@ fn a_client_without_the_job_token_is_refused() {
         WAIT,
         opts(),
     )
-    .err()
-    .expect("must be refused");
+    .expect_err("must be refused");
     assert_eq!(err.code(), ErrorCode::AuthFailed, "{err}");
     assert!(err.to_string().contains("intruder"), "{err}");
     handle.shutdown();
@@ -303,8 +302,7 @@ fn a_rank_already_taken_is_refused_naming_its_holder() {
         WAIT,
         opts(),
     )
-    .err()
-    .expect("duplicate rank");
+    .expect_err("duplicate rank");
     assert_eq!(err.code(), ErrorCode::DuplicateNode, "{err}");
     assert!(err.to_string().contains("'holder'"), "{err}");
     let other = CoordinatorClient::join(

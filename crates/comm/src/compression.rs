@@ -11,6 +11,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::sync::Mutex;
 
+use sumflow_plan::partition::Partition;
 use sumflow_wire::compression::MAX_DITHER_LEVELS;
 use sumflow_wire::{Codec, KeyCodec};
 
@@ -111,9 +112,6 @@ impl fmt::Display for Compression {
     }
 }
 
-/// A key's place in its tensor: (key, byte offset, bytes).
-pub type KeySpan = (u64, usize, usize);
-
 /// The residuals of error feedback, one per key, kept between the key's pushes.
 ///
 /// A tensor has one push_pull in flight at a time, so a key's residual is taken by at most
@@ -139,21 +137,23 @@ impl Residuals {
 
     /// Moves a tensor's residuals from the keys of one layout to those of another (a new
     /// partition size), so that what feedback holds survives re-partitioning.
-    pub fn relayout(&self, old: &[KeySpan], new: &[KeySpan]) {
+    pub fn relayout(&self, old: &[Partition], new: &[Partition]) {
         let mut map = self.by_key.lock().expect("residuals lock");
-        let elements = old.iter().map(|&(_, o, b)| o + b).max().unwrap_or(0) / 4;
+        let elements = old.iter().map(|p| p.offset + p.bytes).max().unwrap_or(0) as usize / 4;
         let mut whole: Option<Vec<f32>> = None;
-        for &(key, offset, _) in old {
-            if let Some(r) = map.remove(&key) {
+        for p in old {
+            if let Some(r) = map.remove(&p.key) {
                 let w = whole.get_or_insert_with(|| vec![0.0; elements]);
-                w[offset / 4..offset / 4 + r.len()].copy_from_slice(&r);
+                let first = p.offset as usize / 4;
+                w[first..first + r.len()].copy_from_slice(&r);
             }
         }
         let Some(whole) = whole else {
             return;
         };
-        for &(key, offset, bytes) in new {
-            map.insert(key, whole[offset / 4..(offset + bytes) / 4].to_vec());
+        for p in new {
+            let (first, last) = (p.offset as usize / 4, (p.offset + p.bytes) as usize / 4);
+            map.insert(p.key, whole[first..last].to_vec());
         }
     }
 }
@@ -206,9 +206,20 @@ mod tests {
         a.copy_from_slice(&[1.0, 2.0, 3.0]);
         r.put(10, a);
         r.put(11, vec![4.0, 5.0]);
+        let spans = |spans: &[(u64, u64, u64)]| -> Vec<Partition> {
+            spans
+                .iter()
+                .map(|&(key, offset, bytes)| Partition {
+                    key,
+                    offset,
+                    bytes,
+                    ..Partition::default()
+                })
+                .collect()
+        };
         r.relayout(
-            &[(10, 0, 12), (11, 12, 8)],
-            &[(20, 0, 8), (21, 8, 8), (22, 16, 4)],
+            &spans(&[(10, 0, 12), (11, 12, 8)]),
+            &spans(&[(20, 0, 8), (21, 8, 8), (22, 16, 4)]),
         );
         assert_eq!(r.take(20, 2), [1.0, 2.0]);
         assert_eq!(r.take(21, 2), [3.0, 4.0]);

@@ -9,8 +9,11 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
+use sumflow_plan::partition::Partition;
+
 use crate::error::CommError;
 
+#[derive(Debug)]
 struct Op {
     tensor_id: u32,
     tensor: String,
@@ -24,14 +27,14 @@ struct Op {
     in_use: u32,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct State {
     next: u64,
     ops: HashMap<u64, Op>,
     busy: HashSet<u32>,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 pub struct Handles {
     state: Mutex<State>,
     changed: Condvar,
@@ -43,19 +46,20 @@ impl Handles {
         self.state.lock().expect("handles lock").busy.len()
     }
 
-    /// Starts an operation on a tensor whose partitions are keyed by `keys` with their
-    /// servers; refuses a tensor that is already in flight.
+    /// Starts an operation on a tensor of these partitions; refuses a tensor that is
+    /// already in flight.
     pub fn start(
         &self,
         tensor_id: u32,
         tensor: &str,
-        parts: impl IntoIterator<Item = (u64, usize)>,
+        parts: &[Partition],
     ) -> Result<u64, CommError> {
         let mut s = self.state.lock().expect("handles lock");
         if !s.busy.insert(tensor_id) {
             return Err(CommError::Busy(tensor.to_string()));
         }
-        let outstanding: HashMap<u64, usize> = parts.into_iter().collect();
+        let outstanding: HashMap<u64, usize> =
+            parts.iter().map(|p| (p.key, p.server as usize)).collect();
         s.next += 1;
         let id = s.next;
         let parts = outstanding.len();
@@ -101,12 +105,6 @@ impl Handles {
         if let Some(key) = done {
             Self::complete(&mut s, handle, key, &self.changed);
         }
-    }
-
-    /// Marks one partition (by key) done.
-    pub fn part_done(&self, handle: u64, key: u64) {
-        let mut s = self.state.lock().expect("handles lock");
-        Self::complete(&mut s, handle, key, &self.changed);
     }
 
     fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) {
@@ -214,30 +212,51 @@ impl Handles {
 mod tests {
     use super::*;
 
+    /// Partitions of these keys on these servers.
+    fn on_servers(parts: &[(u64, u32)]) -> Vec<Partition> {
+        parts
+            .iter()
+            .map(|&(key, server)| Partition {
+                key,
+                bytes: 4,
+                server,
+                ..Partition::default()
+            })
+            .collect()
+    }
+
+    /// What a receiver does with a partition's sum: reads it in, and marks it done.
+    fn done(h: &Handles, handle: u64, key: u64) {
+        assert!(h.begin_access(handle));
+        h.end_access(handle, Some(key));
+    }
+
     #[test]
     fn completes_when_every_partition_is_done() {
         let h = Handles::default();
-        let id = h.start(1, "w", [(10, 0), (11, 1)]).unwrap();
+        let id = h.start(1, "w", &on_servers(&[(10, 0), (11, 1)])).unwrap();
         assert!(matches!(
-            h.start(1, "w", [(12, 0)]),
+            h.start(1, "w", &on_servers(&[(12, 0)])),
             Err(CommError::Busy(_))
         ));
         assert!(!h.poll(id).unwrap());
-        h.part_done(id, 10);
-        h.part_done(id, 11);
+        done(&h, id, 10);
+        done(&h, id, 11);
         assert!(h.poll(id).unwrap());
         h.wait(id, Duration::from_secs(1), |s| s.to_string())
             .unwrap();
         assert!(matches!(h.poll(id), Err(CommError::UnknownHandle(_))));
         // The tensor is free again.
-        h.start(1, "w", [(10, 0)]).unwrap();
+        h.start(1, "w", &on_servers(&[(10, 0)])).unwrap();
     }
 
     #[test]
     fn errors_reach_the_waiter_and_timeouts_name_the_servers() {
         let h = Handles::default();
-        let id = h.start(2, "fc.weight", [(1, 0), (2, 3)]).unwrap();
-        h.part_done(id, 1);
+        let id = h
+            .start(2, "fc.weight", &on_servers(&[(1, 0), (2, 3)]))
+            .unwrap();
+        done(&h, id, 1);
         let e = h
             .wait(id, Duration::from_millis(20), |s| format!("server {s}"))
             .unwrap_err();
@@ -256,7 +275,7 @@ mod tests {
     #[test]
     fn no_access_starts_after_a_failure_and_a_failed_wait_outlasts_one() {
         let h = std::sync::Arc::new(Handles::default());
-        let id = h.start(4, "c", [(1, 0), (2, 1)]).unwrap();
+        let id = h.start(4, "c", &on_servers(&[(1, 0), (2, 1)])).unwrap();
         assert!(h.begin_access(id));
         h.fail(id, |t| CommError::Invalid(format!("{t} lost a server")));
         assert!(
@@ -279,11 +298,11 @@ mod tests {
     #[test]
     fn a_waiter_wakes_when_another_thread_completes() {
         let h = std::sync::Arc::new(Handles::default());
-        let id = h.start(3, "b", [(7, 0)]).unwrap();
+        let id = h.start(3, "b", &on_servers(&[(7, 0)])).unwrap();
         let h2 = h.clone();
         let t = std::thread::spawn(move || h2.wait(id, Duration::from_secs(10), |s| s.to_string()));
         std::thread::sleep(Duration::from_millis(20));
-        h.part_done(id, 7);
+        done(&h, id, 7);
         t.join().unwrap().unwrap();
     }
 }

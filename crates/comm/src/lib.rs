@@ -1,40 +1,36 @@
 //! The communication service: runs inside each training process and moves its gradients
-//! through the job's summation servers.
+//! through the job's summation servers. This crate is the threads and sockets; what to
+//! send where and when is decided by `sumflow-plan`, whose pure decisions it carries out.
 //!
-//! A tensor is declared once by name; each push_pull of it is cut into partitions, each
-//! partition goes to the server placement chose for it, and the [`pipeline`] pushes
-//! partitions in priority order and writes each pulled sum back into the tensor.
+//! A tensor is declared once by name ([`CommunicationService::declare_one`],
+//! [`CommunicationService::declare_groups`]): the coordinator gives it an id, and
+//! `sumflow_plan::layout` cuts it into partitions, places each on a summation server and
+//! cuts those for CPU servers into one piece per connection ("lane"). Each push_pull of it
+//! then runs through the pipeline:
 //!
-//! The data path of one declared tensor, on every worker alike:
+//! 1. every partition becomes ready at the scheduler (`sumflow_plan::scheduler`), which
+//!    decides when each goes out: priority order, credit, push window, Prophet's blocks;
+//! 2. one push thread per lane sends what started, in the order it started, compressing
+//!    it first when its tensor is compressed ([`Compression`]);
+//! 3. one receiver thread per lane reads each sum straight into the caller's tensor
+//!    (dividing it there for [`ReduceOp::Average`]), and the operation's handle completes
+//!    once every partition's has.
 //!
-//! 1. [`partition`] cuts it into runs of at most the partition size (4 MiB by default) and
-//!    keys each run by declaration index and position, so all workers agree on the keys
-//!    without talking.
-//! 2. [`placement`] picks each key's summation server so that every server sums the share of
-//!    the model BytePS's Eq. 1 and 2 give it; from the same declaration and cluster map,
-//!    every worker picks the same servers.
-//! 3. The [`pipeline`]'s push stage sends each partition to its server in priority order,
-//!    and that server's receiver reads the sum straight back into the tensor.
-//!
-//! Steps 1 and 2 are pure functions of the declaration, the partition size and the servers;
-//! they run once per declaration, not per iteration.
+//! Errors name the tensor, the server and the timeout ([`CommError`]); the bytes on the
+//! wire are counted per key ([`CommunicationService::wire_bytes`]); a Chrome trace of a
+//! window of steps records what each partition went through ([`trace`]).
 
-pub mod accounting;
+mod accounting;
 mod average;
-pub mod compression;
-pub mod error;
-pub mod handles;
-pub mod lanes;
-pub mod partition;
-pub mod pipeline;
-pub mod placement;
+mod compression;
+mod error;
+mod handles;
+mod pipeline;
 mod queue;
-mod scatter;
-pub mod scheduler;
-pub mod service;
+mod service;
 pub mod trace;
 
+pub use accounting::{KeyBytes, WireBytes};
 pub use compression::{Compression, CompressorKind};
 pub use error::CommError;
 pub use service::{CommConfig, CommunicationService, Declaration, ReduceOp};
-pub use trace::{TraceConfig, TraceError, TraceFile, Tracer, Track};

@@ -6,12 +6,14 @@ use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
 use std::time::Duration;
 
+#[derive(Debug)]
 struct State<T> {
     items: VecDeque<T>,
     closed: bool,
 }
 
 /// A blocking FIFO shared by the threads feeding a lane and its push thread.
+#[derive(Debug)]
 pub struct LaneQueue<T> {
     state: Mutex<State<T>>,
     ready: Condvar,

@@ -7,6 +7,12 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::{ServerClient, ServerOptions};
+use sumflow_plan::lanes;
+use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
+use sumflow_plan::partition::{Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
+use sumflow_plan::placement::ServerSet;
+use sumflow_plan::scheduler::prophet::ProphetConfig;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Registration, Role,
@@ -14,16 +20,10 @@ use sumflow_wire::{
 use tracing::{info, warn};
 
 use crate::accounting::{KeyBytes, WireBytes};
-use crate::compression::{Compression, KeySpan};
+use crate::compression::Compression;
 use crate::error::CommError;
 use crate::handles::Handles;
-use crate::lanes;
-use crate::partition::{partition, partition_key, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
-use crate::placement::{place, ServerSet};
-use crate::scatter::scatter;
-use crate::scheduler::prophet::ProphetConfig;
-use crate::scheduler::{Schedule, SchedulerKind};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
@@ -37,12 +37,6 @@ const JOB_ERROR_GRACE: Duration = Duration::from_millis(300);
 const LAYOUT_PARTITION_BYTES: &str = "sumflow.setting.partition_bytes (SUMFLOW_PARTITION_BYTES)";
 const LAYOUT_CPU_SERVER_LANES: &str =
     "sumflow.setting.cpu_server_connections (SUMFLOW_CPU_SERVER_CONNECTIONS)";
-
-/// A layout generation is kept in the top byte of every key (tensor ids stay below 2^24),
-/// so that the keys of a new partition size never collide with the old ones on a server.
-const GENERATION_SHIFT: u32 = 56;
-const MAX_TENSOR_ID: u32 = (1 << (GENERATION_SHIFT - 32)) - 1;
-const MAX_LAYOUTS: usize = 1 << (64 - GENERATION_SHIFT);
 
 /// How a worker joins its job.
 #[derive(Clone, Debug)]
@@ -58,7 +52,7 @@ pub struct CommConfig {
     pub host_id: String,
     /// The size tensors are cut into, except under `fifo`, which sends whole tensors.
     pub partition_bytes: u64,
-    /// Which scheduler decides when partitions go out (see [`crate::scheduler`]).
+    /// Which scheduler decides when partitions go out (see [`sumflow_plan::scheduler`]).
     pub scheduler: SchedulerKind,
     /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
     /// `None`: 2 partitions; 0: unbounded.
@@ -72,7 +66,7 @@ pub struct CommConfig {
     /// Connections to each CPU server, each partition for it cut into one piece per
     /// connection; colocated servers get one. `None`: round(c/g) of Eq. 1 and 2, so that
     /// TCP's per-connection fairness gives each server its share of every link (see
-    /// [`crate::lanes`]); at most [`lanes::MAX`]. Pieces are keys, so every worker of a
+    /// [`sumflow_plan::lanes`]); at most [`lanes::MAX`]. Pieces are keys, so every worker of a
     /// job must use the same value, as it must the same partition size.
     pub connections_per_cpu_server: Option<u32>,
     pub join_timeout: Duration,
@@ -136,14 +130,15 @@ struct Tensor {
     compression: Option<Compression>,
     /// The group it was declared and placed with, if any.
     group: Option<usize>,
-    parts: Parts,
+    /// Its partitions, each with its server, in the tensor's order.
+    parts: Vec<Partition>,
     /// The last round pushed, per layout generation: each generation's keys count their
     /// own rounds on the servers.
     rounds: Vec<u64>,
 }
 
 impl Tensor {
-    fn new(decl: &Declaration, id: u32, group: Option<usize>, parts: Parts) -> Tensor {
+    fn new(decl: &Declaration<'_>, id: u32, group: Option<usize>, parts: Vec<Partition>) -> Tensor {
         Tensor {
             id,
             name: Arc::from(decl.name),
@@ -165,13 +160,8 @@ impl Tensor {
         }
     }
 
-    /// Where each partition lies in the tensor, for moving residuals between layouts.
-    fn spans(&self) -> Vec<KeySpan> {
-        self.parts.iter().map(|p| (p.0, p.2, p.3)).collect()
-    }
-
     /// Refuses a declaration of the same tensor with another compression.
-    fn check_same(&self, decl: &Declaration) -> Result<(), CommError> {
+    fn check_same(&self, decl: &Declaration<'_>) -> Result<(), CommError> {
         if self.compression == decl.compression {
             return Ok(());
         }
@@ -207,6 +197,15 @@ impl<'a> Declaration<'a> {
         }
     }
 
+    /// What partitioning needs to know of it.
+    fn spec(self) -> TensorSpec<'a> {
+        TensorSpec {
+            name: self.name,
+            elements: self.elements,
+            dtype: self.dtype,
+        }
+    }
+
     fn check(&self) -> Result<(), CommError> {
         match (self.compression, self.dtype) {
             (Some(c), dtype) if dtype != Dtype::F32 => Err(CommError::Invalid(format!(
@@ -219,10 +218,8 @@ impl<'a> Declaration<'a> {
     }
 }
 
-/// A tensor's partitions: (key, server rank, byte offset, byte length).
-type Parts = Vec<(u64, u32, usize, usize)>;
-
 /// The declared tensors and how they are laid out.
+#[derive(Debug)]
 struct Table {
     tensors: HashMap<u32, Tensor>,
     /// Tensor ids of each declared group, in declaration order.
@@ -240,6 +237,7 @@ impl Table {
 }
 
 /// The worker side of a job.
+#[derive(Debug)]
 pub struct CommunicationService {
     job: CoordinatorClient,
     servers: ServerSet,
@@ -278,9 +276,7 @@ impl CommunicationService {
             }
         }
         if let Some(trace) = &cfg.trace {
-            trace
-                .prepare()
-                .map_err(|e| CommError::Invalid(e.to_string()))?;
+            trace.prepare()?;
         }
         let reg = Registration {
             role: Role::Worker,
@@ -348,8 +344,7 @@ impl CommunicationService {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
         let tracer = Arc::new(match cfg.trace {
-            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)
-                .map_err(|e| CommError::Invalid(e.to_string()))?,
+            Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)?,
             None => Tracer::disabled(),
         });
         let handles = Arc::new(Handles::default());
@@ -429,14 +424,14 @@ impl CommunicationService {
 
     /// Declares one tensor, compressed or not (see [`Self::declare`]); every worker must
     /// declare it with the same compression too.
-    pub fn declare_one(&self, decl: &Declaration) -> Result<u32, CommError> {
+    pub fn declare_one(&self, decl: &Declaration<'_>) -> Result<u32, CommError> {
         decl.check()?;
         let id = self.declare_id(decl)?;
         let mut table = self.table.lock().expect("table lock");
         match table.tensors.get(&id) {
             Some(t) => t.check_same(decl)?,
             None => {
-                let parts = self.lay_out_single(&table, id, decl)?;
+                let parts = self.layout(&table).single(id, &decl.spec())?;
                 table.tensors.insert(id, Tensor::new(decl, id, None, parts));
             }
         }
@@ -445,7 +440,7 @@ impl CommunicationService {
 
     /// Declares a group of uncompressed tensors (see [`Self::declare_groups`]).
     pub fn declare_group(&self, tensors: &[(&str, Dtype, u64)]) -> Result<Vec<u32>, CommError> {
-        let decls: Vec<Declaration> = tensors
+        let decls: Vec<Declaration<'_>> = tensors
             .iter()
             .map(|&(name, dtype, elements)| Declaration::raw(name, dtype, elements))
             .collect();
@@ -455,7 +450,7 @@ impl CommunicationService {
     /// Declares a group of tensors (a model's parameters) and places their partitions
     /// together, balancing bytes over the servers by BytePS's Eq. 1 and 2. Every worker
     /// must declare the same group.
-    pub fn declare_groups(&self, decls: &[Declaration]) -> Result<Vec<u32>, CommError> {
+    pub fn declare_groups(&self, decls: &[Declaration<'_>]) -> Result<Vec<u32>, CommError> {
         let mut ids = Vec::with_capacity(decls.len());
         for decl in decls {
             decl.check()?;
@@ -463,7 +458,7 @@ impl CommunicationService {
         }
         let mut table = self.table.lock().expect("table lock");
         // A repeated declaration keeps its first placement and round count.
-        let mut fresh: Vec<(u32, Declaration)> = Vec::new();
+        let mut fresh: Vec<(u32, Declaration<'_>)> = Vec::new();
         for (&id, decl) in ids.iter().zip(decls) {
             match table.tensors.get(&id) {
                 Some(t) => t.check_same(decl)?,
@@ -473,7 +468,9 @@ impl CommunicationService {
         if fresh.is_empty() {
             return Ok(ids);
         }
-        let laid = self.lay_out_group(&table, &fresh)?;
+        let specs: Vec<(u32, TensorSpec<'_>)> =
+            fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
+        let laid = self.layout(&table).group(&specs)?;
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
         for ((id, decl), parts) in fresh.iter().zip(laid) {
@@ -483,7 +480,7 @@ impl CommunicationService {
         Ok(ids)
     }
 
-    fn declare_id(&self, decl: &Declaration) -> Result<u32, CommError> {
+    fn declare_id(&self, decl: &Declaration<'_>) -> Result<u32, CommError> {
         let Declaration {
             name,
             dtype,
@@ -508,85 +505,14 @@ impl CommunicationService {
         Ok(id)
     }
 
-    /// The partitions of a tensor declared alone, placed from their keys.
-    fn lay_out_single(
-        &self,
-        table: &Table,
-        id: u32,
-        decl: &Declaration,
-    ) -> Result<Parts, CommError> {
-        let mut parts = self.cut(table, id, decl)?;
-        for p in &mut parts {
-            p.1 = scatter(p.0, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
+    /// How tensors are laid out under the table's current partition size.
+    fn layout<'a>(&'a self, table: &Table) -> Layout<'a> {
+        Layout {
+            servers: &self.servers,
+            lanes: &self.lanes,
+            partition_bytes: table.partition_bytes(),
+            generation: table.generation,
         }
-        self.spread(decl.dtype, parts)
-    }
-
-    /// The partitions of a group's tensors, placed together.
-    fn lay_out_group(
-        &self,
-        table: &Table,
-        tensors: &[(u32, Declaration)],
-    ) -> Result<Vec<Parts>, CommError> {
-        let mut cut = Vec::with_capacity(tensors.len());
-        for (id, decl) in tensors {
-            cut.push(self.cut(table, *id, decl)?);
-        }
-        let keyed: Vec<(u64, u64)> = cut
-            .iter()
-            .flat_map(|parts| parts.iter().map(|p| (p.0, p.3 as u64)))
-            .collect();
-        let placement =
-            place(&keyed, &self.servers).map_err(|e| CommError::Invalid(e.to_string()))?;
-        tensors
-            .iter()
-            .zip(cut)
-            .map(|(t, mut parts)| {
-                for p in &mut parts {
-                    p.1 = placement
-                        .server_of(p.0)
-                        .expect("every partition was placed");
-                }
-                self.spread(t.1.dtype, parts)
-            })
-            .collect()
-    }
-
-    /// Cuts each placed partition bound for a server with several lanes into one piece per
-    /// lane (see [`crate::lanes`]).
-    fn spread(&self, dtype: Dtype, parts: Parts) -> Result<Parts, CommError> {
-        let mut out = Vec::with_capacity(parts.len());
-        for (key, server, offset, bytes) in parts {
-            let lanes = self.lanes[server as usize];
-            let pieces = lanes::pieces((key, offset, bytes), dtype.size(), lanes)
-                .map_err(|e| CommError::Invalid(e.to_string()))?;
-            out.extend(pieces.into_iter().map(|(k, o, b)| (k, server, o, b)));
-        }
-        Ok(out)
-    }
-
-    /// Cuts a tensor by the table's current partition size, keyed in its generation.
-    fn cut(&self, table: &Table, id: u32, decl: &Declaration) -> Result<Parts, CommError> {
-        let parts = partition(
-            decl.name,
-            decl.elements,
-            decl.dtype,
-            table.partition_bytes(),
-        )
-        .map_err(|e| CommError::Invalid(e.to_string()))?;
-        let size = decl.dtype.size();
-        let generation = (table.generation as u64) << GENERATION_SHIFT;
-        Ok(parts
-            .iter()
-            .map(|p| {
-                (
-                    generation | partition_key(id, p.index_in_tensor),
-                    0,
-                    p.offset_elements as usize * size,
-                    p.elements as usize * size,
-                )
-            })
-            .collect())
     }
 
     /// Changes the partition size and/or the credit per server (the auto-tuner's knobs).
@@ -624,46 +550,43 @@ impl CommunicationService {
             }
             let generation = match table.layouts.iter().position(|&b| b == bytes) {
                 Some(g) => g,
-                None if table.layouts.len() < MAX_LAYOUTS => table.layouts.len(),
+                None if table.layouts.len() < MAX_GENERATIONS => table.layouts.len(),
                 None => {
                     return Err(CommError::Invalid(format!(
-                        "{MAX_LAYOUTS} partition sizes were used already: a job can use at \
+                        "{MAX_GENERATIONS} partition sizes were used already: a job can use at \
                          most that many"
                     )))
                 }
             };
             // Lay everything out under the new size first, so a failure changes nothing.
-            let mut next = Table {
-                tensors: HashMap::new(),
-                groups: table.groups.clone(),
-                layouts: table.layouts.clone(),
+            let next = Layout {
+                partition_bytes: bytes,
                 generation,
+                ..self.layout(&table)
             };
-            if generation == next.layouts.len() {
-                next.layouts.push(bytes);
-            }
-            let mut parts: HashMap<u32, Parts> = HashMap::new();
+            let mut parts: HashMap<u32, Vec<Partition>> = HashMap::new();
             for t in table.tensors.values().filter(|t| t.group.is_none()) {
-                parts.insert(t.id, self.lay_out_single(&next, t.id, &t.declaration())?);
+                parts.insert(t.id, next.single(t.id, &t.declaration().spec())?);
             }
             for ids in &table.groups {
-                let members: Vec<(u32, Declaration)> = ids
+                let members: Vec<(u32, TensorSpec<'_>)> = ids
                     .iter()
-                    .map(|id| (*id, table.tensors[id].declaration()))
+                    .map(|id| (*id, table.tensors[id].declaration().spec()))
                     .collect();
-                for (id, laid) in ids.iter().zip(self.lay_out_group(&next, &members)?) {
+                for (id, laid) in ids.iter().zip(next.group(&members)?) {
                     parts.insert(*id, laid);
                 }
             }
             for (id, laid) in parts {
                 let t = table.tensors.get_mut(&id).expect("laid out");
-                let old = t.spans();
-                t.parts = laid;
+                let old = std::mem::replace(&mut t.parts, laid);
                 if t.compression.is_some_and(|c| c.feedback) {
-                    self.pipeline.relayout_residuals(&old, &t.spans());
+                    self.pipeline.relayout_residuals(&old, &t.parts);
                 }
             }
-            table.layouts = next.layouts;
+            if generation == table.layouts.len() {
+                table.layouts.push(bytes);
+            }
             table.generation = generation;
             info!(
                 partition_bytes = bytes,
@@ -689,7 +612,7 @@ impl CommunicationService {
     }
 
     /// The bytes this worker wrote to and read from the summation servers so far, per key
-    /// (with its tensor), and those no key names (see [`crate::accounting`]).
+    /// (with its tensor), and those no key names (see [`KeyBytes`]).
     pub fn wire_bytes(&self) -> (Vec<KeyBytes>, WireBytes) {
         self.pipeline.wire_bytes()
     }
@@ -738,9 +661,7 @@ impl CommunicationService {
         // SAFETY: the caller's contract is exactly HostSlice::new's.
         let whole = unsafe { HostSlice::new(ptr, len) }
             .ok_or_else(|| CommError::Invalid(format!("tensor '{}': null buffer", t.name)))?;
-        let handle =
-            self.handles
-                .start(t.id, &t.name, t.parts.iter().map(|p| (p.0, p.1 as usize)))?;
+        let handle = self.handles.start(t.id, &t.name, &t.parts)?;
         let generation = table_generation;
         if t.rounds.len() <= generation {
             t.rounds.resize(generation + 1, 0);
@@ -751,17 +672,16 @@ impl CommunicationService {
             .parts
             .iter()
             .enumerate()
-            .map(|(index, &(key, server, offset, bytes))| PartTask {
-                tensor: Arc::clone(&t.name),
+            .map(|(index, &partition)| PartTask {
+                name: Arc::clone(&t.name),
                 index: index as u32,
                 handle,
-                key,
+                partition,
                 round,
-                server: server as usize,
                 dtype: t.dtype,
-                data: whole.sub(offset, bytes),
+                data: whole.sub(partition.offset as usize, partition.bytes as usize),
                 codec: t.compression.map_or(KeyCodec::RAW, |c| {
-                    c.key_codec((bytes / t.dtype.size()) as u64)
+                    c.key_codec(partition.bytes / t.dtype.size() as u64)
                 }),
                 divisor,
             })
@@ -853,7 +773,7 @@ impl CommunicationService {
         let mut bytes: HashMap<u32, u64> = HashMap::new();
         for t in table.tensors.values() {
             for p in &t.parts {
-                *bytes.entry(p.1).or_default() += p.3 as u64;
+                *bytes.entry(p.server).or_default() += p.bytes;
             }
         }
         let total: u64 = bytes.values().sum();

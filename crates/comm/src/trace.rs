@@ -82,7 +82,7 @@ impl TraceConfig {
 
     /// Checks the settings and creates the directory, so that a bad one fails a worker's
     /// start rather than the end of its window.
-    pub fn prepare(&self) -> Result<(), TraceError> {
+    pub(crate) fn prepare(&self) -> Result<(), TraceError> {
         if self.steps == 0 {
             return Err(TraceError::Invalid(
                 "the number of traced steps must be at least 1".into(),
@@ -106,7 +106,7 @@ impl TraceConfig {
     }
 
     /// The file a worker of rank `rank` writes.
-    pub fn path(&self, rank: u32) -> PathBuf {
+    pub(crate) fn path(&self, rank: u32) -> PathBuf {
         self.dir.join(format!("sumflow-trace-rank{rank}.json"))
     }
 }
@@ -328,7 +328,7 @@ impl std::fmt::Debug for Tracer {
 
 impl Tracer {
     /// A tracer that never records.
-    pub fn disabled() -> Tracer {
+    pub(crate) fn disabled() -> Tracer {
         let (anchor, anchor_wall_ns) = anchors();
         Tracer {
             recording: AtomicBool::new(false),
@@ -340,7 +340,7 @@ impl Tracer {
 
     /// A tracer for worker `rank` (shown as "worker {rank} ({name})"); checks the settings
     /// and creates the directory ([`TraceConfig::prepare`]).
-    pub fn new(cfg: TraceConfig, rank: u32, name: &str) -> Result<Tracer, TraceError> {
+    pub(crate) fn new(cfg: TraceConfig, rank: u32, name: &str) -> Result<Tracer, TraceError> {
         cfg.prepare()?;
         let (anchor, anchor_wall_ns) = anchors();
         let window = if cfg.start_step == 0 {
@@ -372,11 +372,6 @@ impl Tracer {
     #[inline]
     pub fn active(&self) -> bool {
         self.recording.load(Ordering::Relaxed)
-    }
-
-    /// Whether this worker traces at all (a window is set, open or not).
-    pub fn enabled(&self) -> bool {
-        self.recorder.is_some()
     }
 
     /// Nanoseconds since this tracer's start on its monotonic clock: the time base of
@@ -456,7 +451,12 @@ impl Tracer {
 
     /// Records the values of counter `name` (a track of its own, one line per value:
     /// bytes in flight, credit left) from `at` until its next record.
-    pub fn counter(&self, name: impl Into<Cow<'static, str>>, at: Instant, values: &[(&str, f64)]) {
+    pub(crate) fn counter(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+        at: Instant,
+        values: &[(&str, f64)],
+    ) {
         if self.active() {
             let args: Vec<(&str, Arg<'_>)> =
                 values.iter().map(|&(k, v)| (k, Arg::Float(v))).collect();
@@ -701,7 +701,7 @@ impl Tracer {
 
 /// Chrome's process id for worker `rank`: Perfetto treats pid 0 as the kernel's idle task,
 /// so ranks are shifted by one (the process is named by its rank).
-pub fn pid_of(rank: u32) -> u64 {
+pub(crate) fn pid_of(rank: u32) -> u64 {
     u64::from(rank) + 1
 }
 
@@ -1013,7 +1013,7 @@ mod tests {
     #[test]
     fn a_disabled_tracer_records_nothing() {
         let t = Tracer::disabled();
-        assert!(!t.active() && !t.enabled());
+        assert!(!t.active() && t.recorder.is_none());
         span_now(&t, "x");
         assert_eq!(t.mark_step().unwrap(), None);
         assert_eq!(t.flush().unwrap(), None);

@@ -6,13 +6,13 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::coordinator::CoordinatorOptions;
-use sumflow_comm::accounting::WireBytes;
-use sumflow_comm::partition::WHOLE_TENSOR_BYTES;
-use sumflow_comm::scheduler::SchedulerKind;
+use sumflow_comm::trace::TraceConfig;
 use sumflow_comm::{
-    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
+    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, WireBytes,
 };
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
+use sumflow_plan::partition::WHOLE_TENSOR_BYTES;
+use sumflow_plan::scheduler::SchedulerKind;
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };
@@ -565,4 +565,34 @@ fn wire_accounting_counts_every_frame_per_key() {
         let (_, other) = c.wire_bytes();
         assert_eq!(other.sent, 2 * leave, "one Shutdown per server connection");
     });
+}
+
+#[test]
+fn a_trace_directory_that_cannot_be_made_is_an_io_error_and_a_bad_window_an_invalid_argument() {
+    // Both are checked before joining: no coordinator needed.
+    let dir = std::env::temp_dir().join(format!("sumflow-trace-io-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("file");
+    std::fs::write(&file, "").unwrap();
+    let start = |trace: TraceConfig| {
+        let mut cfg = CommConfig::new("127.0.0.1:1", token(), "h");
+        cfg.trace = Some(trace);
+        CommunicationService::start(cfg).expect_err("refused")
+    };
+    let e = start(TraceConfig::new(file.join("sub")));
+    assert!(matches!(e, CommError::Io { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.starts_with(&format!(
+            "cannot create the trace directory {}",
+            file.join("sub").display()
+        )),
+        "{msg}"
+    );
+    let e = start(TraceConfig {
+        steps: 0,
+        ..TraceConfig::new(&dir)
+    });
+    assert!(matches!(e, CommError::Invalid(_)), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -85,7 +85,9 @@ impl Compressor {
         if codec.is_raw() {
             return Err(fail("raw keys are not compressed".into()));
         }
-        codec.check(Dtype::F32, elements as u64).map_err(fail)?;
+        codec
+            .check(Dtype::F32, elements as u64)
+            .map_err(|e| fail(e.to_string()))?;
         Ok(Compressor { codec, elements })
     }
 
@@ -174,7 +176,7 @@ impl Compressor {
         assert_eq!(acc.len(), self.elements, "accumulator length");
         match self.codec.codec {
             Codec::TopK | Codec::RandomK => {
-                self.for_each_sparse(payload, seed, scratch, |i, v| acc[i] += v)
+                self.for_each_sparse(payload, seed, scratch, |i, v| acc[i] += v);
             }
             _ => self.for_each_dense(payload, |i, v| acc[i] += v),
         }

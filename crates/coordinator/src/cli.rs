@@ -16,9 +16,13 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use sumflow_wire::auth::TokenError;
 use sumflow_wire::logging::{init_logging, LogFormat};
-use sumflow_wire::program::{parse_args, positive_seconds, write_addr_file, StopSignals};
+use sumflow_wire::program::{
+    parse_args, positive_seconds, write_addr_file, NotPositiveSeconds, StopSignals,
+};
 use sumflow_wire::JobToken;
+use thiserror::Error;
 use tracing::{error, info, warn};
 
 use crate::config::{
@@ -108,7 +112,7 @@ where
     init_logging(args.log_format);
     let cfg = match config(&args) {
         Ok(cfg) => cfg,
-        Err(msg) => return bad_config(&msg),
+        Err(e) => return bad_config(&e.to_string()),
     };
     let handle = match CoordinatorService::start(cfg) {
         Ok(h) => h,
@@ -161,14 +165,25 @@ where
     }
 }
 
-fn config(args: &Args) -> Result<CoordinatorConfig, String> {
-    let token = JobToken::load(args.token_file.as_deref()).map_err(|e| e.to_string())?;
+/// Why the flags make no coordinator configuration; each names the flag to fix.
+#[derive(Debug, Error)]
+enum ConfigError {
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    #[error(transparent)]
+    Seconds(#[from] NotPositiveSeconds),
+    #[error(transparent)]
+    Invalid(#[from] CoordinatorError),
+}
+
+fn config(args: &Args) -> Result<CoordinatorConfig, ConfigError> {
+    let token = JobToken::load(args.token_file.as_deref())?;
     let mut cfg = CoordinatorConfig::new(args.bind, args.workers, args.servers, token);
     cfg.heartbeat_timeout = positive_seconds("--heartbeat-timeout", args.heartbeat_timeout)?;
     cfg.join_timeout = positive_seconds("--join-timeout", args.join_timeout)?;
     cfg.max_body = args.max_frame_bytes;
     cfg.job_id = args.job_id.clone().unwrap_or_else(random_job_id);
-    cfg.validate().map_err(|e| e.to_string())?;
+    cfg.validate()?;
     Ok(cfg)
 }
 

@@ -49,6 +49,7 @@ enum Phase {
     Done,
 }
 
+#[derive(Debug)]
 struct Conn {
     peer: Peer,
     last_seen: Instant,
@@ -65,6 +66,7 @@ enum Status {
     Failed,
 }
 
+#[derive(Debug)]
 struct Member {
     name: String,
     conn: Option<ConnId>,
@@ -73,12 +75,14 @@ struct Member {
     last_barrier: [Option<u64>; 2],
 }
 
+#[derive(Debug)]
 struct Barrier {
     group: BarrierGroup,
     waiters: BTreeSet<NodeId>,
 }
 
 /// One declared tensor: what its first declaration fixed, and who has declared it since.
+#[derive(Debug)]
 struct Tensor {
     id: u32,
     dtype: Dtype,
@@ -126,6 +130,7 @@ impl std::fmt::Display for Form {
 }
 
 /// The coordinator's whole state. Feed it events; it answers with actions.
+#[derive(Debug)]
 pub struct Membership {
     job_id: String,
     expected_workers: u32,
@@ -260,7 +265,7 @@ impl Membership {
         match self.phase {
             Phase::Done => {}
             Phase::Joining if now.saturating_duration_since(self.started) > self.join_timeout => {
-                self.join_timed_out()
+                self.join_timed_out();
             }
             Phase::Joining | Phase::Running => {
                 let mut silent: Vec<(ConnId, String)> = self

@@ -54,6 +54,7 @@ enum Event {
 }
 
 /// Starts coordinators.
+#[derive(Debug)]
 pub struct CoordinatorService;
 
 impl CoordinatorService {
@@ -101,6 +102,7 @@ impl CoordinatorService {
 }
 
 /// A running coordinator. Dropping it stops the coordinator as [`shutdown`](Self::shutdown) does.
+#[derive(Debug)]
 pub struct CoordinatorHandle {
     addr: SocketAddr,
     events: Sender<Event>,

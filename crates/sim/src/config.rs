@@ -6,9 +6,9 @@
 use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
-use sumflow_comm::partition::{DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
-use sumflow_comm::scheduler::prophet::ProphetConfig;
-use sumflow_comm::scheduler::{Schedule, SchedulerKind};
+use sumflow_plan::partition::{DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
+use sumflow_plan::scheduler::prophet::ProphetConfig;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 
 use crate::error::SimError;
 

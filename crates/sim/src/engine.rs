@@ -1,15 +1,15 @@
 //! The event loop and the state it drives: worker machines (compute, and the runtime's
 //! scheduler), summation servers or all-reduce collectives, and the network.
 //!
-//! Each simulated worker machine owns a `sumflow_comm::scheduler::Scheduler`, the same
+//! Each simulated worker machine owns a `sumflow_plan::scheduler::Scheduler`, the same
 //! state machine the runtime's pipeline drives, fed with the same events (partitions ready,
 //! push acknowledged, sum back, step mark) at simulated instants; whatever it starts goes
 //! onto the lane's connection, in the order it started them.
 
 use std::time::Instant;
 
-use sumflow_comm::placement::ServerKind;
-use sumflow_comm::scheduler::{Order, Part, Scheduler, SchedulerKind};
+use sumflow_plan::placement::ServerKind;
+use sumflow_plan::scheduler::{Order, Ready, Scheduler, SchedulerKind};
 
 use crate::config::{Architecture, SimConfig};
 use crate::error::SimError;
@@ -256,7 +256,13 @@ impl<'a> Sim<'a> {
                 layer_left: layout.updated_by.clone(),
                 layer_rounds: vec![0; layers],
                 rounds: 0,
-                orders: vec![(0, 0); layout.parts.len()],
+                orders: vec![
+                    Order {
+                        priority: 0,
+                        key: 0
+                    };
+                    layout.parts.len()
+                ],
                 poll_at: None,
                 collective: Collective::default(),
                 starts: Vec::new(),
@@ -435,15 +441,14 @@ impl<'a> Sim<'a> {
     pub fn submit(&mut self, w: u32, op: u32) {
         let at = self.clock.instant(self.now);
         let o = &self.layout.ops[op as usize];
-        let parts: Vec<Part<u32>> = self
+        let parts: Vec<Ready<u32>> = self
             .layout
             .parts_of(op)
             .map(|i| {
-                let p = &self.layout.parts[i];
-                Part {
-                    key: p.key,
-                    server: p.server as usize,
-                    bytes: p.bytes,
+                let partition = self.layout.parts[i];
+                Ready {
+                    partition,
+                    wire_bytes: partition.bytes,
                     item: i as u32,
                 }
             })
@@ -481,7 +486,7 @@ impl<'a> Sim<'a> {
 
     /// A partition's round is complete at worker `w`: its sum is in place.
     pub fn part_done(&mut self, w: u32, part: u32) {
-        let op = self.layout.parts[part as usize].op;
+        let op = self.layout.parts[part as usize].tensor;
         let wk = &mut self.workers[w as usize];
         wk.op_left[op as usize] -= 1;
         if wk.op_left[op as usize] > 0 {

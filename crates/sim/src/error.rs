@@ -1,7 +1,7 @@
 //! Why a simulation did not run.
 
-use sumflow_comm::partition::PartitionError;
-use sumflow_comm::placement::PlacementError;
+use sumflow_plan::partition::PartitionError;
+use sumflow_plan::placement::PlacementError;
 use thiserror::Error;
 
 #[derive(Debug, Error)]

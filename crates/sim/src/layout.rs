@@ -1,10 +1,10 @@
 //! What a worker pushes: push_pull operations (a tensor, or a span of fused tensors), cut
 //! into partitions and placed on summation servers exactly as the runtime does it, with
-//! `sumflow-comm`'s own partitioning, Eq. 1/2 placement and lanes.
+//! `sumflow-plan`'s own partitioning, Eq. 1/2 placement and lanes.
 
-use sumflow_comm::lanes;
-use sumflow_comm::partition::{partition_tensors, TensorSpec};
-use sumflow_comm::placement::{place, ServerKind, ServerSet};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::{partition_tensors, Partition, TensorSpec};
+use sumflow_plan::placement::{place, ServerKind, ServerSet};
 use sumflow_wire::Dtype;
 
 use crate::config::{Architecture, SimConfig};
@@ -23,17 +23,6 @@ pub struct Op {
     pub layers: Vec<u32>,
 }
 
-/// A partition (or a lane's piece of one) as the scheduler and the network see it.
-#[derive(Clone, Copy, Debug)]
-pub struct Part {
-    pub op: u32,
-    pub key: u64,
-    /// Index into [`Layout::servers`] (for an all-reduce: 0, the collective).
-    pub server: u32,
-    pub lane: u32,
-    pub bytes: u64,
-}
-
 /// A summation server: on worker machine `machine` (colocated) or on CPU machine `cpu`.
 #[derive(Clone, Copy, Debug)]
 pub struct Server {
@@ -45,9 +34,13 @@ pub struct Server {
     pub bytes: u64,
 }
 
+#[derive(Debug)]
 pub struct Layout {
     pub ops: Vec<Op>,
-    pub parts: Vec<Part>,
+    /// Every op's partitions (or lanes' pieces of them), as the scheduler and the network
+    /// see them: a partition's tensor is its op, its server an index into
+    /// [`Layout::servers`] (for an all-reduce: 0, the collective).
+    pub parts: Vec<Partition>,
     /// Per layer, the ops that become ready when its backward ends, in backward order.
     pub ready_after: Vec<Vec<u32>>,
     /// Per layer, how many ops update it.
@@ -81,8 +74,8 @@ impl Layout {
             placement: Vec::new(),
         };
         if !cfg.architecture.has_servers() {
-            for p in &keyed {
-                layout.push_part(p.tensor_index, p.key, 0, 0, p.bytes);
+            for p in keyed {
+                layout.push_part(p);
             }
             return Ok(layout);
         }
@@ -111,10 +104,7 @@ impl Layout {
                 bytes: 0,
             });
         }
-        let placed = place(
-            &keyed.iter().map(|p| (p.key, p.bytes)).collect::<Vec<_>>(),
-            &set,
-        )?;
+        let placed = place(&keyed, &set)?;
         layout.placement = placed.explain();
         let slot_of = |rank: u32| -> u32 {
             set.colocated()
@@ -123,34 +113,34 @@ impl Layout {
                 .position(|&r| r == rank)
                 .expect("placement uses the set's ranks") as u32
         };
-        for p in &keyed {
+        for mut p in keyed {
             let rank = placed.server_of(p.key).expect("every partition is placed");
-            let server = slot_of(rank);
-            let lanes = layout.servers[server as usize].lanes;
-            layout.servers[server as usize].bytes += p.bytes;
-            let pieces = lanes::pieces((p.key, 0, p.bytes as usize), 4, lanes)
-                .map_err(|e| SimError::Invalid(e.to_string()))?;
-            for (key, _, bytes) in pieces {
-                let lane = (key % u64::from(lanes)) as u32;
-                layout.push_part(p.tensor_index, key, server, lane, bytes as u64);
+            p.server = slot_of(rank);
+            let server = &mut layout.servers[p.server as usize];
+            server.bytes += p.bytes;
+            let pieces =
+                lanes::pieces(p, 4, server.lanes).map_err(|e| SimError::Invalid(e.to_string()))?;
+            for piece in pieces {
+                layout.push_part(piece);
             }
         }
         Ok(layout)
     }
 
-    fn push_part(&mut self, op: u32, key: u64, server: u32, lane: u32, bytes: u64) {
-        let o = &mut self.ops[op as usize];
+    fn push_part(&mut self, p: Partition) {
+        let o = &mut self.ops[p.tensor as usize];
         if o.count == 0 {
             o.first = self.parts.len() as u32;
         }
         o.count += 1;
-        self.parts.push(Part {
-            op,
-            key,
-            server,
-            lane,
-            bytes,
-        });
+        self.parts.push(p);
+    }
+
+    /// The lane of its server that carries `p` (an all-reduce's partitions: 0).
+    pub fn lane(&self, p: &Partition) -> u32 {
+        self.servers
+            .get(p.server as usize)
+            .map_or(0, |s| lanes::lane_of(p.key, s.lanes))
     }
 
     /// Bytes placed on colocated servers: none means every worker machine only talks to

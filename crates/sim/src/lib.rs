@@ -9,7 +9,7 @@
 //! and a timeline.
 //!
 //! What it shares with the runtime, rather than re-implements: the scheduler state machine
-//! (`sumflow_comm::scheduler`: fifo, p3, bytescheduler and prophet, with their credit,
+//! (`sumflow_plan::scheduler`: fifo, p3, bytescheduler and prophet, with their credit,
 //! push window and Prophet's profile and bandwidth monitor, driven with simulated instants),
 //! partitioning, Eq. 1/2 placement and lanes (`crate::layout`). What it adds: the compute
 //! timeline (`compute`), servers (`ps`), all-reduce (`collective`) and the network (`net`).

@@ -62,6 +62,7 @@ pub enum NetEvent {
     Local { msg: MsgId },
 }
 
+#[derive(Debug)]
 pub struct Msg<P> {
     pub conn: ConnId,
     pub bytes: u64,
@@ -75,6 +76,7 @@ pub struct Msg<P> {
     pub started: Time,
 }
 
+#[derive(Debug)]
 struct Conn {
     from: u32,
     to: u32,
@@ -106,7 +108,7 @@ struct Queued {
     last: bool,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Uplink {
     rate: f64,
     busy: bool,
@@ -115,7 +117,7 @@ struct Uplink {
     usage: Usage,
 }
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Downlink {
     rate: f64,
     busy: bool,
@@ -134,6 +136,7 @@ pub struct Usage {
     pub bytes: u64,
 }
 
+#[derive(Debug)]
 pub struct Network<P> {
     uplinks: Vec<Uplink>,
     downlinks: Vec<Downlink>,

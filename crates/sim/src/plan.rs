@@ -35,6 +35,7 @@ pub struct WorkerMachine {
     pub copies: u32,
 }
 
+#[derive(Debug)]
 pub struct Plan {
     pub workers: Vec<WorkerMachine>,
     /// Simulated machines: the worker machines, then the k CPU machines.

@@ -14,7 +14,7 @@ use crate::engine::{Event, Payload, Sim};
 impl Sim<'_> {
     fn lane(&self, w: u32, part: u32) -> usize {
         let p = &self.layout.parts[part as usize];
-        (w * self.lanes_total + self.lane_base[p.server as usize] + p.lane) as usize
+        (w * self.lanes_total + self.lane_base[p.server as usize] + self.layout.lane(p)) as usize
     }
 
     /// Copies of a message from or to worker machine `w`: on its own NIC, and at the

@@ -6,6 +6,7 @@ use std::collections::BinaryHeap;
 
 use crate::time::Time;
 
+#[derive(Debug)]
 struct Entry<E> {
     at: Time,
     seq: u64,
@@ -33,6 +34,7 @@ impl<E> Ord for Entry<E> {
     }
 }
 
+#[derive(Debug)]
 pub struct EventQueue<E> {
     heap: BinaryHeap<Entry<E>>,
     seq: u64,

@@ -4,8 +4,8 @@
 
 use serde::Serialize;
 use serde_json::{json, Map, Value};
-use sumflow_comm::placement::ServerKind;
-use sumflow_comm::scheduler::Decision;
+use sumflow_plan::placement::ServerKind;
+use sumflow_plan::scheduler::Decision;
 
 use crate::config::SimConfig;
 use crate::engine::Payload;
@@ -83,6 +83,7 @@ pub struct Report {
 }
 
 /// Collects the timeline while the measured iterations run.
+#[derive(Debug)]
 pub struct Recorder {
     enabled: bool,
     machines: Vec<bool>,
@@ -294,7 +295,7 @@ impl Recorder {
             return;
         }
         let p = &layout.parts[part as usize];
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             w,
@@ -316,7 +317,7 @@ impl Recorder {
         if !self.wants(machine) {
             return;
         }
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             machine,
@@ -351,11 +352,11 @@ impl Recorder {
             return;
         }
         let (_, p) = part;
-        let op = &layout.ops[p.op as usize];
+        let op = &layout.ops[p.tensor as usize];
         self.push(
             "X",
             machine,
-            format!("{track} server {} lane {}", p.server, p.lane),
+            format!("{track} server {} lane {}", p.server, layout.lane(p)),
             op.name.clone(),
             msg.started,
             now,

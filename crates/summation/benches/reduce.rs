@@ -142,14 +142,14 @@ fn add_plain(a: &mut [f32], b: &[f32]) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn add_avx2(a: &mut [f32], b: &[f32]) {
-    add_plain(a, b)
+    add_plain(a, b);
 }
 
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 #[clippy::msrv = "1.89"]
 unsafe fn add_avx512(a: &mut [f32], b: &[f32]) {
-    add_plain(a, b)
+    add_plain(a, b);
 }
 
 /// `n` elements of `dtype`: multiples of 2^-10 in [-1, 1) for floats, which

@@ -19,7 +19,7 @@ pub const PAGE: usize = 4096;
 #[repr(align(4096))]
 struct Page;
 
-const _: () = assert!(std::mem::align_of::<Page>() == PAGE);
+const _: () = assert!(align_of::<Page>() == PAGE);
 
 /// A heap byte buffer whose first byte is page aligned and whose bytes are always
 /// initialised (zero unless written).
@@ -163,7 +163,7 @@ mod tests {
         let mut b = AlignedBuf::zeroed(0);
         assert!(b.is_empty());
         assert_eq!(b.capacity(), 0);
-        assert_eq!(&*b, &[] as &[u8]);
+        assert_eq!(*b, [0u8; 0]);
         assert_eq!(b.as_ptr() as usize % PAGE, 0);
         b.reuse_for(0);
         assert!(b.is_empty());

@@ -14,9 +14,13 @@ use std::time::Duration;
 
 use clap::{Parser, ValueEnum};
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_wire::auth::TokenError;
 use sumflow_wire::logging::{init_logging, LogFormat};
-use sumflow_wire::program::{parse_args, positive_seconds, write_addr_file, StopSignals};
+use sumflow_wire::program::{
+    parse_args, positive_seconds, write_addr_file, NotPositiveSeconds, StopSignals,
+};
 use sumflow_wire::JobToken;
+use thiserror::Error;
 use tracing::error;
 
 use crate::{CoordinatorLink, Membership, ServerConfig, Settings, SimdLevel, SummationService};
@@ -169,16 +173,35 @@ where
     0
 }
 
-fn config(args: &Args) -> Result<ServerConfig, String> {
-    let token = JobToken::load(args.token_file.as_deref()).map_err(|e| e.to_string())?;
+/// Why the flags make no server configuration; each names the flag to fix.
+#[derive(Debug, Error)]
+enum ConfigError {
+    #[error(transparent)]
+    Token(#[from] TokenError),
+    #[error(transparent)]
+    Seconds(#[from] NotPositiveSeconds),
+    #[error("cannot read this machine's host name; pass {flag}")]
+    NoHostName { flag: &'static str },
+    #[error("--workers must be at least 1")]
+    NoWorkers,
+    #[error("pass --coordinator ADDR or --workers N")]
+    NoMembership,
+    #[error("--engine-threads and --push-buffers must be at least 1")]
+    NoThreads,
+}
+
+fn config(args: &Args) -> Result<ServerConfig, ConfigError> {
+    let token = JobToken::load(args.token_file.as_deref())?;
     let membership = match (&args.coordinator, args.workers) {
         (Some(addr), _) => {
             let host = hostname();
             let advertise = match &args.advertise {
                 Some(h) => h.clone(),
-                None if args.bind.ip().is_unspecified() => host
-                    .clone()
-                    .ok_or("cannot read this machine's host name; pass --advertise".to_string())?,
+                None if args.bind.ip().is_unspecified() => {
+                    host.clone().ok_or(ConfigError::NoHostName {
+                        flag: "--advertise",
+                    })?
+                }
                 None => args.bind.ip().to_string(),
             };
             Membership::Coordinator(CoordinatorLink {
@@ -188,7 +211,7 @@ fn config(args: &Args) -> Result<ServerConfig, String> {
                     .host_id
                     .clone()
                     .or(host)
-                    .ok_or("cannot read this machine's host name; pass --host-id")?,
+                    .ok_or(ConfigError::NoHostName { flag: "--host-id" })?,
                 requested_rank: args.rank,
                 join_timeout: positive_seconds("--join-timeout", args.join_timeout)?,
                 options: CoordinatorOptions {
@@ -204,14 +227,14 @@ fn config(args: &Args) -> Result<ServerConfig, String> {
                 },
             })
         }
-        (None, Some(0)) => return Err("--workers must be at least 1".into()),
+        (None, Some(0)) => return Err(ConfigError::NoWorkers),
         (None, Some(workers)) => Membership::Standalone { workers },
-        (None, None) => return Err("pass --coordinator ADDR or --workers N".into()),
+        (None, None) => return Err(ConfigError::NoMembership),
     };
     let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     let engine_threads = args.engine_threads.unwrap_or((cores / 2).clamp(1, 8));
     if engine_threads == 0 || args.push_buffers == 0 {
-        return Err("--engine-threads and --push-buffers must be at least 1".into());
+        return Err(ConfigError::NoThreads);
     }
     let simd = match args.simd {
         Simd::Auto => None,

@@ -15,7 +15,7 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver, Sender};
+use crossbeam_channel::{unbounded, Receiver};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
@@ -25,28 +25,9 @@ use tracing::{debug, info, warn};
 
 use crate::buffer::AlignedBuf;
 use crate::directory::{DeclareError, Declared};
-use crate::engine::Command;
+use crate::messages::{Command, Outgoing, Replier};
 use crate::shared::Shared;
 use sumflow_wire::message::DATA_META_LEN;
-
-/// What the writer thread sends.
-pub enum Outgoing {
-    Message(Message),
-    /// A completed round's sum, shared with every other puller without copying.
-    Sum {
-        key: u64,
-        round: u64,
-        dtype: sumflow_wire::Dtype,
-        codec: Codec,
-        data: Arc<AlignedBuf>,
-    },
-    /// Send this error, then close the connection.
-    Fatal(Message),
-    /// The reader is done: stop without waiting for engines to drop their senders.
-    Close,
-}
-
-pub type Replier = Sender<Outgoing>;
 
 /// How long a pool wait sleeps between checks that the server is still running.
 const POOL_POLL: Duration = Duration::from_millis(100);
@@ -394,7 +375,7 @@ impl Connection<'_> {
             })?;
         }
         // Acknowledged on receipt, not on summation: the worker's credit must not wait for
-        // the other workers (see crates/comm/src/scheduler/credit.rs).
+        // the other workers (see crates/plan/src/scheduler/credit.rs).
         let _ = self
             .tx
             .send(Outgoing::Message(Message::PushAck { key, round }));

@@ -24,8 +24,8 @@ use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message};
 
 use crate::buffer::AlignedBuf;
-use crate::connection::{Outgoing, Replier};
 use crate::directory::KeyMeta;
+use crate::messages::{Command, Outgoing, Replier};
 use crate::pool::PooledBuf;
 use crate::reduce::Reducer;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
@@ -33,31 +33,6 @@ use crate::rounds::{PullOutcome, RoundError, RoundTracker};
 /// Commands queued beyond this are left for the next batch, bounding how long a staged
 /// push waits and how many pool buffers a batch holds.
 const MAX_BATCH: usize = 64;
-
-pub enum Command {
-    Init {
-        key: u64,
-        meta: KeyMeta,
-        initial: Option<AlignedBuf>,
-    },
-    Push {
-        key: u64,
-        round: u64,
-        worker: u32,
-        data: PooledBuf,
-        reply: Replier,
-    },
-    Pull {
-        key: u64,
-        round: u64,
-        worker: u32,
-        reply: Replier,
-    },
-    /// A worker left or failed: rounds it has not pushed can never complete.
-    WorkerGone { worker: u32, reason: Arc<str> },
-    /// The server is stopping.
-    Stop,
-}
 
 struct KeyState {
     meta: KeyMeta,

@@ -1,10 +1,11 @@
 //! The summation service (BytePS §5): sums pushed gradient partitions and returns each
 //! round's sum to every worker that pulls it. It never runs an optimizer.
 //!
-//! Layout: [`connection`] validates and dispatches each worker's frames; [`engine`] threads
+//! Layout: `connection` validates and dispatches each worker's frames; `engine` threads
 //! own disjoint sets of keys ([`directory`]) and run the [`rounds`] protocol and the SIMD
-//! [`reduce`] kernels over page-aligned [`buffer`]s; [`accounting`] counts the bytes on
-//! the wire per key; [`service`] starts and stops it all.
+//! [`reduce`] kernels over page-aligned [`buffer`]s; the two speak only through the
+//! `messages` they exchange (commands to engines, replies to connections); [`accounting`]
+//! counts the bytes on the wire per key; [`service`] starts and stops it all.
 
 pub mod accounting;
 pub mod buffer;
@@ -12,6 +13,7 @@ pub mod cli;
 mod connection;
 pub mod directory;
 mod engine;
+mod messages;
 mod pool;
 pub mod reduce;
 pub mod rounds;

@@ -92,6 +92,7 @@ impl ServerConfig {
     }
 }
 
+#[derive(Debug)]
 pub struct SummationService;
 
 impl SummationService {
@@ -142,7 +143,7 @@ impl SummationService {
             let (tx, rx) = bounded(ENGINE_QUEUE);
             let engine = Engine::new(reducer, worker_names.len() as u32);
             engines.push(spawn(format!("sumflow-engine-{i}"), move || {
-                engine.run(rx)
+                engine.run(rx);
             })?);
             engine_txs.push(tx);
         }
@@ -167,7 +168,7 @@ impl SummationService {
             let connections = Arc::clone(&connections);
             let max = cfg.max_connections;
             spawn("sumflow-accept".into(), move || {
-                accept_loop(listener, shared, connections, max)
+                accept_loop(listener, shared, connections, max);
             })?
         };
         let coordinator = coordinator.map(|c| Arc::new(Mutex::new(Some(c))));
@@ -176,7 +177,7 @@ impl SummationService {
                 let shared = Arc::clone(&shared);
                 let client = Arc::clone(client);
                 Some(spawn("sumflow-monitor".into(), move || {
-                    monitor(shared, client, addr)
+                    monitor(shared, client, addr);
                 })?)
             }
             None => None,
@@ -306,6 +307,7 @@ fn stop(shared: &Shared, addr: SocketAddr) {
 }
 
 /// A running server.
+#[derive(Debug)]
 pub struct ServerHandle {
     addr: SocketAddr,
     rank: Option<u32>,

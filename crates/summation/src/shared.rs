@@ -13,7 +13,7 @@ use tracing::info;
 
 use crate::accounting::Traffic;
 use crate::directory::KeyDirectory;
-use crate::engine::Command;
+use crate::messages::Command;
 
 /// Per-connection limits.
 #[derive(Clone, Debug)]
@@ -31,7 +31,7 @@ pub struct Settings {
 /// sumflow-comm's `lanes`); it asks for at most 8, and the headroom tolerates a newer worker.
 pub const MAX_CONNECTIONS_PER_WORKER: u32 = 16;
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Registry {
     /// Names from the cluster map, else from each worker's hello.
     names: Vec<String>,
@@ -52,6 +52,7 @@ impl Registry {
     }
 }
 
+#[derive(Debug)]
 pub struct Shared {
     pub settings: Settings,
     pub token: JobToken,

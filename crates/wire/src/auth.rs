@@ -128,6 +128,7 @@ impl JobToken {
 }
 
 /// The values both proofs of one connection are computed over.
+#[derive(Debug)]
 pub struct Handshake {
     pub server_nonce: [u8; NONCE_LEN],
     pub client_nonce: [u8; NONCE_LEN],

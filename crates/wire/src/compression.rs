@@ -7,6 +7,8 @@
 
 use std::fmt;
 
+use thiserror::Error;
+
 use crate::dtype::Dtype;
 
 /// Payload encoding, the `codec` byte of `InitKey`, `Push` and `PullReply`.
@@ -69,6 +71,23 @@ impl fmt::Display for Codec {
 /// The most levels dithering can use: a level and its sign fit in 8 bits.
 pub const MAX_DITHER_LEVELS: u32 = 127;
 
+/// Why a codec does not fit the key it is declared for.
+#[derive(Clone, Debug, Error, PartialEq, Eq)]
+pub enum CodecMismatch {
+    #[error("raw keys take no codec parameter and no error feedback")]
+    RawWithParameter,
+    #[error("{codec} compresses f32 keys, not {dtype}")]
+    NotF32 { codec: Codec, dtype: Dtype },
+    #[error("{codec} indexes elements with 32 bits: a key of {elements} elements is too long")]
+    TooLong { codec: Codec, elements: u64 },
+    #[error("{codec} keeps k = {k} of {elements} elements: k must be 1 to {elements}")]
+    Keep { codec: Codec, k: u32, elements: u64 },
+    #[error("{codec} takes no parameter")]
+    Parameter { codec: Codec },
+    #[error("{codec} with {levels} levels: levels must be 1 to {MAX_DITHER_LEVELS}")]
+    Levels { codec: Codec, levels: u32 },
+}
+
 /// A key's compression, as declared by `InitKey`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KeyCodec {
@@ -92,34 +111,35 @@ impl KeyCodec {
     }
 
     /// Checks the codec against the key it is declared for; the reason when it does not fit.
-    pub fn check(&self, dtype: Dtype, elements: u64) -> Result<(), String> {
-        let c = self.codec;
-        if c == Codec::Raw {
+    pub fn check(&self, dtype: Dtype, elements: u64) -> Result<(), CodecMismatch> {
+        let codec = self.codec;
+        if codec == Codec::Raw {
             return match (self.param, self.feedback) {
                 (0, false) => Ok(()),
-                _ => Err("raw keys take no codec parameter and no error feedback".into()),
+                _ => Err(CodecMismatch::RawWithParameter),
             };
         }
         if dtype != Dtype::F32 {
-            return Err(format!("{c} compresses f32 keys, not {dtype}"));
+            return Err(CodecMismatch::NotF32 { codec, dtype });
         }
         if elements > u64::from(u32::MAX) {
-            return Err(format!(
-                "{c} indexes elements with 32 bits: a key of {elements} elements is too long"
-            ));
+            return Err(CodecMismatch::TooLong { codec, elements });
         }
-        match c {
+        match codec {
             Codec::TopK | Codec::RandomK if !(1..=elements).contains(&u64::from(self.param)) => {
-                Err(format!(
-                    "{c} keeps k = {} of {elements} elements: k must be 1 to {elements}",
-                    self.param
-                ))
+                Err(CodecMismatch::Keep {
+                    codec,
+                    k: self.param,
+                    elements,
+                })
             }
-            Codec::Sign if self.param != 0 => Err(format!("{c} takes no parameter")),
-            Codec::Dither if !(1..=MAX_DITHER_LEVELS).contains(&self.param) => Err(format!(
-                "{c} with {} levels: levels must be 1 to {MAX_DITHER_LEVELS}",
-                self.param
-            )),
+            Codec::Sign if self.param != 0 => Err(CodecMismatch::Parameter { codec }),
+            Codec::Dither if !(1..=MAX_DITHER_LEVELS).contains(&self.param) => {
+                Err(CodecMismatch::Levels {
+                    codec,
+                    levels: self.param,
+                })
+            }
             _ => Ok(()),
         }
     }
@@ -190,13 +210,13 @@ mod tests {
         };
         assert!(c(Codec::TopK, 10, true).check(Dtype::F32, 10).is_ok());
         let e = c(Codec::TopK, 11, false).check(Dtype::F32, 10).unwrap_err();
-        assert!(e.contains("k must be 1 to 10"), "{e}");
+        assert!(e.to_string().contains("k must be 1 to 10"), "{e}");
         let e = c(Codec::Sign, 0, false).check(Dtype::F16, 10).unwrap_err();
-        assert!(e.contains("not f16"), "{e}");
+        assert!(e.to_string().contains("not f16"), "{e}");
         let e = c(Codec::Dither, 128, false)
             .check(Dtype::F32, 10)
             .unwrap_err();
-        assert!(e.contains("1 to 127"), "{e}");
+        assert!(e.to_string().contains("1 to 127"), "{e}");
         assert!(c(Codec::Raw, 0, true).check(Dtype::F32, 10).is_err());
         assert!(c(Codec::RandomK, 0, false).check(Dtype::F32, 10).is_err());
     }

@@ -22,6 +22,7 @@ pub struct Frame {
     pub payload_len: usize,
 }
 
+#[derive(Debug)]
 pub struct FrameReader<R> {
     inner: R,
     max_body: u32,

@@ -23,7 +23,7 @@ pub mod timing;
 pub use auth::JobToken;
 pub use cluster::{ClusterMap, NodeId, NodeInfo, Role};
 pub use codec::MAX_STRING;
-pub use compression::{Codec, KeyCodec};
+pub use compression::{Codec, CodecMismatch, KeyCodec};
 pub use dtype::Dtype;
 pub use error::{ErrorCode, WireError};
 pub use frame::{Op, DEFAULT_MAX_BODY};

@@ -457,7 +457,7 @@ impl Message {
                 }
                 codec
                     .check(dtype, byte_len / dtype.size() as u64)
-                    .map_err(|why| d.bad("codec", why))?;
+                    .map_err(|why| d.bad("codec", why.to_string()))?;
                 if has_init && !codec.is_raw() {
                     return Err(d.bad("has_init", "a compressed key has no initial value"));
                 }
@@ -566,32 +566,32 @@ impl Message {
     }
 }
 
-fn service(d: &mut Dec) -> Result<Service, WireError> {
+fn service(d: &mut Dec<'_>) -> Result<Service, WireError> {
     let v = d.u8("service")?;
     Service::from_code(v).ok_or_else(|| d.bad("service", format!("unknown service {v}")))
 }
 
-fn role(d: &mut Dec) -> Result<Role, WireError> {
+fn role(d: &mut Dec<'_>) -> Result<Role, WireError> {
     let v = d.u8("role")?;
     Role::from_code(v).ok_or_else(|| d.bad("role", format!("unknown role {v}")))
 }
 
-fn rank(d: &mut Dec, field: &'static str) -> Result<Option<u32>, WireError> {
+fn rank(d: &mut Dec<'_>, field: &'static str) -> Result<Option<u32>, WireError> {
     let v = d.u32(field)?;
     Ok((v != NO_RANK).then_some(v))
 }
 
-fn dtype(d: &mut Dec) -> Result<Dtype, WireError> {
+fn dtype(d: &mut Dec<'_>) -> Result<Dtype, WireError> {
     let v = d.u8("dtype")?;
     Dtype::from_code(v).ok_or_else(|| d.bad("dtype", format!("unknown dtype code {v}")))
 }
 
-fn codec(d: &mut Dec) -> Result<Codec, WireError> {
+fn codec(d: &mut Dec<'_>) -> Result<Codec, WireError> {
     let v = d.u8("codec")?;
     Codec::from_code(v).ok_or_else(|| d.bad("codec", format!("unknown payload codec {v}")))
 }
 
-fn flag(d: &mut Dec, field: &'static str) -> Result<bool, WireError> {
+fn flag(d: &mut Dec<'_>, field: &'static str) -> Result<bool, WireError> {
     match d.u8(field)? {
         0 => Ok(false),
         1 => Ok(true),
@@ -599,7 +599,7 @@ fn flag(d: &mut Dec, field: &'static str) -> Result<bool, WireError> {
     }
 }
 
-fn tensor_name(d: &mut Dec) -> Result<String, WireError> {
+fn tensor_name(d: &mut Dec<'_>) -> Result<String, WireError> {
     let name = d.string("name")?;
     if name.is_empty() {
         return Err(d.bad("name", "a tensor name must not be empty"));
@@ -609,7 +609,7 @@ fn tensor_name(d: &mut Dec) -> Result<String, WireError> {
 
 /// A declared tensor must have elements, and its byte length must fit in a `u64` so that
 /// no receiver overflows computing it.
-fn declared_size(d: &Dec, dtype: Dtype, elements: u64) -> Result<(), WireError> {
+fn declared_size(d: &Dec<'_>, dtype: Dtype, elements: u64) -> Result<(), WireError> {
     if elements == 0 {
         return Err(d.bad("elements", "a tensor must have at least one element"));
     }
@@ -624,7 +624,7 @@ fn declared_size(d: &Dec, dtype: Dtype, elements: u64) -> Result<(), WireError> 
 
 /// A payload must hold something; raw elements must be whole. A compressed payload's exact
 /// length depends on the key, which the service checks.
-fn payload(d: &Dec, dtype: Dtype, codec: Codec, payload_len: usize) -> Result<(), WireError> {
+fn payload(d: &Dec<'_>, dtype: Dtype, codec: Codec, payload_len: usize) -> Result<(), WireError> {
     if codec != Codec::Raw {
         return match payload_len {
             0 => Err(d.bad("payload", format!("an empty {codec} payload"))),
@@ -643,7 +643,7 @@ fn payload(d: &Dec, dtype: Dtype, codec: Codec, payload_len: usize) -> Result<()
     Ok(())
 }
 
-fn nodes(d: &mut Dec, field: &'static str) -> Result<Vec<NodeInfo>, WireError> {
+fn nodes(d: &mut Dec<'_>, field: &'static str) -> Result<Vec<NodeInfo>, WireError> {
     let count = d.u32(field)? as usize;
     if count > MAX_NODES {
         return Err(d.bad(field, format!("{count} nodes exceeds {MAX_NODES}")));

@@ -11,6 +11,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use thiserror::Error;
+
 /// The parsed arguments, or the exit status after clap printed help, the version (0) or a
 /// usage error (2). Never exits the process.
 pub fn parse_args<A, I, T>(args: I) -> Result<A, u8>
@@ -27,13 +29,19 @@ where
     })
 }
 
-/// `secs` as a positive duration, or a message naming `flag`.
-pub fn positive_seconds(flag: &str, secs: f64) -> Result<Duration, String> {
+/// A duration flag that is not a positive number of seconds.
+#[derive(Clone, Debug, Error, PartialEq)]
+#[error("{flag} must be a positive number of seconds (got {secs})")]
+pub struct NotPositiveSeconds {
+    pub flag: &'static str,
+    pub secs: f64,
+}
+
+/// `secs` as a positive duration, or an error naming `flag`.
+pub fn positive_seconds(flag: &'static str, secs: f64) -> Result<Duration, NotPositiveSeconds> {
     match Duration::try_from_secs_f64(secs) {
         Ok(d) if !d.is_zero() => Ok(d),
-        _ => Err(format!(
-            "{flag} must be a positive number of seconds (got {secs})"
-        )),
+        _ => Err(NotPositiveSeconds { flag, secs }),
     }
 }
 
@@ -49,6 +57,7 @@ pub fn write_addr_file(path: &Path, addr: impl Display) -> std::io::Result<()> {
 /// SIGTERM and SIGINT, caught while this lives: they set a flag instead of killing the
 /// process. Dropping it removes the handlers; the signals' default actions are not put back
 /// (see `signal_hook::low_level::unregister`).
+#[derive(Debug)]
 pub struct StopSignals {
     requested: Arc<AtomicBool>,
     ids: Vec<signal_hook::SigId>,
@@ -101,7 +110,8 @@ mod tests {
         for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
             let e = positive_seconds("--t", bad).unwrap_err();
             assert!(
-                e.starts_with("--t must be a positive number of seconds"),
+                e.to_string()
+                    .starts_with("--t must be a positive number of seconds"),
                 "{e}"
             );
         }

@@ -65,7 +65,7 @@ impl Lanes for Avx2 {
             // Every lane is <= 0xFFFF, so the saturating pack is exact.
             let lo = _mm256_castsi256_si128(r);
             let hi = _mm256_extracti128_si256::<1>(r);
-            _mm_storeu_si128(p.cast(), _mm_packus_epi32(lo, hi))
+            _mm_storeu_si128(p.cast(), _mm_packus_epi32(lo, hi));
         }
     }
 

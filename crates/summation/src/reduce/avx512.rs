@@ -43,7 +43,7 @@ impl Lanes for Avx512 {
         // SAFETY: the caller guarantees AVX-512F and 16 writable u16.
         unsafe {
             let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
-            _mm256_storeu_si256(p.cast(), h)
+            _mm256_storeu_si256(p.cast(), h);
         }
     }
 
@@ -70,7 +70,7 @@ impl Lanes for Avx512 {
             let quiet = _mm512_or_si512(_mm512_srli_epi32::<16>(bits), _mm512_set1_epi32(0x40));
             let r = _mm512_mask_blend_epi32(nan, rounded, quiet);
             // Every lane is <= 0xFFFF, so the truncating narrow is exact.
-            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(r))
+            _mm256_storeu_si256(p.cast(), _mm512_cvtepi32_epi16(r));
         }
     }
 

@@ -296,9 +296,9 @@ unsafe fn fused_range<
             for (j, v) in v.into_iter().enumerate() {
                 let e = i + j * L::N;
                 if NARROW {
-                    store16::<L, BF>(dst.add(2 * e), v)
+                    store16::<L, BF>(dst.add(2 * e), v);
                 } else {
-                    L::store(dst.add(4 * e), v)
+                    L::store(dst.add(4 * e), v);
                 }
             }
         }
@@ -371,9 +371,9 @@ unsafe fn store16<L: Lanes, const BF: bool>(p: *mut u8, v: L::V) {
     // SAFETY: forwarded from our caller.
     unsafe {
         if BF {
-            L::store_bf16(p, v)
+            L::store_bf16(p, v);
         } else {
-            L::store_f16(p, v)
+            L::store_f16(p, v);
         }
     }
 }

@@ -5,13 +5,15 @@ use std::thread;
 use std::time::Duration;
 
 use sumflow_client::{ServerClient, ServerOptions};
-use sumflow_comm::handles::Handles;
-use sumflow_comm::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
-use sumflow_comm::scheduler::{Schedule, SchedulerKind};
-use sumflow_comm::trace::Tracer;
-use sumflow_comm::CommError;
+use sumflow_plan::partition::Partition;
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService};
 use sumflow_wire::{Dtype, ErrorCode, JobToken, KeyCodec};
+
+use super::{HostSlice, PartTask, Pipeline, ServerLink};
+use crate::error::CommError;
+use crate::handles::Handles;
+use crate::trace::Tracer;
 
 fn token() -> JobToken {
     JobToken::new("pipeline-test-token-123456").unwrap()
@@ -91,33 +93,36 @@ impl Worker {
 
     /// Enqueues one push_pull of `data`, partition i on server i mod servers.
     fn push_pull(&self, tensor: u32, data: &mut [f32], round: u64, divisor: Option<u32>) -> u64 {
-        let parts: Vec<(u64, usize)> = (0..data.len().div_ceil(self.part))
-            .map(|i| (((tensor as u64) << 32) | i as u64, i % self.servers))
+        let elements = data.len() as u64;
+        let part = self.part as u64;
+        let parts: Vec<Partition> = (0..elements.div_ceil(part))
+            .map(|i| Partition {
+                key: ((tensor as u64) << 32) | i,
+                tensor,
+                offset: i * part * 4,
+                bytes: part.min(elements - i * part) * 4,
+                server: (i % self.servers as u64) as u32,
+            })
             .collect();
         let h = self
             .handles
-            .start(tensor, &format!("tensor{tensor}"), parts.clone())
+            .start(tensor, &format!("tensor{tensor}"), &parts)
             .unwrap();
         // SAFETY: `data` outlives the handle: the tests wait on it before touching `data`.
         let whole = unsafe { HostSlice::new(data.as_mut_ptr().cast(), data.len() * 4) }.unwrap();
         let tasks = parts
             .into_iter()
             .enumerate()
-            .map(|(i, (key, server))| {
-                let start = i * self.part;
-                let len = self.part.min(data.len() - start);
-                PartTask {
-                    handle: h,
-                    key,
-                    round,
-                    server,
-                    dtype: Dtype::F32,
-                    data: whole.sub(start * 4, len * 4),
-                    codec: KeyCodec::RAW,
-                    divisor,
-                    tensor: Arc::from(format!("tensor{tensor}")),
-                    index: i as u32,
-                }
+            .map(|(i, partition)| PartTask {
+                handle: h,
+                partition,
+                round,
+                dtype: Dtype::F32,
+                data: whole.sub(partition.offset as usize, partition.bytes as usize),
+                codec: KeyCodec::RAW,
+                divisor,
+                name: Arc::from(format!("tensor{tensor}")),
+                index: i as u32,
             })
             .collect();
         // Later tensors are more urgent, as the first layers' gradients come last.

@@ -25,15 +25,25 @@ pub const DEFAULT_PARTITION_BYTES: u64 = 4 << 20;
 /// are cut.
 pub const WHOLE_TENSOR_BYTES: u64 = (DEFAULT_MAX_BODY as u64 - DATA_META_LEN as u64) & !4095;
 
-/// A contiguous run of a tensor's elements, pushed and summed as one key.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+/// A run of one tensor's bytes that is pushed, summed and pulled as one key: a partition
+/// of the tensor, or a lane's piece of one ([`crate::lanes`]).
+///
+/// Every step carries it whole: [`partition`] cuts it, placement ([`crate::placement`],
+/// [`crate::scatter`]) sets its server, [`crate::lanes`] cuts it into pieces per lane, and
+/// the [`crate::scheduler`] lets it out; the runtime's pipeline and the simulator send it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub struct Partition {
-    /// Position among the tensor's partitions, from 0.
-    pub index_in_tensor: u32,
-    /// First element of the run.
-    pub offset_elements: u64,
-    /// Elements in the run; whole elements only, never zero.
-    pub elements: u64,
+    /// The key every worker names it by.
+    pub key: u64,
+    /// Its tensor's declaration index.
+    pub tensor: u32,
+    /// Its first byte in the tensor; full partitions stay aligned to the partition size.
+    pub offset: u64,
+    /// Its length in bytes: whole elements, never zero.
+    pub bytes: u64,
+    /// The summation server that sums it, as the caller numbers servers (the runtime: the
+    /// cluster map's rank); set by placement, 0 until then.
+    pub server: u32,
 }
 
 /// A tensor as declared by the training script, in declaration order.
@@ -42,17 +52,6 @@ pub struct TensorSpec<'a> {
     pub name: &'a str,
     pub elements: u64,
     pub dtype: Dtype,
-}
-
-/// A partition with the key every worker uses for it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct KeyedPartition {
-    pub key: u64,
-    /// Declaration index of the tensor it belongs to.
-    pub tensor_index: u32,
-    pub partition: Partition,
-    /// Size on the wire; never above the partition size.
-    pub bytes: u64,
 }
 
 /// Why a tensor or a declaration cannot be partitioned.
@@ -97,27 +96,33 @@ pub enum PartitionError {
     },
 }
 
-/// Splits one tensor into partitions of at most `partition_bytes`; a tensor without elements
-/// has nothing to send and gets no partitions.
+/// Splits `spec`, the tensor of declaration index `tensor`, into partitions of at most
+/// `partition_bytes`, keyed with [`partition_key`]; a tensor without elements has nothing
+/// to send and gets no partitions.
 ///
 /// A partition holds whole elements, so the per-partition element count is rounded down.
 pub fn partition(
-    tensor: &str,
-    elements: u64,
-    dtype: Dtype,
+    tensor: u32,
+    spec: &TensorSpec<'_>,
     partition_bytes: u64,
 ) -> Result<Vec<Partition>, PartitionError> {
-    let per_partition = partition_bytes / dtype.size() as u64;
+    let TensorSpec {
+        name,
+        elements,
+        dtype,
+    } = *spec;
+    let size = dtype.size() as u64;
+    let per_partition = partition_bytes / size;
     if per_partition == 0 {
         return Err(PartitionError::PartitionTooSmall {
-            tensor: tensor.to_string(),
+            tensor: name.to_string(),
             dtype,
             partition_bytes,
         });
     }
     let count = elements.div_ceil(per_partition);
     let count = u32::try_from(count).map_err(|_| PartitionError::TooManyPartitions {
-        tensor: tensor.to_string(),
+        tensor: name.to_string(),
         elements,
         dtype,
         partition_bytes,
@@ -125,11 +130,13 @@ pub fn partition(
     })?;
     Ok((0..count)
         .map(|index_in_tensor| {
-            let offset_elements = u64::from(index_in_tensor) * per_partition;
+            let first = u64::from(index_in_tensor) * per_partition;
             Partition {
-                index_in_tensor,
-                offset_elements,
-                elements: per_partition.min(elements - offset_elements),
+                key: partition_key(tensor, index_in_tensor),
+                tensor,
+                offset: first * size,
+                bytes: per_partition.min(elements - first) * size,
+                server: 0,
             }
         })
         .collect())
@@ -145,14 +152,14 @@ pub const fn partition_key(tensor_index: u32, index_in_tensor: u32) -> u64 {
     (tensor_index as u64) << 32 | index_in_tensor as u64
 }
 
-/// Partitions a whole declaration (tensors in declaration order) and keys every partition
-/// with [`partition_key`].
+/// Partitions a whole declaration (tensors in declaration order, each keyed by its index)
+/// with [`partition`].
 ///
 /// Workers must pass the same declaration to get the same keys; checking that they agree
 /// is the caller's job.
 ///
 /// ```
-/// use sumflow_comm::partition::{partition_tensors, TensorSpec};
+/// use sumflow_plan::partition::{partition_tensors, TensorSpec};
 /// use sumflow_wire::Dtype;
 ///
 /// let decl = [
@@ -162,12 +169,12 @@ pub const fn partition_key(tensor_index: u32, index_in_tensor: u32) -> u64 {
 /// let parts = partition_tensors(&decl, 4 << 20)?;
 /// let keys: Vec<_> = parts.iter().map(|p| (p.key, p.bytes)).collect();
 /// assert_eq!(keys, [(0, 4 << 20), (1, 4 << 20), (2, 1_611_392), (1 << 32, 4000)]);
-/// # Ok::<(), sumflow_comm::partition::PartitionError>(())
+/// # Ok::<(), sumflow_plan::partition::PartitionError>(())
 /// ```
 pub fn partition_tensors(
     tensors: &[TensorSpec<'_>],
     partition_bytes: u64,
-) -> Result<Vec<KeyedPartition>, PartitionError> {
+) -> Result<Vec<Partition>, PartitionError> {
     if u32::try_from(tensors.len()).is_err() {
         return Err(PartitionError::TooManyTensors {
             count: tensors.len(),
@@ -183,13 +190,7 @@ pub fn partition_tensors(
                 second: tensor_index as usize,
             });
         }
-        let parts = partition(spec.name, spec.elements, spec.dtype, partition_bytes)?;
-        out.extend(parts.into_iter().map(|partition| KeyedPartition {
-            key: partition_key(tensor_index, partition.index_in_tensor),
-            tensor_index,
-            partition,
-            bytes: partition.elements * spec.dtype.size() as u64,
-        }));
+        out.extend(partition(tensor_index, spec, partition_bytes)?);
     }
     Ok(out)
 }
@@ -208,48 +209,58 @@ mod tests {
 
     #[test]
     fn full_partitions_then_the_remainder() {
-        let parts = partition("w", 10, Dtype::F32, 16).unwrap();
-        let spans: Vec<_> = parts
-            .iter()
-            .map(|p| (p.index_in_tensor, p.offset_elements, p.elements))
-            .collect();
-        assert_eq!(spans, vec![(0, 0, 4), (1, 4, 4), (2, 8, 2)]);
+        let parts = partition(3, &spec("w", 10, Dtype::F32), 16).unwrap();
+        let spans: Vec<_> = parts.iter().map(|p| (p.key, p.offset, p.bytes)).collect();
+        assert_eq!(
+            spans,
+            vec![
+                (3 << 32, 0, 16),
+                (3 << 32 | 1, 16, 16),
+                (3 << 32 | 2, 32, 8)
+            ]
+        );
+        assert!(parts.iter().all(|p| p.tensor == 3));
     }
 
     #[test]
     fn an_exact_multiple_has_no_short_partition() {
-        let parts = partition("w", 3 << 20, Dtype::F32, DEFAULT_PARTITION_BYTES).unwrap();
+        let parts = partition(0, &spec("w", 3 << 20, Dtype::F32), DEFAULT_PARTITION_BYTES).unwrap();
         assert_eq!(parts.len(), 3);
-        assert!(parts.iter().all(|p| p.elements == 1 << 20));
+        assert!(parts.iter().all(|p| p.bytes == DEFAULT_PARTITION_BYTES));
     }
 
     #[test]
     fn partitions_hold_whole_elements() {
         // 4 MiB + 7 B holds 524288 f64 elements; the 7 spare bytes are not used.
-        let parts = partition("w", 524_289, Dtype::F64, DEFAULT_PARTITION_BYTES + 7).unwrap();
+        let w = spec("w", 524_289, Dtype::F64);
+        let parts = partition(0, &w, DEFAULT_PARTITION_BYTES + 7).unwrap();
         assert_eq!(parts.len(), 2);
-        assert_eq!(parts[0].elements, 524_288);
-        assert_eq!(parts[1].offset_elements, 524_288);
-        assert_eq!(parts[1].elements, 1);
+        assert_eq!(parts[0].bytes, 524_288 * 8);
+        assert_eq!(parts[1].offset, 524_288 * 8);
+        assert_eq!(parts[1].bytes, 8);
     }
 
     #[test]
     fn a_small_tensor_is_one_partition_and_an_empty_one_none() {
         assert_eq!(
-            partition("b", 3, Dtype::Bf16, DEFAULT_PARTITION_BYTES).unwrap(),
+            partition(1, &spec("b", 3, Dtype::Bf16), DEFAULT_PARTITION_BYTES).unwrap(),
             vec![Partition {
-                index_in_tensor: 0,
-                offset_elements: 0,
-                elements: 3
+                key: 1 << 32,
+                tensor: 1,
+                offset: 0,
+                bytes: 6,
+                server: 0,
             }]
         );
-        assert!(partition("e", 0, Dtype::F32, 4).unwrap().is_empty());
+        assert!(partition(0, &spec("e", 0, Dtype::F32), 4)
+            .unwrap()
+            .is_empty());
     }
 
     #[test]
     fn a_partition_smaller_than_an_element_is_refused() {
         for size in [0, 7] {
-            let err = partition("fc.weight", 10, Dtype::F64, size).unwrap_err();
+            let err = partition(0, &spec("fc.weight", 10, Dtype::F64), size).unwrap_err();
             assert_eq!(
                 err,
                 PartitionError::PartitionTooSmall {
@@ -266,7 +277,7 @@ mod tests {
 
     #[test]
     fn too_many_partitions_is_refused_before_allocating() {
-        let err = partition("huge", 1 << 33, Dtype::F32, 4).unwrap_err();
+        let err = partition(0, &spec("huge", 1 << 33, Dtype::F32), 4).unwrap_err();
         assert!(matches!(
             err,
             PartitionError::TooManyPartitions { count, .. } if count == 1 << 33
@@ -284,7 +295,7 @@ mod tests {
         let parts = partition_tensors(&decl, 8).unwrap();
         let keys: Vec<_> = parts.iter().map(|p| (p.key, p.bytes)).collect();
         assert_eq!(keys, vec![(0, 8), (1, 8), (2, 4), (2 << 32, 2)]);
-        assert_eq!(parts[3].tensor_index, 2);
+        assert_eq!(parts[3].tensor, 2);
         assert_eq!(partition_key(7, 3), 0x0000_0007_0000_0003);
     }
 

@@ -36,8 +36,22 @@ use credit::Credit;
 use prophet::{Prophet, ProphetConfig, Release};
 use window::PushWindow;
 
-/// A partition's place in its server's sending order: lower goes first.
-pub type Order = (i64, u64);
+use crate::partition::Partition;
+
+/// A partition's place in its server's sending order: lower goes first, by `priority`,
+/// then by key (the same on every worker).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Order {
+    /// Its push_pull's priority, or under `fifo` the push_pull's arrival number.
+    pub priority: i64,
+    pub key: u64,
+}
+
+/// `(priority, key)` as an order, for the tests' tables.
+#[cfg(test)]
+fn order(priority: i64, key: u64) -> Order {
+    Order { priority, key }
+}
 
 /// The schedulers a job can run; ByteScheduler unless the job asks for another.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -151,12 +165,13 @@ impl Schedule {
     }
 }
 
-/// One partition, as the scheduler sees it; `item` is what the caller sends.
+/// A partition that became ready; `item` is what the caller sends.
 #[derive(Debug)]
-pub struct Part<T> {
-    pub key: u64,
-    pub server: usize,
-    pub bytes: u64,
+pub struct Ready<T> {
+    pub partition: Partition,
+    /// What its push puts on the wire, which credit and window count: the partition's
+    /// bytes, or fewer when its tensor is compressed.
+    pub wire_bytes: u64,
     pub item: T,
 }
 
@@ -181,6 +196,7 @@ pub struct Decision {
     pub why: Option<Release>,
 }
 
+#[derive(Debug)]
 struct Queued<T> {
     bytes: u64,
     /// In a block Prophet sized to a gap: the budget is its credit.
@@ -188,6 +204,7 @@ struct Queued<T> {
     item: T,
 }
 
+#[derive(Debug)]
 struct ServerQueue<T> {
     /// Eligible partitions waiting for credit, in sending order.
     ready: BTreeMap<Order, Queued<T>>,
@@ -195,7 +212,16 @@ struct ServerQueue<T> {
     window: PushWindow,
 }
 
+/// A started partition until its sum is back.
+#[derive(Debug)]
+struct Flight {
+    server: usize,
+    wire_bytes: u64,
+    acknowledged: bool,
+}
+
 /// A worker's scheduler over `T`, the caller's handle on a partition.
+#[derive(Debug)]
 pub struct Scheduler<T> {
     schedule: Schedule,
     partition_bytes: u64,
@@ -204,8 +230,8 @@ pub struct Scheduler<T> {
     /// Bytes of Prophet's blocks not sent yet.
     block_bytes: u64,
     bandwidth: BandwidthMonitor,
-    /// Started and unfinished: order -> (server, bytes, acknowledged).
-    in_flight: HashMap<Order, (usize, u64, bool)>,
+    /// Started and unfinished.
+    in_flight: HashMap<Order, Flight>,
     /// Bytes ready or sent that no server has acknowledged yet.
     outstanding: u64,
     /// Ready calls so far: the FIFO order.
@@ -266,7 +292,7 @@ impl<T> Scheduler<T> {
         &mut self,
         tensor: u32,
         priority: i64,
-        parts: Vec<Part<T>>,
+        parts: Vec<Ready<T>>,
         now: Instant,
     ) -> Decision {
         let first = if self.schedule.kind.by_priority() {
@@ -278,13 +304,16 @@ impl<T> Scheduler<T> {
         let ready = parts.len();
         let mut orders = Vec::with_capacity(ready);
         for p in parts {
-            let order = (first, p.key);
-            orders.push((order, p.bytes));
-            self.outstanding += p.bytes;
-            self.servers[p.server].ready.insert(
+            let order = Order {
+                priority: first,
+                key: p.partition.key,
+            };
+            orders.push((order, p.wire_bytes));
+            self.outstanding += p.wire_bytes;
+            self.servers[p.partition.server as usize].ready.insert(
                 order,
                 Queued {
-                    bytes: p.bytes,
+                    bytes: p.wire_bytes,
                     budgeted: false,
                     item: p.item,
                 },
@@ -346,7 +375,14 @@ impl<T> Scheduler<T> {
                 s.credit.sent(order, q.bytes);
                 s.window.sent(order, q.bytes, now);
                 self.bandwidth.started(now);
-                self.in_flight.insert(order, (server, q.bytes, false));
+                self.in_flight.insert(
+                    order,
+                    Flight {
+                        server,
+                        wire_bytes: q.bytes,
+                        acknowledged: false,
+                    },
+                );
                 out.push(Started {
                     server,
                     order,
@@ -371,12 +407,12 @@ impl<T> Scheduler<T> {
     /// bandwidth monitor counts it (pushes complete whatever the other workers do, so the
     /// rate measured is this worker's, not the slowest one's).
     pub fn acknowledged(&mut self, order: Order, now: Instant) {
-        if let Some((server, bytes, acked)) = self.in_flight.get_mut(&order) {
-            if !*acked {
-                *acked = true;
-                self.servers[*server].credit.acknowledged(order);
-                self.bandwidth.finished(*bytes, now);
-                self.outstanding -= *bytes;
+        if let Some(f) = self.in_flight.get_mut(&order) {
+            if !f.acknowledged {
+                f.acknowledged = true;
+                self.servers[f.server].credit.acknowledged(order);
+                self.bandwidth.finished(f.wire_bytes, now);
+                self.outstanding -= f.wire_bytes;
             }
         }
     }
@@ -384,19 +420,19 @@ impl<T> Scheduler<T> {
     /// A started partition's sum came back (its push was acknowledged by then).
     pub fn finished(&mut self, order: Order, now: Instant) {
         self.acknowledged(order, now);
-        if let Some((server, _, _)) = self.in_flight.remove(&order) {
-            self.servers[server].window.finished(order, now);
+        if let Some(f) = self.in_flight.remove(&order) {
+            self.servers[f.server].window.finished(order, now);
         }
     }
 
     /// A started partition failed: its credit returns, and it does not count as throughput.
     pub fn abandoned(&mut self, order: Order, now: Instant) {
-        if let Some((server, bytes, acked)) = self.in_flight.remove(&order) {
-            self.servers[server].credit.acknowledged(order);
-            self.servers[server].window.finished(order, now);
-            if !acked {
+        if let Some(f) = self.in_flight.remove(&order) {
+            self.servers[f.server].credit.acknowledged(order);
+            self.servers[f.server].window.finished(order, now);
+            if !f.acknowledged {
                 self.bandwidth.abandoned();
-                self.outstanding -= bytes;
+                self.outstanding -= f.wire_bytes;
             }
         }
     }

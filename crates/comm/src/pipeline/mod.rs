@@ -1,7 +1,7 @@
 //! The staged pipeline (BytePS §6.1) under a scheduler: partitions become ready, the
 //! [`Scheduler`] decides when each starts, a push thread per lane sends what started, and
 //! each lane's receiver thread reads the sums straight into the tensors they belong to.
-//! A lane is one connection to a server; a server has one or more (see [`crate::lanes`]),
+//! A lane is one connection to a server; a server has one or more (see [`sumflow_plan::lanes`]),
 //! and each of its keys always travels on the same one, `key % lanes`, so a key's push,
 //! pull and sum stay in order on one connection.
 //!
@@ -33,21 +33,54 @@ use std::time::{Duration, Instant};
 
 use sumflow_client::server::{Reply, ServerReceiver, ServerSender, SumHeader};
 use sumflow_client::ClientError;
-use sumflow_compress::{Compressor, Scratch, Seed};
-use sumflow_wire::{Dtype, ErrorCode, KeyCodec};
+use sumflow_compress::{Compressor, PayloadError, Scratch, Seed};
+use sumflow_plan::lanes;
+use sumflow_plan::partition::Partition;
+use sumflow_plan::scheduler::{Decision, Order, Ready, Schedule, Scheduler, Started};
+use sumflow_wire::{Codec, Dtype, ErrorCode, KeyCodec};
+use thiserror::Error;
 use tracing::{debug, warn};
 
 use crate::accounting::{KeyBytes, Ledger, WireBytes};
 use crate::average::scale_in_place;
-use crate::compression::{KeySpan, Residuals};
+use crate::compression::Residuals;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
-use crate::scheduler::{Decision, Order, Part, Schedule, Scheduler, Started};
 use crate::trace::{Arg, Tracer, Track};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);
+
+/// Why a lane's receiver gives its server up.
+#[derive(Debug, Error)]
+enum ReceiveError {
+    #[error(transparent)]
+    Connection(#[from] ClientError),
+    #[error("sent the sum of key {key} round {round} that was not asked for ({asked:?})")]
+    NotAsked {
+        key: u64,
+        round: u64,
+        /// What this worker had in flight under that key.
+        asked: Option<PartTask>,
+    },
+    #[error("sum of key {key}: {source}")]
+    Sum { key: u64, source: SumError },
+}
+
+/// Why a sum could not be read into its partition.
+#[derive(Debug, Error)]
+enum SumError {
+    #[error(transparent)]
+    Read(#[from] ClientError),
+    #[error("a {got} sum for a key declared {declared}")]
+    Codec { got: Codec, declared: KeyCodec },
+    #[error("the {codec} sum: {source}")]
+    Payload {
+        codec: KeyCodec,
+        source: PayloadError,
+    },
+}
 
 /// A span of the caller's tensor memory.
 ///
@@ -76,11 +109,9 @@ impl HostSlice {
     /// The sub-span `offset..offset+len`.
     pub fn sub(&self, offset: usize, len: usize) -> HostSlice {
         assert!(offset + len <= self.len, "sub-span out of range");
-        // SAFETY: in bounds of the span the caller vouched for.
-        HostSlice {
-            ptr: unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) },
-            len,
-        }
+        // SAFETY: in bounds of the span the caller vouched for, which is not null.
+        let ptr = unsafe { NonNull::new_unchecked(self.ptr.as_ptr().add(offset)) };
+        HostSlice { ptr, len }
     }
 
     fn bytes(&self) -> &[u8] {
@@ -102,21 +133,29 @@ impl HostSlice {
 #[derive(Debug)]
 pub struct PartTask {
     pub handle: u64,
-    pub key: u64,
+    pub partition: Partition,
     pub round: u64,
-    pub server: usize,
     pub dtype: Dtype,
+    /// The partition's span of the caller's tensor.
     pub data: HostSlice,
     /// How its push and sum are encoded on the wire.
     pub codec: KeyCodec,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
     /// The tensor's name and the partition's index in it, for the trace.
-    pub tensor: Arc<str>,
+    pub name: Arc<str>,
     pub index: u32,
 }
 
 impl PartTask {
+    fn key(&self) -> u64 {
+        self.partition.key
+    }
+
+    fn server(&self) -> usize {
+        self.partition.server as usize
+    }
+
     /// Bytes of its push on the wire, what the scheduler's credit counts.
     fn wire_len(&self) -> u64 {
         let elements = (self.data.len / self.dtype.size()) as u64;
@@ -134,7 +173,7 @@ impl PartTask {
     /// Where random-k's indices and dithering's rounding come from: this worker's stream
     /// of the key's round.
     fn seed(&self, rank: u32) -> Seed {
-        Seed::new(self.key, self.round, u64::from(rank))
+        Seed::new(self.key(), self.round, u64::from(rank))
     }
 }
 
@@ -149,6 +188,7 @@ struct CodecBuffers {
 }
 
 /// A started partition until its sum is back.
+#[derive(Debug)]
 struct Flight {
     order: Order,
     task: PartTask,
@@ -167,6 +207,7 @@ pub struct ServerLink {
 }
 
 /// One connection to a server, with its send queue.
+#[derive(Debug)]
 struct Lane {
     server: usize,
     sender: Mutex<ServerSender>,
@@ -175,6 +216,7 @@ struct Lane {
     index: usize,
 }
 
+#[derive(Debug)]
 struct Shared {
     lanes: Vec<Lane>,
     /// Per server: (its first lane, how many).
@@ -199,7 +241,7 @@ impl Shared {
     /// The lane that carries `key` to `server`.
     fn lane_of(&self, server: usize, key: u64) -> usize {
         let (first, count) = self.server_lanes[server];
-        first + (key % count as u64) as usize
+        first + lanes::lane_of(key, count as u32) as usize
     }
 
     fn lanes_of(&self, server: usize) -> &[Lane] {
@@ -221,7 +263,7 @@ impl Shared {
             item,
         } in started
         {
-            let lane = self.lane_of(server, item.key);
+            let lane = self.lane_of(server, item.key());
             self.lanes[lane].queue.push((order, now, item));
         }
     }
@@ -255,6 +297,7 @@ impl Shared {
     }
 }
 
+#[derive(Debug)]
 pub struct Pipeline {
     shared: Arc<Shared>,
     threads: Mutex<Vec<JoinHandle<()>>>,
@@ -312,9 +355,12 @@ impl Pipeline {
         });
         let spawn = |name: String, f: Box<dyn FnOnce() + Send>| {
             std::thread::Builder::new()
-                .name(name)
+                .name(name.clone())
                 .spawn(f)
-                .map_err(|e| CommError::Invalid(format!("cannot start a pipeline thread: {e}")))
+                .map_err(|source| CommError::Io {
+                    what: format!("cannot start the pipeline thread {name}"),
+                    source: Arc::new(source),
+                })
         };
         let mut threads = Vec::new();
         for (l, rx) in receivers.into_iter().enumerate() {
@@ -350,15 +396,14 @@ impl Pipeline {
                 sh.handles.fail(task.handle, |_| CommError::Shutdown);
                 continue;
             }
-            if let Some(why) = sh.dead[task.server].lock().expect("dead lock").clone() {
-                let name = sh.server_names[task.server].clone();
+            if let Some(why) = sh.dead[task.server()].lock().expect("dead lock").clone() {
+                let name = sh.server_names[task.server()].clone();
                 sh.handles.fail(task.handle, |t| lost(t, &name, &why));
                 continue;
             }
-            parts.push(Part {
-                key: task.key,
-                server: task.server,
-                bytes: task.wire_len(),
+            parts.push(Ready {
+                partition: task.partition,
+                wire_bytes: task.wire_len(),
                 item: task,
             });
         }
@@ -407,7 +452,7 @@ impl Pipeline {
 
     /// Moves a tensor's error-feedback residuals from its keys under one partition size
     /// to its keys under another (see [`Residuals::relayout`]).
-    pub fn relayout_residuals(&self, old: &[KeySpan], new: &[KeySpan]) {
+    pub fn relayout_residuals(&self, old: &[Partition], new: &[Partition]) {
         self.shared.residuals.relayout(old, new);
     }
 
@@ -471,7 +516,7 @@ fn server_lost(sh: &Shared, server: usize, why: &str) {
         let mut inf = sh.in_flight.lock().expect("in-flight lock");
         let keys: Vec<u64> = inf
             .iter()
-            .filter(|(_, f)| f.task.server == server)
+            .filter(|(_, f)| f.task.server() == server)
             .map(|(k, _)| *k)
             .collect();
         keys.into_iter().filter_map(|k| inf.remove(&k)).collect()
@@ -528,14 +573,14 @@ fn push_loop(sh: &Shared, lane: usize) {
             sh.scheduler().abandoned(order, Instant::now());
             continue;
         }
-        debug_assert_eq!(sh.lane_of(task.server, task.key), lane);
+        debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
         // Compressed by this lane's thread, so lanes compress in parallel, and before the
         // connection is locked.
         if let Some(c) = task.compressor() {
             compress(sh, &task, c, &mut buffers);
         }
         let (key, round, dtype, len, handle, codec) = (
-            task.key,
+            task.key(),
             task.round,
             task.dtype,
             task.data.len,
@@ -543,11 +588,11 @@ fn push_loop(sh: &Shared, lane: usize) {
             task.codec,
         );
         let data = task.data;
-        let tensor_name = Arc::clone(&task.tensor);
+        let tensor_name = Arc::clone(&task.name);
         let label = sh
             .tracer
             .active()
-            .then(|| (Arc::clone(&task.tensor), task.index));
+            .then(|| (Arc::clone(&task.name), task.index));
         // Registered before the frames go out: the reply may beat this thread back (so
         // `pushed` is corrected below, which only the trace reads).
         sh.in_flight.lock().expect("in-flight lock").insert(
@@ -649,9 +694,9 @@ fn compress(sh: &Shared, task: &PartTask, c: Compressor, buffers: &mut CodecBuff
         &mut buffers.payload,
     );
     if task.codec.feedback {
-        let mut residual = sh.residuals.take(task.key, c.elements());
+        let mut residual = sh.residuals.take(task.key(), c.elements());
         c.compress_with_feedback(input, &mut residual, seed, scratch, out);
-        sh.residuals.put(task.key, residual);
+        sh.residuals.put(task.key(), residual);
     } else {
         c.compress(input, seed, scratch, out);
     }
@@ -693,12 +738,12 @@ fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 }
                 (Some(key), Ok(()))
             }
-            Err(e) => (None, Err(e.to_string())),
+            Err(e) => (None, Err(ReceiveError::from(e))),
         };
         sh.wire.received(key, rx.bytes_received() - before);
         if let Err(why) = received {
             if !sh.stop.load(Ordering::Acquire) {
-                server_lost(sh, server, &why);
+                server_lost(sh, server, &why.to_string());
             }
             debug!(server, lane, "receiver stopping");
             return;
@@ -743,7 +788,7 @@ fn receive_sum(
     head: SumHeader,
     counted_from: &mut u64,
     buffers: &mut CodecBuffers,
-) -> Result<(), String> {
+) -> Result<(), ReceiveError> {
     let mut count = |rx: &ServerReceiver| {
         sh.wire
             .received(Some(head.key), rx.bytes_received() - *counted_from);
@@ -760,25 +805,24 @@ fn receive_sum(
             (f.order, f.task, (f.started, f.pushed, f.acknowledged))
         }
         other => {
-            return Err(format!(
-                "sent the sum of key {} round {} that was not asked for ({:?})",
-                head.key,
-                head.round,
-                other.map(|f| f.task)
-            ))
+            return Err(ReceiveError::NotAsked {
+                key: head.key,
+                round: head.round,
+                asked: other.map(|f| f.task),
+            })
         }
     };
     // The credit returns before the sum is read: the next push overlaps the read.
     finished(sh, order, true);
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
-        let skipped = rx.skip_sum().map_err(|e| e.to_string());
+        let skipped = rx.skip_sum();
         count(rx);
-        return skipped;
+        return Ok(skipped?);
     }
     let dst = task.data.bytes_mut();
     let read = match task.compressor() {
-        None => rx.read_sum(dst).map_err(|e| e.to_string()),
+        None => rx.read_sum(dst).map_err(SumError::from),
         Some(c) => read_compressed(sh, rx, &head, &task, c, dst, buffers),
     };
     if read.is_ok() {
@@ -799,10 +843,10 @@ fn receive_sum(
         }
         sh.tracer.span(
             Track::Receive {
-                server: task.server as u32,
+                server: task.partition.server,
                 lane: sh.lanes[lane].index as u32,
             },
-            format!("{} [{}]", task.tensor, task.index),
+            format!("{} [{}]", task.name, task.index),
             arrived,
             Instant::now(),
             &args,
@@ -811,8 +855,11 @@ fn receive_sum(
     count(rx);
     // A partition left half-read is not done: losing the server fails its operation.
     sh.handles
-        .end_access(task.handle, read.is_ok().then_some(task.key));
-    read.map_err(|e| format!("sum of key {}: {e}", head.key))
+        .end_access(task.handle, read.is_ok().then_some(task.key()));
+    read.map_err(|source| ReceiveError::Sum {
+        key: head.key,
+        source,
+    })
 }
 
 /// Reads a compressed sum, checks it, and decodes it into the partition's memory.
@@ -824,18 +871,20 @@ fn read_compressed(
     c: Compressor,
     dst: &mut [u8],
     buffers: &mut CodecBuffers,
-) -> Result<(), String> {
+) -> Result<(), SumError> {
     if head.codec != task.codec.codec {
-        return Err(format!(
-            "a {} sum for a key declared {}",
-            head.codec, task.codec
-        ));
+        return Err(SumError::Codec {
+            got: head.codec,
+            declared: task.codec,
+        });
     }
     buffers.payload.resize(c.payload_len(), 0);
-    rx.read_sum(&mut buffers.payload)
-        .map_err(|e| e.to_string())?;
+    rx.read_sum(&mut buffers.payload)?;
     c.validate(&buffers.payload)
-        .map_err(|e| format!("the {} sum: {e}", task.codec))?;
+        .map_err(|source| SumError::Payload {
+            codec: task.codec,
+            source,
+        })?;
     let (seed, scratch) = (task.seed(sh.rank), &mut buffers.scratch);
     match bytemuck::try_cast_slice_mut::<u8, f32>(dst) {
         Ok(out) => c.decompress(&buffers.payload, seed, scratch, out),
@@ -849,3 +898,6 @@ fn read_compressed(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests;

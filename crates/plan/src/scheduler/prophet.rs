@@ -269,6 +269,7 @@ impl Prophet {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::order;
 
     const MS: Duration = Duration::from_millis(1);
 
@@ -283,7 +284,7 @@ mod tests {
             .rev()
             .zip(times)
             .map(|(tensor, at)| {
-                let order = (i64::from(tensor), u64::from(tensor));
+                let order = order(i64::from(tensor), u64::from(tensor));
                 let (out, why) = p.ready(tensor, [(order, 1000)], t0 + at * MS, 0, rate);
                 (tensor, out, why)
             })
@@ -293,7 +294,7 @@ mod tests {
     /// The credit sent everything that was ready.
     fn send_all(p: &mut Prophet) {
         for k in 0..6 {
-            p.sent(&(k, k as u64));
+            p.sent(&order(k, k as u64));
         }
     }
 
@@ -342,7 +343,7 @@ mod tests {
         assert_eq!(prof.gap_after[&5], MS);
         // 1 ms at 1 MB/s: the waiting 1000-byte partition of 5 goes in the gap after it.
         let out = backward(&mut p, t + 300 * MS, Some(1e6));
-        assert_eq!(out[0].1, [(5, 5)]);
+        assert_eq!(out[0].1, [order(5, 5)]);
     }
 
     #[test]
@@ -366,7 +367,7 @@ mod tests {
         assert_eq!(out[0].2, Release::Burst);
         assert_eq!(
             out[1].1,
-            [(4, 4), (5, 5)],
+            [order(4, 4), order(5, 5)],
             "gap after 4: both waiting ones fit"
         );
         assert_eq!(
@@ -378,7 +379,11 @@ mod tests {
         );
         assert_eq!(out[2].1, []);
         assert_eq!(out[3].1, []);
-        assert_eq!(out[4].1, [(1, 1), (2, 2)], "3 waits behind the next burst");
+        assert_eq!(
+            out[4].1,
+            [order(1, 1), order(2, 2)],
+            "3 waits behind the next burst"
+        );
         assert_eq!(out[5].1, [], "last gradient: the credit alone");
         assert_eq!(out[5].2, Release::Flush("last gradient"));
     }
@@ -386,8 +391,8 @@ mod tests {
     #[test]
     fn outstanding_bytes_shrink_the_budget() {
         let (mut p, t) = profiled();
-        p.ready(5, [((5, 5), 1000)], t, 0, Some(100_000.0));
-        let (out, why) = p.ready(4, [((4, 4), 1000)], t + MS, 1500, Some(100_000.0));
+        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(100_000.0));
+        let (out, why) = p.ready(4, [(order(4, 4), 1000)], t + MS, 1500, Some(100_000.0));
         assert_eq!(
             why,
             Release::Gap {
@@ -401,10 +406,10 @@ mod tests {
     #[test]
     fn a_block_takes_only_partitions_not_sent_yet() {
         let (mut p, t) = profiled();
-        p.ready(5, [((5, 5), 1000)], t, 0, Some(100_000.0));
-        p.sent(&(5, 5));
-        let (out, _) = p.ready(4, [((4, 4), 1000)], t + MS, 0, Some(100_000.0));
-        assert_eq!(out, [(4, 4)]);
+        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(100_000.0));
+        p.sent(&order(5, 5));
+        let (out, _) = p.ready(4, [(order(4, 4), 1000)], t + MS, 0, Some(100_000.0));
+        assert_eq!(out, [order(4, 4)]);
     }
 
     #[test]
@@ -415,7 +420,7 @@ mod tests {
             for (k, tensor) in [9u32, 5, 0].into_iter().enumerate() {
                 p.ready(
                     tensor,
-                    [((0, u64::from(tensor)), 1)],
+                    [(order(0, u64::from(tensor)), 1)],
                     t + MS * (i * 100 + k as u32 * 30),
                     0,
                     None,
@@ -430,8 +435,8 @@ mod tests {
     #[test]
     fn an_unknown_gradient_flushes() {
         let (mut p, t) = profiled();
-        p.ready(5, [((5, 5), 1000)], t, 0, Some(1.0));
-        let (out, why) = p.ready(77, [((77, 77), 1)], t + MS, 0, Some(1.0));
+        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(1.0));
+        let (out, why) = p.ready(77, [(order(77, 77), 1)], t + MS, 0, Some(1.0));
         assert!(out.is_empty());
         assert_eq!(why, Release::Flush("gradient not in the profile"));
     }

@@ -102,6 +102,7 @@ impl PushWindow {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::order;
 
     const STALL: Duration = Duration::from_millis(100);
 
@@ -109,55 +110,55 @@ mod tests {
     fn bounds_bytes_in_flight() {
         let t = Instant::now();
         let mut w = PushWindow::new(100, STALL, t);
-        assert!(w.may_send((5, 1), 60, t));
-        w.sent((5, 1), 60, t);
-        assert!(w.may_send((5, 2), 40, t));
-        w.sent((5, 2), 40, t);
-        assert!(!w.may_send((5, 3), 1, t), "full");
-        w.finished((5, 1), t);
+        assert!(w.may_send(order(5, 1), 60, t));
+        w.sent(order(5, 1), 60, t);
+        assert!(w.may_send(order(5, 2), 40, t));
+        w.sent(order(5, 2), 40, t);
+        assert!(!w.may_send(order(5, 3), 1, t), "full");
+        w.finished(order(5, 1), t);
         assert_eq!(w.bytes(), 40);
-        assert!(w.may_send((5, 3), 60, t));
-        assert!(!w.may_send((5, 3), 61, t));
+        assert!(w.may_send(order(5, 3), 60, t));
+        assert!(!w.may_send(order(5, 3), 61, t));
     }
 
     #[test]
     fn one_partition_always_fits_an_empty_window() {
         let t = Instant::now();
         let w = PushWindow::new(10, STALL, t);
-        assert!(w.may_send((0, 0), 1 << 20, t));
+        assert!(w.may_send(order(0, 0), 1 << 20, t));
     }
 
     #[test]
     fn more_urgent_than_everything_in_flight_goes() {
         let t = Instant::now();
         let mut w = PushWindow::new(100, STALL, t);
-        w.sent((5, 7), 100, t);
-        assert!(w.may_send((4, 9), 100, t), "more urgent priority");
-        assert!(w.may_send((5, 6), 100, t), "same priority, lower key");
-        assert!(!w.may_send((5, 8), 100, t));
-        assert!(!w.may_send((6, 0), 100, t));
+        w.sent(order(5, 7), 100, t);
+        assert!(w.may_send(order(4, 9), 100, t), "more urgent priority");
+        assert!(w.may_send(order(5, 6), 100, t), "same priority, lower key");
+        assert!(!w.may_send(order(5, 8), 100, t));
+        assert!(!w.may_send(order(6, 0), 100, t));
     }
 
     #[test]
     fn stall_lets_one_more_out() {
         let t = Instant::now();
         let mut w = PushWindow::new(100, STALL, t);
-        w.sent((1, 1), 100, t);
-        assert!(!w.may_send((2, 2), 10, t + STALL / 2));
+        w.sent(order(1, 1), 100, t);
+        assert!(!w.may_send(order(2, 2), 10, t + STALL / 2));
         assert_eq!(w.until_stall(t + STALL / 2), STALL / 2);
-        assert!(w.may_send((2, 2), 10, t + STALL));
-        w.sent((2, 2), 10, t + STALL);
-        w.finished((1, 1), t + STALL * 2);
-        assert!(w.may_send((3, 3), 90, t + STALL * 2));
-        assert!(!w.may_send((3, 3), 91, t + STALL * 2));
+        assert!(w.may_send(order(2, 2), 10, t + STALL));
+        w.sent(order(2, 2), 10, t + STALL);
+        w.finished(order(1, 1), t + STALL * 2);
+        assert!(w.may_send(order(3, 3), 90, t + STALL * 2));
+        assert!(!w.may_send(order(3, 3), 91, t + STALL * 2));
     }
 
     #[test]
     fn unbounded_when_limit_is_zero() {
         let t = Instant::now();
         let mut w = PushWindow::new(0, STALL, t);
-        w.sent((1, 1), u64::MAX / 2, t);
-        assert!(w.may_send((9, 9), 1 << 30, t));
+        w.sent(order(1, 1), u64::MAX / 2, t);
+        assert!(w.may_send(order(9, 9), 1 << 30, t));
     }
 
     /// Worker 0 queues six partitions at once; worker 1 gets them one per step in reverse
@@ -167,7 +168,7 @@ mod tests {
     #[test]
     fn different_queueing_orders_do_not_deadlock() {
         let t = Instant::now();
-        let parts: Vec<Order> = (0..6).map(|k| (k as i64, k)).collect();
+        let parts: Vec<Order> = (0..6).map(|k| order(k as i64, k)).collect();
         let mut arriving: Vec<Order> = parts.clone(); // worker 1 pops from the end: 5 first
         let mut queues: [Vec<Order>; 2] = [parts.clone(), vec![]];
         let mut windows = [PushWindow::new(1, STALL, t), PushWindow::new(1, STALL, t)];

@@ -27,6 +27,7 @@
 
 use thiserror::Error;
 
+use crate::partition::Partition;
 use crate::placement::optimal_shares;
 
 /// Why a partition cannot be cut into pieces.
@@ -40,35 +41,41 @@ pub enum LaneError {
 /// partitions (512 TiB at 256 KiB each), which nothing declares.
 const PIECE: u64 = 1 << 31;
 
-/// A part of a tensor: (key, byte offset, byte length).
-pub type Piece = (u64, usize, usize);
+/// The lane, of a server's `lanes`, that carries `key`: the same for all of the key's
+/// pushes, pulls and sums, so they stay in order on one connection.
+pub fn lane_of(key: u64, lanes: u32) -> u32 {
+    (key % u64::from(lanes)) as u32
+}
 
-/// Cuts the partition (`key`, `offset`, `bytes`) of `elem`-byte elements into `lanes`
-/// pieces of whole elements (fewer if it has fewer elements), sizes differing by at most
-/// one element. Piece j of partition i of tensor t is keyed t << 32 | 2^31 | (i·lanes + j):
-/// the same on every worker with the same `lanes`, never a partition's key, and consecutive,
-/// so that `key % lanes` gives each piece its own lane. One lane leaves it whole.
-pub fn pieces(
-    (key, offset, bytes): Piece,
-    elem: usize,
-    lanes: u32,
-) -> Result<Vec<Piece>, LaneError> {
-    let elements = bytes / elem;
-    let count = (lanes as usize).min(elements).max(1);
+/// Cuts `partition`, of `elem`-byte elements, into `lanes` pieces of whole elements (fewer
+/// if it has fewer elements), sizes differing by at most one element, each on the
+/// partition's tensor and server. Piece j of partition i of tensor t is keyed
+/// t << 32 | 2^31 | (i·lanes + j): the same on every worker with the same `lanes`, never a
+/// partition's key, and consecutive, so that [`lane_of`] gives each piece its own lane.
+/// One lane leaves it whole.
+pub fn pieces(partition: Partition, elem: u64, lanes: u32) -> Result<Vec<Partition>, LaneError> {
+    let Partition { key, .. } = partition;
+    let elements = partition.bytes / elem;
+    let count = u64::from(lanes).min(elements).max(1);
     if count == 1 {
-        return Ok(vec![(key, offset, bytes)]);
+        return Ok(vec![partition]);
     }
     let first = (key & 0xffff_ffff)
         .checked_mul(lanes.into())
         .filter(|f| f + u64::from(lanes) <= PIECE)
         .ok_or(LaneError::KeySpace { key, lanes })?;
     let (base, extra) = (elements / count, elements % count);
-    let mut at = offset;
+    let mut at = partition.offset;
     Ok((0..count)
         .map(|j| {
-            let len = (base + usize::from(j < extra)) * elem;
-            let piece = ((key & !0xffff_ffff) | PIECE | (first + j as u64), at, len);
-            at += len;
+            let bytes = (base + u64::from(j < extra)) * elem;
+            let piece = Partition {
+                key: (key & !0xffff_ffff) | PIECE | (first + j),
+                offset: at,
+                bytes,
+                ..partition
+            };
+            at += bytes;
             piece
         })
         .collect())
@@ -114,28 +121,49 @@ mod tests {
         assert_eq!(per_cpu_server(2, 1), 2);
     }
 
+    /// A partition of tensor 3 on server 7.
+    fn part(key: u64, offset: u64, bytes: u64) -> Partition {
+        Partition {
+            key,
+            tensor: 3,
+            offset,
+            bytes,
+            server: 7,
+        }
+    }
+
     #[test]
     fn pieces_cover_the_partition_with_consecutive_keys_of_their_own() {
         let key = 3 << 32 | 5;
-        let got = pieces((key, 400, 40), 4, 3).unwrap();
+        let got = pieces(part(key, 400, 40), 4, 3).unwrap();
         let base = 3 << 32 | PIECE | 15;
         assert_eq!(
             got,
-            vec![(base, 400, 16), (base + 1, 416, 12), (base + 2, 428, 12)]
+            vec![
+                part(base, 400, 16),
+                part(base + 1, 416, 12),
+                part(base + 2, 428, 12)
+            ]
         );
         // Every piece on its own lane.
-        let lanes: Vec<u64> = got.iter().map(|p| p.0 % 3).collect();
+        let lanes: Vec<u32> = got.iter().map(|p| lane_of(p.key, 3)).collect();
         assert_eq!(lanes.len(), 3);
         assert!(lanes
             .iter()
             .all(|l| lanes.iter().filter(|m| *m == l).count() == 1));
         // One lane, or one element, leaves the partition as it is.
-        assert_eq!(pieces((key, 8, 40), 4, 1).unwrap(), vec![(key, 8, 40)]);
-        assert_eq!(pieces((key, 8, 8), 8, 4).unwrap(), vec![(key, 8, 8)]);
-        // Two elements over four lanes: two pieces.
-        assert_eq!(pieces((key, 0, 4), 2, 4).unwrap().len(), 2);
         assert_eq!(
-            pieces((PIECE - 1, 0, 64), 4, 2),
+            pieces(part(key, 8, 40), 4, 1).unwrap(),
+            vec![part(key, 8, 40)]
+        );
+        assert_eq!(
+            pieces(part(key, 8, 8), 8, 4).unwrap(),
+            vec![part(key, 8, 8)]
+        );
+        // Two elements over four lanes: two pieces.
+        assert_eq!(pieces(part(key, 0, 4), 2, 4).unwrap().len(), 2);
+        assert_eq!(
+            pieces(part(PIECE - 1, 0, 64), 4, 2),
             Err(LaneError::KeySpace {
                 key: PIECE - 1,
                 lanes: 2

@@ -59,26 +59,27 @@ impl Credit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scheduler::order;
 
     #[test]
     fn bounds_unacknowledged_bytes() {
         let mut c = Credit::new(100);
         assert!(c.may_send(1000), "an empty credit admits anything");
-        c.sent((0, 1), 60);
+        c.sent(order(0, 1), 60);
         assert!(c.may_send(40));
         assert!(!c.may_send(41));
-        c.sent((0, 2), 40);
-        c.acknowledged((0, 1));
+        c.sent(order(0, 2), 40);
+        c.acknowledged(order(0, 1));
         assert_eq!(c.bytes(), 40);
         assert!(c.may_send(60));
-        c.acknowledged((0, 1));
+        c.acknowledged(order(0, 1));
         assert_eq!(c.bytes(), 40, "a second acknowledgement changes nothing");
     }
 
     #[test]
     fn zero_is_unbounded() {
         let mut c = Credit::new(0);
-        c.sent((0, 0), u64::MAX / 2);
+        c.sent(order(0, 0), u64::MAX / 2);
         assert!(c.may_send(u64::MAX / 2));
     }
 }

@@ -55,6 +55,8 @@ use std::fmt;
 use sumflow_wire::ClusterMap;
 use thiserror::Error;
 
+use crate::partition::Partition;
+
 /// Why a placement or a communication time cannot be computed.
 #[derive(Clone, Debug, PartialEq, Error)]
 pub enum PlacementError {
@@ -400,30 +402,38 @@ fn cheaper(a: &Slot, b: &Slot, size: u64) -> Ordering {
     a_cost.cmp(&b_cost).then(a.rank.cmp(&b.rank))
 }
 
-/// Assigns each partition, given as `(key, bytes)`, to a server of `servers` so that every
+/// Assigns each partition to a server of `servers` by its key and size, so that every
 /// server's bytes track its optimal share (method and guarantees in the module docs).
 ///
 /// Costs O(partitions × servers).
 ///
 /// ```
-/// use sumflow_comm::placement::{place, ServerSet};
+/// use sumflow_plan::partition::{partition_tensors, TensorSpec};
+/// use sumflow_plan::placement::{place, ServerSet};
+/// use sumflow_wire::Dtype;
 ///
 /// // Two worker machines (servers 0 and 1 beside them) and one CPU server: Eq. 1 and 2
 /// // give each colocated server a quarter of the model and the CPU server half.
 /// let servers = ServerSet::new(vec![0, 1], vec![2])?;
-/// let placement = place(&[(10, 4_000_000), (11, 2_000_000), (12, 2_000_000)], &servers)?;
-/// assert_eq!(placement.server_of(10), Some(2));
+/// let model = [
+///     TensorSpec { name: "w", elements: 1_000_000, dtype: Dtype::F32 },
+///     TensorSpec { name: "v", elements: 500_000, dtype: Dtype::F32 },
+///     TensorSpec { name: "b", elements: 500_000, dtype: Dtype::F32 },
+/// ];
+/// let parts = partition_tensors(&model, 4 << 20).expect("each tensor is one partition");
+/// let placement = place(&parts, &servers)?;
+/// assert_eq!(placement.server_of(parts[0].key), Some(2));
 /// assert_eq!(placement.explain()[2], "server 2 (CPU): 4.0 MB, 50.0% of the model, target 50.0%");
-/// # Ok::<(), sumflow_comm::placement::PlacementError>(())
+/// # Ok::<(), sumflow_plan::placement::PlacementError>(())
 /// ```
-pub fn place(partitions: &[(u64, u64)], servers: &ServerSet) -> Result<Placement, PlacementError> {
+pub fn place(partitions: &[Partition], servers: &ServerSet) -> Result<Placement, PlacementError> {
     let (colocated_weight, cpu_weight) = servers.weights();
     let shares = servers.shares();
-    let mut order = partitions.to_vec();
-    order.sort_unstable_by_key(|&(key, bytes)| (Reverse(bytes), key));
+    let mut order: Vec<&Partition> = partitions.iter().collect();
+    order.sort_unstable_by_key(|p| (Reverse(p.bytes), p.key));
     let total_bytes = order
         .iter()
-        .try_fold(0u64, |sum, &(_, bytes)| sum.checked_add(bytes))
+        .try_fold(0u64, |sum, p| sum.checked_add(p.bytes))
         .ok_or(PlacementError::TooManyBytes)?;
 
     let mut slots: Vec<Slot> = servers
@@ -446,15 +456,15 @@ pub fn place(partitions: &[(u64, u64)], servers: &ServerSet) -> Result<Placement
     slots.sort_unstable_by_key(|s| s.rank);
 
     let mut server_of = BTreeMap::new();
-    for (key, size) in order {
+    for p in order {
         let best = slots
             .iter_mut()
             .filter(|s| s.weight > 0)
-            .min_by(|a, b| cheaper(a, b, size))
+            .min_by(|a, b| cheaper(a, b, p.bytes))
             .expect("every server set has a server with a nonzero share");
-        best.bytes += size;
-        if server_of.insert(key, best.rank).is_some() {
-            return Err(PlacementError::DuplicateKey(key));
+        best.bytes += p.bytes;
+        if server_of.insert(p.key, best.rank).is_some() {
+            return Err(PlacementError::DuplicateKey(p.key));
         }
     }
 
@@ -488,6 +498,18 @@ mod tests {
 
     use super::*;
     use crate::partition::{partition_tensors, TensorSpec, DEFAULT_PARTITION_BYTES};
+
+    /// Partitions of these keys and sizes, of one tensor.
+    fn sized(parts: &[(u64, u64)]) -> Vec<Partition> {
+        parts
+            .iter()
+            .map(|&(key, bytes)| Partition {
+                key,
+                bytes,
+                ..Partition::default()
+            })
+            .collect()
+    }
 
     /// splitmix64: a tiny PRNG whose stream depends only on the seed.
     struct Rng(u64);
@@ -548,14 +570,8 @@ mod tests {
         t
     }
 
-    /// (key, bytes) of every partition of a declaration.
-    fn keyed_specs(specs: &[TensorSpec<'_>], partition_bytes: u64) -> Vec<(u64, u64)> {
-        let parts = partition_tensors(specs, partition_bytes).unwrap();
-        parts.iter().map(|p| (p.key, p.bytes)).collect()
-    }
-
-    /// (key, bytes) of every partition of `tensors`, all f32.
-    fn keyed(tensors: &[(String, u64)], partition_bytes: u64) -> Vec<(u64, u64)> {
+    /// Every partition of `tensors`, all f32.
+    fn keyed(tensors: &[(String, u64)], partition_bytes: u64) -> Vec<Partition> {
         let specs: Vec<_> = tensors
             .iter()
             .map(|(name, elements)| TensorSpec {
@@ -564,7 +580,7 @@ mod tests {
                 dtype: Dtype::F32,
             })
             .collect();
-        keyed_specs(&specs, partition_bytes)
+        partition_tensors(&specs, partition_bytes).unwrap()
     }
 
     fn contiguous(n: u32, k: u32) -> ServerSet {
@@ -582,8 +598,12 @@ mod tests {
         assert_eq!(t.iter().map(|(_, e)| e).sum::<u64>(), 25_557_032);
         let parts = keyed(&t, DEFAULT_PARTITION_BYTES);
         assert_eq!(parts.len(), 169);
-        let big: u64 = parts.iter().map(|p| p.1).filter(|&b| b >= 1 << 20).sum();
-        assert_eq!(parts.iter().filter(|p| p.1 >= 1 << 20).count(), 37);
+        let big: u64 = parts
+            .iter()
+            .map(|p| p.bytes)
+            .filter(|&b| b >= 1 << 20)
+            .sum();
+        assert_eq!(parts.iter().filter(|p| p.bytes >= 1 << 20).count(), 37);
         assert!(big as f64 > 0.93 * (25_557_032 * 4) as f64);
     }
 
@@ -686,13 +706,13 @@ mod tests {
             ServerSet::new(vec![0, 1], vec![2, 1]),
             Err(PlacementError::DuplicateServer(1))
         );
-        let err = place(&[(7, 1), (8, 2), (7, 3)], &contiguous(2, 1)).unwrap_err();
+        let err = place(&sized(&[(7, 1), (8, 2), (7, 3)]), &contiguous(2, 1)).unwrap_err();
         assert_eq!(
             err.to_string(),
             "partition key 0x7 is listed twice; every partition needs its own key"
         );
         assert_eq!(
-            place(&[(1, u64::MAX), (2, 1)], &contiguous(1, 0)),
+            place(&sized(&[(1, u64::MAX), (2, 1)]), &contiguous(1, 0)),
             Err(PlacementError::TooManyBytes)
         );
     }
@@ -749,7 +769,7 @@ mod tests {
         assert_eq!(set, ServerSet::non_colocated(3, vec![0, 1]).unwrap());
         let shares = set.shares();
         assert_eq!((shares.colocated, shares.cpu), (0.0, 0.5));
-        let parts: Vec<(u64, u64)> = (0..10).map(|k| (k, 1000)).collect();
+        let parts = sized(&(0..10).map(|k| (k, 1000)).collect::<Vec<_>>());
         let p = place(&parts, &set).unwrap();
         assert!(p
             .loads()
@@ -767,7 +787,7 @@ mod tests {
 
     #[test]
     fn explanations_read_as_one_line_per_server() {
-        let parts = [(1, 2_000_000), (2, 1_000_000), (3, 1_000_000)];
+        let parts = sized(&[(1, 2_000_000), (2, 1_000_000), (3, 1_000_000)]);
         let p = place(&parts, &contiguous(2, 1)).unwrap();
         assert_eq!(
             p.explain(),
@@ -786,17 +806,17 @@ mod tests {
     type Assignment = BTreeMap<u64, u32>;
 
     /// Where [`place`] puts each partition.
-    fn greedy(parts: &[(u64, u64)], servers: &ServerSet) -> Assignment {
+    fn greedy(parts: &[Partition], servers: &ServerSet) -> Assignment {
         let p = place(parts, servers).unwrap();
         parts
             .iter()
-            .map(|&(key, _)| (key, p.server_of(key).unwrap()))
+            .map(|part| (part.key, p.server_of(part.key).unwrap()))
             .collect()
     }
 
     /// BytePS's method: hash every key into n² + kn − 2k buckets, n − k of them per
     /// colocated server and 2(n − 1) per CPU server (or the edge cases' weights).
-    fn hashed(parts: &[(u64, u64)], servers: &ServerSet) -> Assignment {
+    fn hashed(parts: &[Partition], servers: &ServerSet) -> Assignment {
         let (n, k) = (servers.colocated().len() as u64, servers.cpu().len() as u64);
         let (colocated, cpu) = weights(n, k);
         let mut buckets = Vec::new();
@@ -809,20 +829,20 @@ mod tests {
         let bucket = |key| (Rng(key).next() % buckets.len() as u64) as usize;
         parts
             .iter()
-            .map(|&(key, _)| (key, buckets[bucket(key)]))
+            .map(|p| (p.key, buckets[bucket(p.key)]))
             .collect()
     }
 
     /// How far an assignment strays from the equations' shares, computed from scratch:
     /// (worst |share − target| / target, worst (share − target) / target). Servers whose
     /// target is 0 must get nothing.
-    fn deviation(parts: &[(u64, u64)], servers: &ServerSet, a: &Assignment) -> (f64, f64) {
+    fn deviation(parts: &[Partition], servers: &ServerSet, a: &Assignment) -> (f64, f64) {
         let (n, k) = (servers.colocated().len(), servers.cpu().len());
         let shares = optimal_shares(n as u32, k as u32).unwrap();
-        let total: u64 = parts.iter().map(|p| p.1).sum();
+        let total: u64 = parts.iter().map(|p| p.bytes).sum();
         let mut bytes = BTreeMap::new();
-        for (key, size) in parts {
-            *bytes.entry(a[key]).or_insert(0u64) += size;
+        for p in parts {
+            *bytes.entry(a[&p.key]).or_insert(0u64) += p.bytes;
         }
         let targets = servers.colocated().iter().map(|r| (r, shares.colocated));
         let targets = targets.chain(servers.cpu().iter().map(|r| (r, shares.cpu)));
@@ -842,12 +862,12 @@ mod tests {
     /// Whether no placement at all keeps every colocated server within 5% of its share: the
     /// partitions small enough for one (at most 105% of its target) add up to less than the
     /// 95% of their targets that the n colocated servers need together.
-    fn out_of_reach(parts: &[(u64, u64)], n: u32, k: u32) -> bool {
-        let total: u64 = parts.iter().map(|p| p.1).sum();
+    fn out_of_reach(parts: &[Partition], n: u32, k: u32) -> bool {
+        let total: u64 = parts.iter().map(|p| p.bytes).sum();
         let target = optimal_shares(n, k).unwrap().colocated * total as f64;
         let small: u64 = parts
             .iter()
-            .map(|p| p.1)
+            .map(|p| p.bytes)
             .filter(|&b| b as f64 <= 1.05 * target)
             .sum();
         target > 0.0 && (small as f64) < 0.95 * target * f64::from(n)
@@ -866,7 +886,7 @@ mod tests {
     }
 
     /// The worst |deviation| of `assign` on ResNet-50 at 4 MiB, n in 2..=8, k in 0..=n + 2.
-    fn resnet50_worst(assign: fn(&[(u64, u64)], &ServerSet) -> Assignment) -> f64 {
+    fn resnet50_worst(assign: fn(&[Partition], &ServerSet) -> Assignment) -> f64 {
         let parts = keyed(&resnet50(), DEFAULT_PARTITION_BYTES);
         let mut worst = 0.0f64;
         for n in 2..=8 {
@@ -881,7 +901,7 @@ mod tests {
     #[test]
     fn resnet50_shares_track_the_equations() {
         let parts = keyed(&resnet50(), DEFAULT_PARTITION_BYTES);
-        let model: u64 = parts.iter().map(|p| p.1).sum();
+        let model: u64 = parts.iter().map(|p| p.bytes).sum();
         let (mut worst, mut worst_over) = (0.0f64, 0.0f64);
         let mut unreachable = Vec::new();
         for n in 2..=8 {
@@ -927,7 +947,7 @@ mod tests {
     #[test]
     fn resnet50_placement_is_whole_and_deterministic() {
         let parts = keyed(&resnet50(), DEFAULT_PARTITION_BYTES);
-        let model: u64 = parts.iter().map(|p| p.1).sum();
+        let model: u64 = parts.iter().map(|p| p.bytes).sum();
         let mut rng = Rng(50);
         for n in 2..=8 {
             for k in 0..=n + 2 {
@@ -982,26 +1002,27 @@ mod tests {
                 .collect();
             // 1 KiB to 8 MiB: from thousands of partitions per tensor to one.
             let partition_bytes = 1024 << rng.below(14);
-            let parts = keyed_specs(&specs, partition_bytes);
+            let parts = partition_tensors(&specs, partition_bytes).unwrap();
             let (n, k) = (1 + rng.below(10) as usize, rng.below(13) as usize);
             let mut ranks: Vec<u32> = (0..(n + k) as u32).map(|r| r * 3 + 1).collect();
             rng.shuffle(&mut ranks);
             let servers = ServerSet::new(ranks[..n].to_vec(), ranks[n..].to_vec()).unwrap();
 
             let p = place(&parts, &servers).unwrap();
-            let total: u64 = parts.iter().map(|p| p.1).sum();
+            let total: u64 = parts.iter().map(|p| p.bytes).sum();
             assert_eq!(p.total_bytes(), total, "case {case}");
             let mut by_server = BTreeMap::new();
-            for &(key, size) in &parts {
-                let rank = p.server_of(key).unwrap();
+            for part in &parts {
+                let rank = p.server_of(part.key).unwrap();
                 assert!(
                     ranks.contains(&rank),
-                    "case {case}: key {key:#x} on server {rank}"
+                    "case {case}: key {:#x} on server {rank}",
+                    part.key
                 );
-                *by_server.entry(rank).or_insert(0) += size;
+                *by_server.entry(rank).or_insert(0) += part.bytes;
             }
             // The guarantee of the module docs.
-            let largest = parts.iter().map(|p| p.1).max().unwrap_or(0) as f64;
+            let largest = parts.iter().map(|p| p.bytes).max().unwrap_or(0) as f64;
             let used = p.loads().iter().filter(|l| l.target > 0.0).count() as f64;
             for l in p.loads() {
                 assert_eq!(by_server.get(&l.rank).copied().unwrap_or(0), l.bytes);

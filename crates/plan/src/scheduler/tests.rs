@@ -2,11 +2,15 @@ use super::*;
 
 const MS: Duration = Duration::from_millis(1);
 
-fn part(key: u64, server: usize, bytes: u64) -> Part<u64> {
-    Part {
-        key,
-        server,
-        bytes,
+fn part(key: u64, server: u32, bytes: u64) -> Ready<u64> {
+    Ready {
+        partition: Partition {
+            key,
+            bytes,
+            server,
+            ..Partition::default()
+        },
+        wire_bytes: bytes,
         item: key,
     }
 }
@@ -99,7 +103,7 @@ fn credit_is_per_server() {
     s.ready(
         0,
         0,
-        (0..6).map(|k| part(k, (k % 2) as usize, 100)).collect(),
+        (0..6).map(|k| part(k, (k % 2) as u32, 100)).collect(),
         t,
     );
     let out = s.poll(t);
@@ -219,7 +223,7 @@ fn drain_removes_the_waiting_partitions_of_a_server() {
     s.ready(
         0,
         0,
-        (0..4).map(|k| part(k, (k % 2) as usize, 100)).collect(),
+        (0..4).map(|k| part(k, (k % 2) as u32, 100)).collect(),
         t,
     );
     let started = s.poll(t);

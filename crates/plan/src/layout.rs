@@ -1,0 +1,200 @@
+//! A worker's declared tensors laid out for the wire: each cut into partitions of the
+//! layout's size ([`crate::partition`]), keyed in the layout's generation, placed on the
+//! summation servers ([`crate::placement`] for a group, [`crate::scatter`] for a tensor
+//! declared alone) and cut into one piece per lane ([`crate::lanes`]).
+//!
+//! Every worker derives the same partitions from the same declarations, settings and
+//! cluster map, so keys and servers agree without any exchange.
+//!
+//! A layout generation is kept in the top byte of every key (tensor ids stay below 2^24),
+//! so that when the auto-tuner changes the partition size, the keys of the new size never
+//! collide with the old ones on a server.
+
+use thiserror::Error;
+
+use crate::lanes::{self, LaneError};
+use crate::partition::{partition, Partition, PartitionError, TensorSpec};
+use crate::placement::{place, PlacementError, ServerSet};
+use crate::scatter::scatter;
+
+const GENERATION_SHIFT: u32 = 56;
+
+/// The highest tensor id a key has room for.
+pub const MAX_TENSOR_ID: u32 = (1 << (GENERATION_SHIFT - 32)) - 1;
+
+/// How many partition sizes a job can use: a key's top byte numbers them.
+pub const MAX_GENERATIONS: usize = 1 << (64 - GENERATION_SHIFT);
+
+/// Why tensors cannot be laid out; each says which tensor, key or server.
+#[derive(Clone, Debug, PartialEq, Error)]
+pub enum LayoutError {
+    #[error(transparent)]
+    Partition(#[from] PartitionError),
+    #[error(transparent)]
+    Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Lanes(#[from] LaneError),
+}
+
+/// How one worker lays out tensors: under which partition size, onto which servers.
+#[derive(Clone, Copy, Debug)]
+pub struct Layout<'a> {
+    /// The job's summation servers.
+    pub servers: &'a ServerSet,
+    /// Lanes to each server, by rank.
+    pub lanes: &'a [u32],
+    pub partition_bytes: u64,
+    /// The partition size's index among those the job has used (below
+    /// [`MAX_GENERATIONS`]), kept in each key's top byte.
+    pub generation: usize,
+}
+
+impl Layout<'_> {
+    /// The partitions of tensor `id`, declared alone: each placed from its key, so
+    /// workers may declare such tensors in any order.
+    pub fn single(&self, id: u32, tensor: &TensorSpec<'_>) -> Result<Vec<Partition>, LayoutError> {
+        let mut parts = self.cut(id, tensor)?;
+        for p in &mut parts {
+            p.server = scatter(p.key, self.servers)?;
+        }
+        self.spread(tensor, parts)
+    }
+
+    /// The partitions of a group's tensors (`(id, tensor)`, a model's parameters, the same
+    /// group on every worker), placed together to track BytePS's Eq. 1 and 2; one list per
+    /// tensor, in the group's order.
+    pub fn group(
+        &self,
+        tensors: &[(u32, TensorSpec<'_>)],
+    ) -> Result<Vec<Vec<Partition>>, LayoutError> {
+        let mut cut = Vec::with_capacity(tensors.len());
+        for (id, tensor) in tensors {
+            cut.push(self.cut(*id, tensor)?);
+        }
+        let placement = place(&cut.concat(), self.servers)?;
+        tensors
+            .iter()
+            .zip(cut)
+            .map(|((_, tensor), mut parts)| {
+                for p in &mut parts {
+                    p.server = placement
+                        .server_of(p.key)
+                        .expect("every partition was placed");
+                }
+                self.spread(tensor, parts)
+            })
+            .collect()
+    }
+
+    /// Cuts a tensor by the layout's partition size, keyed in its generation.
+    fn cut(&self, id: u32, tensor: &TensorSpec<'_>) -> Result<Vec<Partition>, LayoutError> {
+        let generation = (self.generation as u64) << GENERATION_SHIFT;
+        let mut parts = partition(id, tensor, self.partition_bytes)?;
+        for p in &mut parts {
+            p.key |= generation;
+        }
+        Ok(parts)
+    }
+
+    /// Cuts each placed partition bound for a server with several lanes into one piece per
+    /// lane.
+    fn spread(
+        &self,
+        tensor: &TensorSpec<'_>,
+        parts: Vec<Partition>,
+    ) -> Result<Vec<Partition>, LayoutError> {
+        let mut out = Vec::with_capacity(parts.len());
+        for p in parts {
+            let lanes = self.lanes[p.server as usize];
+            out.extend(lanes::pieces(p, tensor.dtype.size() as u64, lanes)?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use sumflow_wire::Dtype;
+
+    use super::*;
+
+    fn spec(name: &str, elements: u64) -> TensorSpec<'_> {
+        TensorSpec {
+            name,
+            elements,
+            dtype: Dtype::F32,
+        }
+    }
+
+    #[test]
+    fn keys_carry_the_generation_and_pieces_their_lanes() {
+        // Servers 0 and 1 colocated, 2 a CPU server with two lanes.
+        let servers = ServerSet::new(vec![0, 1], vec![2]).unwrap();
+        let lanes = [1, 1, 2];
+        let layout = Layout {
+            servers: &servers,
+            lanes: &lanes,
+            partition_bytes: 64,
+            generation: 3,
+        };
+        let group = layout
+            .group(&[(5, spec("w", 40)), (6, spec("b", 8))])
+            .unwrap();
+        assert_eq!(group.len(), 2);
+        for (parts, (id, bytes)) in group.iter().zip([(5, 160), (6, 32)]) {
+            assert_eq!(parts.iter().map(|p| p.bytes).sum::<u64>(), bytes);
+            let mut at = 0;
+            for p in parts {
+                assert_eq!((p.tensor, p.offset), (id, at), "{p:?}");
+                assert_eq!(p.key >> GENERATION_SHIFT, 3);
+                assert_eq!(p.key >> 32 & 0xff_ffff, u64::from(id));
+                at += p.bytes;
+            }
+        }
+        // The CPU server's partitions come in pieces, one per lane.
+        let cpu: Vec<_> = group
+            .concat()
+            .into_iter()
+            .filter(|p| p.server == 2)
+            .collect();
+        assert!(!cpu.is_empty());
+        assert!(cpu.iter().all(|p| p.key & 1 << 31 != 0));
+        assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 0));
+        assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 1));
+    }
+
+    #[test]
+    fn a_tensor_declared_alone_is_placed_from_its_keys() {
+        let servers = ServerSet::new(vec![0, 1, 2], vec![]).unwrap();
+        let layout = Layout {
+            servers: &servers,
+            lanes: &[1, 1, 1],
+            partition_bytes: 16,
+            generation: 0,
+        };
+        let parts = layout.single(9, &spec("w", 100)).unwrap();
+        assert_eq!(parts.len(), 25);
+        for p in &parts {
+            assert_eq!(p.server, scatter(p.key, &servers).unwrap());
+        }
+        assert_eq!(
+            layout.single(9, &spec("w", 100)).unwrap(),
+            parts,
+            "the same on every worker"
+        );
+    }
+
+    #[test]
+    fn errors_name_the_tensor() {
+        let servers = ServerSet::new(vec![0], vec![]).unwrap();
+        let layout = Layout {
+            servers: &servers,
+            lanes: &[1],
+            partition_bytes: 2,
+            generation: 0,
+        };
+        let e = layout.single(0, &spec("fc.weight", 4)).unwrap_err();
+        assert!(matches!(e, LayoutError::Partition(_)), "{e}");
+        assert!(e.to_string().contains("'fc.weight'"), "{e}");
+    }
+}

@@ -1,0 +1,59 @@
+//! What connection threads and engine threads say to each other: a connection's reader
+//! sends [`Command`]s to the engine that owns the key, and every engine answers on the
+//! [`Replier`] of the connection that asked, whose writer thread sends each [`Outgoing`] in
+//! the order it arrives. Both sides depend on this module, not on each other.
+
+use std::sync::Arc;
+
+use crossbeam_channel::Sender;
+use sumflow_wire::{Codec, Dtype, Message};
+
+use crate::buffer::AlignedBuf;
+use crate::directory::KeyMeta;
+use crate::pool::PooledBuf;
+
+/// What a connection's reader (or the service) asks of an engine thread.
+pub enum Command {
+    Init {
+        key: u64,
+        meta: KeyMeta,
+        initial: Option<AlignedBuf>,
+    },
+    Push {
+        key: u64,
+        round: u64,
+        worker: u32,
+        data: PooledBuf,
+        reply: Replier,
+    },
+    Pull {
+        key: u64,
+        round: u64,
+        worker: u32,
+        reply: Replier,
+    },
+    /// A worker left or failed: rounds it has not pushed can never complete.
+    WorkerGone { worker: u32, reason: Arc<str> },
+    /// The server is stopping.
+    Stop,
+}
+
+/// What a connection's writer thread sends.
+pub enum Outgoing {
+    Message(Message),
+    /// A completed round's sum, shared with every other puller without copying.
+    Sum {
+        key: u64,
+        round: u64,
+        dtype: Dtype,
+        codec: Codec,
+        data: Arc<AlignedBuf>,
+    },
+    /// Send this error, then close the connection.
+    Fatal(Message),
+    /// The reader is done: stop without waiting for engines to drop their senders.
+    Close,
+}
+
+/// Where an engine sends its answers to one connection.
+pub type Replier = Sender<Outgoing>;
