@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TypedDict
 
 from sumflow import _core
-from sumflow.launcher import program
+from sumflow._programs import program
 
 #: Default wait for one operation, in seconds (``SUMFLOW_TIMEOUT``). Dead peers are found
 #: by heartbeats much sooner; this bounds every other way an operation can stall.

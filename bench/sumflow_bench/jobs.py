@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from sumflow.bench.netns import EmulatedCluster, EmulatedHost
-from sumflow.launcher import program
+from sumflow._programs import program
 
 #: Port of torch.distributed's store on the first worker host.
 TORCH_MASTER_PORT = 29500
