@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from sumflow.bench.netns import EmulatedCluster, EmulatedHost
 from sumflow._programs import program
+from sumflow_bench.netns import EmulatedCluster, EmulatedHost
 
 #: Port of torch.distributed's store on the first worker host.
 TORCH_MASTER_PORT = 29500

@@ -1,6 +1,6 @@
 """The harness's training benchmark: real training loops on sleeping layer-profile models.
 
-The plan (:mod:`sumflow.bench.matrix`) lists the jobs: for every (profile, reference
+The plan (:mod:`sumflow_bench.matrix`) lists the jobs: for every (profile, reference
 bandwidth) cell, the scales that keep the real cluster's communication/computation ratio
 on the emulated network, then every system on the same hosts, back to back. The standard
 run compares DDP with gloo, sumflow on the same machines (k = 0) and sumflow with k = n
@@ -18,11 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from sumflow.bench.cpu import CpuSampler
-from sumflow.bench.jobs import read_result, run_sumflow_job, run_torch_job
-from sumflow.bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
-from sumflow.bench.netns import EmulatedCluster
-from sumflow.profiles import EmulationScales
+from sumflow_bench.cpu import CpuSampler
+from sumflow_bench.jobs import read_result, run_sumflow_job, run_torch_job
+from sumflow_bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
+from sumflow_bench.netns import EmulatedCluster
+from sumflow_bench.scaling import EmulationScales
 
 #: Variables of sumflow's auto-tuner (docs/autotune.md).
 AUTOTUNE_ENV = "SUMFLOW_AUTOTUNE"
@@ -152,7 +152,7 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
     system = step.system
     iterations = args.tune_iterations if step.tune else args.iterations
     argv = [
-        *(sys.executable, "-m", "sumflow.bench.train_worker", "--profile", step.cell.model),
+        *(sys.executable, "-m", "sumflow_bench.train_worker", "--profile", step.cell.model),
         *("--size-scale", repr(cell["size_scale"]), "--time-scale", repr(cell["time_scale"])),
         *("--iterations", str(iterations)),
         *("--warmup", "0" if step.tune else str(args.warmup_iterations)),
