@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from sumflow import profiles
+from sumflow import profiles, settings
 from sumflow_bench.model import SleepingModel, build_model, expected_average
 
 SYSTEMS = ("sumflow", "ddp-gloo")
@@ -200,7 +200,7 @@ class Sumflow(System):
 
     def __init__(self, profile: profiles.ModelProfile, args: argparse.Namespace) -> None:
         if args.partition_bytes is not None:
-            os.environ["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
+            os.environ[settings.PARTITION_BYTES.name] = str(args.partition_bytes)
         import sumflow.torch as hvd
 
         self.hvd = hvd
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "compression": args.compression,
         "csc_density": args.csc,
         "cross_barrier": args.cross_barrier,
-        "scheduler": os.environ.get("SUMFLOW_SCHEDULER") if system.name == "sumflow" else None,
+        "scheduler": settings.SCHEDULER.get() if system.name == "sumflow" else None,
         "bucket_cap_mb": args.bucket_cap_mb if system.name == "ddp-gloo" else None,
         "warmup": args.warmup,
         "iterations": args.iterations,

@@ -196,9 +196,9 @@ def test_merge_refuses_two_files_of_one_worker_and_non_traces(tmp_path: Path) ->
     ("env", "message"),
     [
         ({"SUMFLOW_TRACE_STEPS": "3"}, "SUMFLOW_TRACE_STEPS set without SUMFLOW_TRACE_DIR"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_STEPS": "0"}, "STEPS=0 must be at least 1"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_START_STEP": "-1"}, "must be at least 0"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_MAX_EVENTS": "x"}, "is not an integer"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_STEPS": "0"}, "STEPS='0': expected an int"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_START_STEP": "-1"}, "an integer >= 0"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_MAX_EVENTS": "x"}, "EVENTS='x': expected"),
     ],
 )
 def test_bad_trace_variables_are_named(

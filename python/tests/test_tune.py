@@ -266,7 +266,7 @@ def test_settings_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SUMFLOW_AUTOTUNE_FUSION_BYTES", "16384:1048576")
     assert settings.from_env().space.max_fusion_bytes == 1 * MIB
     monkeypatch.setenv("SUMFLOW_AUTOTUNE_TRIALS", "0")
-    with pytest.raises(ValueError, match="max_trials"):
+    with pytest.raises(ValueError, match="SUMFLOW_AUTOTUNE_TRIALS='0': expected an integer >= 1"):
         settings.from_env()
     monkeypatch.setenv("SUMFLOW_AUTOTUNE_TRIALS", "x")
     with pytest.raises(ValueError, match="SUMFLOW_AUTOTUNE_TRIALS='x'"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+from sumflow import settings
 from sumflow.launcher.errors import PROG, ConfigError
 from sumflow.launcher.plan import make_plan
 from sumflow.launcher.supervise import Launcher
@@ -103,16 +104,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     job.add_argument(
         "--scheduler",
-        choices=("fifo", "p3", "bytescheduler", "prophet"),
+        choices=settings.SCHEDULERS,
         help="when partitions enter the network (SUMFLOW_SCHEDULER for workers; "
-        "docs/scheduling.md) [default: bytescheduler]",
+        f"docs/scheduling.md) [default: {settings.SCHEDULER.default}]",
     )
     job.add_argument(
         "--credit-bytes",
         type=int,
         metavar="BYTES",
         help="unacknowledged bytes per server for bytescheduler and prophet, 0 for no limit "
-        "(SUMFLOW_CREDIT_BYTES for workers) [default: 2 partitions]",
+        f"(SUMFLOW_CREDIT_BYTES for workers) [default: {settings.CREDIT_BYTES.unset}]",
     )
     job.add_argument(
         "--timeout",
@@ -151,13 +152,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-start-step",
         type=int,
         metavar="N",
-        help="first traced step, counting from 0 (SUMFLOW_TRACE_START_STEP) [default: 10]",
+        help="first traced step, counting from 0 (SUMFLOW_TRACE_START_STEP) "
+        f"[default: {settings.TRACE_START_STEP.default}]",
     )
     job.add_argument(
         "--trace-steps",
         type=int,
         metavar="N",
-        help="how many steps are traced (SUMFLOW_TRACE_STEPS) [default: 5]",
+        help="how many steps are traced (SUMFLOW_TRACE_STEPS) "
+        f"[default: {settings.TRACE_STEPS.default}]",
     )
     job.add_argument(
         "-x",

@@ -13,6 +13,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sumflow import settings
 from sumflow._programs import program
 from sumflow.launcher.errors import ConfigError
 from sumflow.launcher.hosts import (
@@ -273,11 +274,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     common: dict[str, str] = {}
     coordinator_args = []
     if args.heartbeat_timeout is not None:
-        common["SUMFLOW_HEARTBEAT_TIMEOUT"] = repr(float(args.heartbeat_timeout))
-        coordinator_args += ["--heartbeat-timeout", common["SUMFLOW_HEARTBEAT_TIMEOUT"]]
+        common[settings.HEARTBEAT_TIMEOUT.name] = repr(float(args.heartbeat_timeout))
+        coordinator_args += ["--heartbeat-timeout", common[settings.HEARTBEAT_TIMEOUT.name]]
     if args.join_timeout is not None:
-        common["SUMFLOW_JOIN_TIMEOUT"] = repr(float(args.join_timeout))
-        coordinator_args += ["--join-timeout", common["SUMFLOW_JOIN_TIMEOUT"]]
+        common[settings.JOIN_TIMEOUT.name] = repr(float(args.join_timeout))
+        coordinator_args += ["--join-timeout", common[settings.JOIN_TIMEOUT.name]]
     worker_env = dict(common)
     # torch.distributed's env:// rendezvous, so a worker can open gloo/nccl groups next to
     # sumflow (rank 0 of the first machine hosts the store, as under torchrun).
@@ -287,13 +288,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         worker_env["MASTER_PORT"] = str(_free_port() if hosts is None else 29500)
     if args.partition_bytes is not None:
-        worker_env["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
+        worker_env[settings.PARTITION_BYTES.name] = str(args.partition_bytes)
     if args.scheduler is not None:
-        worker_env["SUMFLOW_SCHEDULER"] = args.scheduler
+        worker_env[settings.SCHEDULER.name] = args.scheduler
     if args.credit_bytes is not None:
-        worker_env["SUMFLOW_CREDIT_BYTES"] = str(args.credit_bytes)
+        worker_env[settings.CREDIT_BYTES.name] = str(args.credit_bytes)
     if args.timeout is not None:
-        worker_env["SUMFLOW_TIMEOUT"] = repr(float(args.timeout))
+        worker_env[settings.TIMEOUT.name] = repr(float(args.timeout))
     worker_env.update(_trace_env(args))
     # Local emulated machines all share this one.
     per_host = n if hosts is None else max(size for _, _, size in machines)
@@ -307,7 +308,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.wire_stats is not None:
         if not args.wire_stats:
             raise ConfigError("--wire-stats needs a directory")
-        service_env["SUMFLOW_WIRE_STATS_DIR"] = str(Path(args.wire_stats).absolute())
+        service_env[settings.WIRE_STATS_DIR.name] = str(Path(args.wire_stats).absolute())
 
     if "RUST_LOG" in os.environ:
         rust_log = os.environ["RUST_LOG"]
@@ -351,15 +352,15 @@ def _trace_env(args: argparse.Namespace) -> dict[str, str]:
         return {}
     if not args.trace:
         raise ConfigError("--trace needs a directory")
-    env = {"SUMFLOW_TRACE_DIR": str(Path(args.trace).absolute())}
+    env = {settings.TRACE_DIR.name: str(Path(args.trace).absolute())}
     if args.trace_start_step is not None:
         if args.trace_start_step < 0:
             raise ConfigError(f"--trace-start-step must be at least 0, got {args.trace_start_step}")
-        env["SUMFLOW_TRACE_START_STEP"] = str(args.trace_start_step)
+        env[settings.TRACE_START_STEP.name] = str(args.trace_start_step)
     if args.trace_steps is not None:
         if args.trace_steps < 1:
             raise ConfigError(f"--trace-steps must be at least 1, got {args.trace_steps}")
-        env["SUMFLOW_TRACE_STEPS"] = str(args.trace_steps)
+        env[settings.TRACE_STEPS.name] = str(args.trace_steps)
     return env
 
 
@@ -392,11 +393,11 @@ def build_processes(plan: Plan, coordinator: str) -> list[ProcSpec]:
     for host_id, ssh_host, size in plan.machines:
         for local_rank in range(size):
             env = {
-                "SUMFLOW_COORDINATOR": coordinator,
-                "SUMFLOW_RANK": str(rank),
-                "SUMFLOW_NUM_WORKERS": str(plan.num_workers),
-                "SUMFLOW_HOST_ID": host_id,
-                "SUMFLOW_WORKER_NAME": f"worker {rank}",
+                settings.COORDINATOR.name: coordinator,
+                settings.RANK.name: str(rank),
+                settings.NUM_WORKERS.name: str(plan.num_workers),
+                settings.HOST_ID.name: host_id,
+                settings.WORKER_NAME.name: f"worker {rank}",
                 "RANK": str(rank),
                 "WORLD_SIZE": str(plan.num_workers),
                 "LOCAL_RANK": str(local_rank),

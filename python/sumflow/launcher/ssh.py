@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shlex
 
+from sumflow import settings
 from sumflow.launcher.errors import PROG
 from sumflow.launcher.plan import Plan, ProcSpec
 
@@ -39,7 +40,7 @@ def ssh_argv(plan: Plan, spec: ProcSpec, cwd: str) -> list[str]:
     assert spec.host is not None, f"{spec.name} runs on this machine, not over ssh"
     remote_env = {"RUST_LOG": plan.rust_log, **spec.env}
     if plan.token_file is not None:
-        remote_env["SUMFLOW_JOB_TOKEN_FILE"] = str(plan.token_file)
+        remote_env[settings.JOB_TOKEN_FILE.name] = str(plan.token_file)
     remote = ProcSpec(spec.name, spec.kind, spec.argv, remote_env, spec.host)
     return [*plan.ssh, spec.host, remote_command(remote, cwd)]
 

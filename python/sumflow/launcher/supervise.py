@@ -20,6 +20,7 @@ from pathlib import Path
 from types import FrameType
 from typing import IO
 
+from sumflow import settings
 from sumflow._programs import program
 from sumflow.launcher.errors import PROG
 from sumflow.launcher.hosts import join_host_port, split_host_port
@@ -165,7 +166,7 @@ class Launcher:
         self._signals: list[int] = []
         self._tmp: Path | None = None
         self._token = ""
-        self._base_env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+        self._base_env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
         self._base_env["RUST_LOG"] = plan.rust_log
         # The programs colour their logs even into pipes; not when this output is no
         # terminal either (a log file, CI), unless asked to.
@@ -187,8 +188,8 @@ class Launcher:
             return self._run()
         finally:
             self._teardown()
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
             if self._tmp is not None:
                 shutil.rmtree(self._tmp, ignore_errors=True)
 
@@ -206,7 +207,7 @@ class Launcher:
             fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(self._token + "\n")
-        self._base_env["SUMFLOW_JOB_TOKEN_FILE"] = str(token_file)
+        self._base_env[settings.JOB_TOKEN_FILE.name] = str(token_file)
 
         addr_file = self._tmp / "coordinator"
         argv = [
@@ -247,7 +248,7 @@ class Launcher:
             stdin: int = subprocess.DEVNULL
         else:
             argv = ssh_argv(self.plan, spec, os.getcwd())
-            env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+            env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
             stdin = subprocess.PIPE
         try:
             proc = subprocess.Popen(

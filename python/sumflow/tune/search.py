@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sumflow import settings
 from sumflow.tune.space import Configuration, SearchSpace
 
-#: The drivers by name (``SUMFLOW_AUTOTUNE_METHOD``).
-METHODS = ("bo", "random", "grid")
+#: The drivers by name (``SUMFLOW_AUTOTUNE_METHOD``'s choices).
+METHODS = settings.TUNE_METHODS
 
 
 @dataclass(frozen=True)
