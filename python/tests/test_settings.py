@@ -193,9 +193,14 @@ def test_the_environment_reaches_the_service(monkeypatch: pytest.MonkeyPatch) ->
 
 
 def test_a_bad_value_stops_init_before_anything_starts(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(_core, "CommunicationService", FakeService)
-    monkeypatch.setenv("SUMFLOW_COORDINATOR", "10.0.0.1:29400")
-    monkeypatch.setenv("SUMFLOW_JOB_TOKEN", "t" * 32)
+    def start(name: str, args: list[str], env: dict[str, str]) -> Any:
+        raise AssertionError(f"{name} started before the settings were checked")
+
+    # A job of one starts its own coordinator and server: not with a bad setting.
+    for variable in settings.TABLE:
+        monkeypatch.delenv(variable.name, raising=False)
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.setattr(_runtime, "_start", start)
     monkeypatch.setenv("SUMFLOW_PARTITION_BYTES", "-4")
     with pytest.raises(SettingError, match="SUMFLOW_PARTITION_BYTES='-4'"):
         _runtime.init()

@@ -31,14 +31,43 @@ from sumflow._programs import program
 
 
 class _Options(TypedDict, total=False):
-    """The service's keywords that are passed only when their variable is set, so that
-    the core's own defaults hold otherwise."""
+    """The service's keywords that come from the environment. Those of the trace window and
+    Prophet's stage factor are there only when their variable is set, so that the core's
+    own defaults hold otherwise."""
 
+    name: str
+    partition_bytes: int
+    scheduler: str
+    credit_bytes: int | None
+    push_window_bytes: int | None
+    connections_per_cpu_server: int | None
+    join_timeout: float
+    heartbeat_timeout: float
     prophet_stage_factor: float
     trace_dir: str
     trace_start_step: int
     trace_steps: int
     trace_max_events: int
+
+
+def _service_options() -> _Options:
+    """Every keyword of the service the environment sets, read (and so checked) before
+    any coordinator or server is started for the job."""
+    options: _Options = {
+        "name": settings.WORKER_NAME.read() or f"worker pid {os.getpid()}",
+        "partition_bytes": settings.PARTITION_BYTES.read(),
+        "scheduler": settings.SCHEDULER.read(),
+        "credit_bytes": settings.CREDIT_BYTES.read(),
+        "push_window_bytes": settings.PUSH_WINDOW_BYTES.read(),
+        "connections_per_cpu_server": settings.CPU_SERVER_CONNECTIONS.read(),
+        "join_timeout": settings.JOIN_TIMEOUT.read(),
+        "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
+    }
+    stage_factor = settings.PROPHET_STAGE_FACTOR.read()
+    if stage_factor is not None:
+        options["prophet_stage_factor"] = stage_factor
+    options.update(_trace_settings())
+    return options
 
 
 def _trace_settings() -> _Options:
@@ -266,10 +295,7 @@ def init() -> Runtime:
         tmpdir = tempfile.TemporaryDirectory(prefix="sumflow-")
         try:
             timeout = settings.TIMEOUT.read()
-            options = _trace_settings()
-            stage_factor = settings.PROPHET_STAGE_FACTOR.read()
-            if stage_factor is not None:
-                options["prophet_stage_factor"] = stage_factor
+            options = _service_options()
             given_coordinator = settings.COORDINATOR.read()
             if given_coordinator:
                 coordinator = given_coordinator
@@ -281,19 +307,7 @@ def init() -> Runtime:
             else:
                 coordinator, token, host_id, rank = _single_process_job(children, tmpdir.name)
             service = _core.CommunicationService(
-                coordinator,
-                token,
-                host_id=host_id,
-                rank=rank,
-                name=settings.WORKER_NAME.read() or f"worker pid {os.getpid()}",
-                partition_bytes=settings.PARTITION_BYTES.read(),
-                scheduler=settings.SCHEDULER.read(),
-                credit_bytes=settings.CREDIT_BYTES.read(),
-                push_window_bytes=settings.PUSH_WINDOW_BYTES.read(),
-                connections_per_cpu_server=settings.CPU_SERVER_CONNECTIONS.read(),
-                join_timeout=settings.JOIN_TIMEOUT.read(),
-                heartbeat_timeout=settings.HEARTBEAT_TIMEOUT.read(),
-                **options,
+                coordinator, token, host_id=host_id, rank=rank, **options
             )
         except BaseException:
             _stop_children(children)
