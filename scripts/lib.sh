@@ -25,8 +25,9 @@ apt_install() {
 # calling script:
 #   1. a virtual environment of python3 (CPython >= 3.9; Debian's python3-venv is installed
 #      if venv is missing);
-#   2. the pinned tools of requirements-dev.txt (maturin, pytest, ruff, numpy, torch), after
-#      upgrading pip; skipped when .venv already holds exactly that file's pins;
+#   2. the pinned tools of requirements-dev.txt (maturin, setuptools, pytest, ruff, numpy,
+#      torch), after upgrading pip; skipped when .venv already holds exactly that file's
+#      pins;
 #   3. the sumflow package, built by `maturin develop --release`: an editable install (a .pth
 #      points at python/, so Python edits need no reinstall) whose extension module is
 #      built into python/sumflow/. Cargo rebuilds only what changed, in the workspace's
