@@ -38,7 +38,7 @@ bench-schedulers-quick:
 
 # The grid search the auto-tuner is judged against (about 20 minutes): bytescheduler on
 # VGG-16 at 1 Gbit/s over 6 partition sizes x 5 credits. Then:
-#   python -m sumflow.tune.compare bench/results/grid/GRID.json
+#   python -m sumflow_bench.tune_compare bench/results/grid/GRID.json
 bench-grid:
 	bash scripts/bench-cluster.sh --grid bench/results/grid/GRID.json --reference-gbits 1 \
 	    --iterations 10 --warmup-iterations 2 --out bench/results/grid

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up and runs the emulated-cluster benchmark (python -m sumflow.bench.cluster): the
-# Python environment (.venv with the sumflow package), iproute2 and iperf3, then the
+# Sets up and runs the emulated-cluster benchmark (python -m sumflow_bench.cluster): the
+# Python environment (.venv with sumflow and sumflow-bench), iproute2 and iperf3, then the
 # harness with the arguments given (none: the standard configuration). Needs root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,4 +17,4 @@ ensure_python_env
 step "iproute2 and iperf3"
 ensure_cluster_tools
 step "emulated-cluster benchmark"
-python -m sumflow.bench.cluster "$@"
+python -m sumflow_bench.cluster "$@"

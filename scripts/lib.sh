@@ -25,12 +25,14 @@ apt_install() {
 # calling script:
 #   1. a virtual environment of python3 (CPython >= 3.9; Debian's python3-venv is installed
 #      if venv is missing);
-#   2. the pinned tools of requirements-dev.txt (maturin, pytest, ruff, numpy, torch), after
-#      upgrading pip; skipped when .venv already holds exactly that file's pins;
+#   2. the pinned tools of requirements-dev.txt (maturin, setuptools, pytest, ruff, numpy,
+#      torch), after upgrading pip; skipped when .venv already holds exactly that file's
+#      pins;
 #   3. the sumflow package, built by `maturin develop --release`: an editable install (a .pth
 #      points at python/, so Python edits need no reinstall) whose extension module is
 #      built into python/sumflow/. Cargo rebuilds only what changed, in the workspace's
-#      target/ (or $CARGO_TARGET_DIR), sharing the release build of `cargo test --release`.
+#      target/ (or $CARGO_TARGET_DIR), sharing the release build of `cargo test --release`;
+#   4. the benchmarks, bench/ (the sumflow-bench distribution: sumflow_bench), editable too.
 # After a Rust change, run `maturin develop --release` in the activated .venv, or this again.
 ensure_python_env() {
   local venv=.venv started=$SECONDS
@@ -66,10 +68,15 @@ ensure_python_env() {
 
   local t=$SECONDS
   maturin develop --release --locked
-  echo "built and installed sumflow in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
+  # With the setuptools pinned in requirements-dev.txt and without resolving dependencies:
+  # everything sumflow-bench needs is pinned there or is the sumflow just installed, so this
+  # needs no index (and could never fetch some other project's "sumflow" from one).
+  python -m pip install --disable-pip-version-check --progress-bar off -q \
+    --no-build-isolation --no-deps --editable bench
+  echo "built and installed sumflow and sumflow-bench in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
 }
 
-# What the emulated-cluster benchmark (python -m sumflow.bench.cluster) needs besides root:
+# What the emulated-cluster benchmark (python -m sumflow_bench.cluster) needs besides root:
 # ip and tc from iproute2 for the namespaces and shaping, iperf3 for its link check.
 ensure_cluster_tools() {
   if command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 \

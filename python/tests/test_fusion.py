@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sumflow.torch import fusion
+from sumflow import settings
 from sumflow.torch.fusion import GradientPool, plan_spans
 
 
@@ -30,13 +30,14 @@ def test_a_bad_theta_is_refused(bad: object) -> None:
 
 
 def test_theta_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fusion.FUSION_THRESHOLD_ENV, raising=False)
-    assert fusion.threshold_from_env() == 0
-    monkeypatch.setenv(fusion.FUSION_THRESHOLD_ENV, " 65536 ")
-    assert fusion.threshold_from_env() == 65536
-    monkeypatch.setenv(fusion.FUSION_THRESHOLD_ENV, "64MB")
+    theta = settings.FUSION_THRESHOLD
+    monkeypatch.delenv(theta.name, raising=False)
+    assert theta.read() == 0
+    monkeypatch.setenv(theta.name, " 65536 ")
+    assert theta.read() == 65536
+    monkeypatch.setenv(theta.name, "64MB")
     with pytest.raises(ValueError, match="SUMFLOW_FUSION_THRESHOLD='64MB'"):
-        fusion.threshold_from_env()
+        theta.read()
 
 
 def in_pool(pool: GradientPool, p: torch.nn.Parameter) -> bool:

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from sumflow import _core, launcher
+from sumflow import _core
+from sumflow.launcher.cli import build_parser
+from sumflow.launcher.errors import ConfigError
+from sumflow.launcher.hosts import parse_hostfile, parse_hosts
+from sumflow.launcher.plan import ProcSpec, build_processes, make_plan
+from sumflow.launcher.ssh import remote_command
 
 #: Every subprocess call of this file ends within this many seconds, or the test fails.
 TIMEOUT = 60
@@ -246,7 +251,7 @@ def test_help_documents_every_option() -> None:
 
 
 def test_host_lists_and_host_files() -> None:
-    hosts = launcher.parse_hosts("gpu1:8,user@gpu2:4,gpu3,[fe80::1]:2")
+    hosts = parse_hosts("gpu1:8,user@gpu2:4,gpu3,[fe80::1]:2")
     assert [(h.name, h.slots, h.address) for h in hosts] == [
         ("gpu1", 8, "gpu1"),
         ("user@gpu2", 4, "gpu2"),
@@ -254,7 +259,7 @@ def test_host_lists_and_host_files() -> None:
         ("fe80::1", 2, "fe80::1"),
     ]
     text = "# cluster\n\ngpu1 slots=8   # the first\ngpu2:4\n  gpu3\n"
-    assert [(h.name, h.slots) for h in launcher.parse_hostfile(text, "hf")] == [
+    assert [(h.name, h.slots) for h in parse_hostfile(text, "hf")] == [
         ("gpu1", 8),
         ("gpu2", 4),
         ("gpu3", 1),
@@ -266,16 +271,16 @@ def test_host_lists_and_host_files() -> None:
         ("# nothing\n", "no hosts"),
         ("a\nb\na:2\n", "host a is listed twice"),
     ]:
-        with pytest.raises(launcher.ConfigError, match=re.escape(reason)):
-            launcher.parse_hostfile(bad, "hf")
+        with pytest.raises(ConfigError, match=re.escape(reason)):
+            parse_hostfile(bad, "hf")
 
 
 def test_plan_places_ranks_machines_and_servers() -> None:
-    parser = launcher.build_parser()
-    plan = launcher.make_plan(
+    parser = build_parser()
+    plan = make_plan(
         parser.parse_args(["-np", "4", "--local-size", "2", "--servers", "1", "--", "true"])
     )
-    specs = launcher.build_processes(plan, "127.0.0.1:1234")
+    specs = build_processes(plan, "127.0.0.1:1234")
     assert [s.name for s in specs] == [
         "server 0",
         "server 1",
@@ -293,7 +298,7 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     assert w3["SUMFLOW_HOST_ID"] == "local-1"
     assert plan.num_servers == 3
 
-    plan = launcher.make_plan(
+    plan = make_plan(
         parser.parse_args(
             [
                 *("-H", "a:2,u@b:1", "--server-hosts", "c", "--servers", "2"),
@@ -301,7 +306,7 @@ def test_plan_places_ranks_machines_and_servers() -> None:
             ]
         )
     )
-    specs = launcher.build_processes(plan, "10.0.0.1:29400")
+    specs = build_processes(plan, "10.0.0.1:29400")
     assert [(s.name, s.host) for s in specs] == [
         ("server 0", "a"),
         ("server 1", "u@b"),
@@ -314,8 +319,8 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     assert specs[1].argv[specs[1].argv.index("--advertise") + 1] == "b"
     assert specs[6].env["SUMFLOW_HOST_ID"] == "b"
     assert (specs[6].env["MASTER_ADDR"], specs[6].env["MASTER_PORT"]) == ("a", "29500")
-    plan = launcher.make_plan(parser.parse_args(["-np", "2", "--master-port", "29611", "true"]))
-    env = launcher.build_processes(plan, "127.0.0.1:1")[-1].env
+    plan = make_plan(parser.parse_args(["-np", "2", "--master-port", "29611", "true"]))
+    env = build_processes(plan, "127.0.0.1:1")[-1].env
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29611")
     assert "--engine-threads" not in specs[0].argv
 
@@ -323,12 +328,12 @@ def test_plan_places_ranks_machines_and_servers() -> None:
 def test_workers_sharing_a_machine_get_one_openmp_thread_unless_told(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    parser = launcher.build_parser()
+    parser = build_parser()
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
 
     def worker_env(argv: list[str]) -> dict[str, str]:
-        plan = launcher.make_plan(parser.parse_args(argv))
-        return launcher.build_processes(plan, "127.0.0.1:1")[-1].env
+        plan = make_plan(parser.parse_args(argv))
+        return build_processes(plan, "127.0.0.1:1")[-1].env
 
     assert worker_env(["-np", "2", "true"])["OMP_NUM_THREADS"] == "1"
     assert worker_env(["-np", "2", "-x", "OMP_NUM_THREADS=4", "true"])["OMP_NUM_THREADS"] == "4"
@@ -339,14 +344,14 @@ def test_workers_sharing_a_machine_get_one_openmp_thread_unless_told(
 
 
 def test_remote_wrapper_passes_the_token_on_stdin_and_stops_on_eof(tmp_path: Path) -> None:
-    spec = launcher.ProcSpec(
+    spec = ProcSpec(
         "worker 0",
         "worker",
         ["sh", "-c", 'echo "token=$SUMFLOW_JOB_TOKEN a=$A pwd=$(pwd)"; exit 7'],
         {"A": 'it\'s "quoted" $HOME'},
         "h",
     )
-    cmd = launcher.remote_command(spec, str(tmp_path))
+    cmd = remote_command(spec, str(tmp_path))
     assert "s3cret" not in cmd
     # The launcher keeps ssh's stdin open while the job runs: closing it stops the command.
     proc = subprocess.Popen(
@@ -365,9 +370,9 @@ def test_remote_wrapper_passes_the_token_on_stdin_and_stops_on_eof(tmp_path: Pat
         proc.communicate(timeout=TIMEOUT)
 
     # When stdin closes (the launcher stopped or died), the command gets SIGTERM.
-    spec = launcher.ProcSpec("worker 0", "worker", ["sleep", "30"], {}, "h")
+    spec = ProcSpec("worker 0", "worker", ["sleep", "30"], {}, "h")
     proc = subprocess.Popen(
-        ["sh", "-c", launcher.remote_command(spec, "/")],
+        ["sh", "-c", remote_command(spec, "/")],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
     )

@@ -46,6 +46,6 @@ def test_an_unknown_scheduler_is_refused_by_name(tmp_path: Path) -> None:
         tmp_path, 1, [WORKER, str(tmp_path)], 0, env={"SUMFLOW_SCHEDULER": "lifo"}
     )
     assert outcomes[0].returncode != 0
-    assert "unknown scheduler 'lifo': choose one of fifo, p3, bytescheduler, prophet" in (
+    assert "SUMFLOW_SCHEDULER='lifo': expected one of fifo, p3, bytescheduler, prophet" in (
         outcomes[0].stderr
     ), outcomes[0].stderr[-2000:]

@@ -13,8 +13,11 @@ from typing import Any
 
 import pytest
 
-from sumflow import _core, launcher
+from sumflow import _core
 from sumflow import trace as trace_tool
+from sumflow.launcher.cli import build_parser
+from sumflow.launcher.errors import ConfigError
+from sumflow.launcher.plan import make_plan
 from sumflow.torch import _runtime
 from sumflow.torch import trace as torch_trace
 
@@ -193,9 +196,9 @@ def test_merge_refuses_two_files_of_one_worker_and_non_traces(tmp_path: Path) ->
     ("env", "message"),
     [
         ({"SUMFLOW_TRACE_STEPS": "3"}, "SUMFLOW_TRACE_STEPS set without SUMFLOW_TRACE_DIR"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_STEPS": "0"}, "STEPS=0 must be at least 1"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_START_STEP": "-1"}, "must be at least 0"),
-        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_MAX_EVENTS": "x"}, "is not an integer"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_STEPS": "0"}, "STEPS='0': expected an int"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_START_STEP": "-1"}, "an integer >= 0"),
+        ({"SUMFLOW_TRACE_DIR": "d", "SUMFLOW_TRACE_MAX_EVENTS": "x"}, "EVENTS='x': expected"),
     ],
 )
 def test_bad_trace_variables_are_named(
@@ -241,20 +244,20 @@ def test_the_service_refuses_bad_trace_keywords(tmp_path: Path) -> None:
     ],
 )
 def test_launcher_checks_the_trace_window(args: list[str], message: str) -> None:
-    parser = launcher.build_parser()
-    with pytest.raises(launcher.ConfigError, match=message):
-        launcher.make_plan(parser.parse_args(["-np", "2", *args, "true"]))
+    parser = build_parser()
+    with pytest.raises(ConfigError, match=message):
+        make_plan(parser.parse_args(["-np", "2", *args, "true"]))
 
 
 def test_launcher_help_documents_the_trace_options() -> None:
-    text = launcher.build_parser().format_help()
+    text = build_parser().format_help()
     for flag in ("--trace DIR", "--trace-start-step N", "--trace-steps N"):
         assert flag in text, flag
 
 
 def test_launcher_gives_every_worker_the_trace_variables(tmp_path: Path) -> None:
-    parser = launcher.build_parser()
-    plan = launcher.make_plan(
+    parser = build_parser()
+    plan = make_plan(
         parser.parse_args(["-np", "2", "--trace", "rel", "--trace-start-step", "0", "true"])
     )
     assert plan.worker_env["SUMFLOW_TRACE_DIR"] == str(Path("rel").absolute())

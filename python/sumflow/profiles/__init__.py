@@ -2,16 +2,15 @@
 
 A :class:`ModelProfile` lists a model's layers in forward order, each with its parameter
 tensors (float32) and its forward and backward milliseconds on a reference device. The
-sleeping benchmark model (``sumflow.bench.model``) and the simulator run from the same
+simulator and the benchmarks' sleeping model (``sumflow_bench.model``) run from the same
 profiles. See ``docs/profiles.md``.
 
     from sumflow import profiles
 
     p = profiles.load("resnet50")              # a built-in, or a path to a JSON file
     print(p.summary())
-    s = profiles.scales_for_emulation(p, reference_gbps=25, emulated_gbps=1)
-    small = profiles.scale(p, size_scale=s.size_scale, time_scale=s.time_scale)
-    small.save("resnet50-1g.json")
+    small = profiles.scale(p, size_scale=0.1, time_scale=0.5)
+    small.save("resnet50-small.json")
 """
 
 from __future__ import annotations
@@ -28,13 +27,12 @@ from sumflow.profiles.format import (
     ModelProfile,
     ParamSpec,
 )
-from sumflow.profiles.scaling import EmulationScales, scale, scales_for_emulation
+from sumflow.profiles.scaling import scale
 
 __all__ = [
     "BYTES_PER_ELEMENT",
     "DTYPE",
     "FORMAT_VERSION",
-    "EmulationScales",
     "LayerProfile",
     "ModelProfile",
     "ParamSpec",
@@ -44,7 +42,6 @@ __all__ = [
     "names",
     "save",
     "scale",
-    "scales_for_emulation",
 ]
 
 

@@ -3,7 +3,7 @@
 A :class:`ModelProfile` is a model reduced to what data-parallel communication sees: its
 layers in forward order, each with its parameter tensors (name and shape, float32) and
 the milliseconds its forward and backward passes take on a stated reference device at a
-stated batch size. The sleeping benchmark model (``sumflow.bench.model``) and the
+stated batch size. The sleeping benchmark model (``sumflow_bench.model``) and the
 discrete-event simulator read the same objects, so a profile means the same thing to both.
 
 Profiles are immutable and validated when built, from code or from JSON; every error is a

@@ -1,10 +1,10 @@
 """The process's one communication service: how it is found, started and stopped.
 
-A worker learns its job from the environment. ``sumflow-run`` sets ``SUMFLOW_*`` variables;
-under ``torchrun`` (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``) rank 0 starts the coordinator and each machine's local rank 0 its
-colocated summation server; a process started alone is a job of one, with its own
-coordinator and server.
+A worker learns its job from the environment (``sumflow.settings``, docs/settings.md).
+``sumflow-run`` sets ``SUMFLOW_*`` variables; under ``torchrun`` (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) rank 0 starts the
+coordinator and each machine's local rank 0 its colocated summation server; a process
+started alone is a job of one, with its own coordinator and server.
 """
 
 from __future__ import annotations
@@ -26,94 +26,85 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypedDict
 
-from sumflow import _core
-from sumflow.launcher import program
-
-#: Default wait for one operation, in seconds (``SUMFLOW_TIMEOUT``). Dead peers are found
-#: by heartbeats much sooner; this bounds every other way an operation can stall.
-DEFAULT_TIMEOUT = 300.0
+from sumflow import _core, settings
+from sumflow._programs import program
 
 
-def _env_factor(name: str) -> float:
-    """A factor >= 0 from the environment; 0 when unset."""
-    raw = os.environ.get(name) or "0"
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if not value >= 0 or value == float("inf"):
-        raise ValueError(f"{name}={raw!r} must be a finite number >= 0")
-    return value
+class _Options(TypedDict, total=False):
+    """The service's keywords that come from the environment. Those of the trace window and
+    Prophet's stage factor are there only when their variable is set, so that the core's
+    own defaults hold otherwise."""
 
-
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number of seconds") from None
-    if not value > 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _env_count(name: str, least: int) -> int | None:
-    value = _env_int(name)
-    if value is not None and value < least:
-        raise ValueError(f"{name}={value} must be at least {least}")
-    return value
-
-
-class _TraceSettings(TypedDict, total=False):
+    name: str
+    partition_bytes: int
+    scheduler: str
+    credit_bytes: int | None
+    push_window_bytes: int | None
+    connections_per_cpu_server: int | None
+    join_timeout: float
+    heartbeat_timeout: float
+    prophet_stage_factor: float
     trace_dir: str
     trace_start_step: int
     trace_steps: int
     trace_max_events: int
 
 
-def _trace_settings() -> _TraceSettings:
+def _service_options() -> _Options:
+    """Every keyword of the service the environment sets, read (and so checked) before
+    any coordinator or server is started for the job."""
+    options: _Options = {
+        "name": settings.WORKER_NAME.read() or f"worker pid {os.getpid()}",
+        "partition_bytes": settings.PARTITION_BYTES.read(),
+        "scheduler": settings.SCHEDULER.read(),
+        "credit_bytes": settings.CREDIT_BYTES.read(),
+        "push_window_bytes": settings.PUSH_WINDOW_BYTES.read(),
+        "connections_per_cpu_server": settings.CPU_SERVER_CONNECTIONS.read(),
+        "join_timeout": settings.JOIN_TIMEOUT.read(),
+        "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
+    }
+    stage_factor = settings.PROPHET_STAGE_FACTOR.read()
+    if stage_factor is not None:
+        options["prophet_stage_factor"] = stage_factor
+    options.update(_trace_settings())
+    return options
+
+
+def _trace_settings() -> _Options:
     """The service's trace keywords from ``SUMFLOW_TRACE_*`` (docs/tracing.md): tracing is
     on when ``SUMFLOW_TRACE_DIR`` is set; the window's defaults are the core's."""
-    start_step = _env_count("SUMFLOW_TRACE_START_STEP", 0)
-    steps = _env_count("SUMFLOW_TRACE_STEPS", 1)
-    max_events = _env_count("SUMFLOW_TRACE_MAX_EVENTS", 1)
-    directory = os.environ.get("SUMFLOW_TRACE_DIR")
+    window = (settings.TRACE_START_STEP, settings.TRACE_STEPS, settings.TRACE_MAX_EVENTS)
+    start_step, steps, max_events = (s.get() for s in window)
+    directory = settings.TRACE_DIR.read()
     if not directory:
         given = [
-            name
-            for name, value in (
-                ("SUMFLOW_TRACE_START_STEP", start_step),
-                ("SUMFLOW_TRACE_STEPS", steps),
-                ("SUMFLOW_TRACE_MAX_EVENTS", max_events),
-            )
-            if value is not None
+            s.name for s, value in zip(window, (start_step, steps, max_events)) if value is not None
         ]
         if given:
             raise ValueError(
-                f"{', '.join(given)} set without SUMFLOW_TRACE_DIR, the directory the trace "
-                "is written to: set it too to record a trace"
+                f"{', '.join(given)} set without {settings.TRACE_DIR.name}, the directory the "
+                "trace is written to: set it too to record a trace"
             )
         return {}
-    settings: _TraceSettings = {"trace_dir": directory}
+    options: _Options = {"trace_dir": directory}
     if start_step is not None:
-        settings["trace_start_step"] = start_step
+        options["trace_start_step"] = start_step
     if steps is not None:
-        settings["trace_steps"] = steps
+        options["trace_steps"] = steps
     if max_events is not None:
-        settings["trace_max_events"] = max_events
-    return settings
+        options["trace_max_events"] = max_events
+    return options
+
+
+def _torchrun_int(name: str) -> int | None:
+    """One of torchrun's integer variables (``RANK``, ``WORLD_SIZE``...), None when unset."""
+    raw = os.environ.get(name)
+    if not raw:
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
 def report_trace(written: tuple[str, str] | None) -> None:
@@ -193,51 +184,52 @@ def _wait_for_file(path: Path, what: str, proc: subprocess.Popen[bytes], timeout
 
 
 def _job_token() -> str:
-    path = os.environ.get("SUMFLOW_JOB_TOKEN_FILE")
+    path = settings.JOB_TOKEN_FILE.read()
     if path:
         try:
             return Path(path).read_text().strip()
         except OSError as e:
             raise ValueError(
-                f"SUMFLOW_JOB_TOKEN_FILE={path}: cannot read the job token: {e}"
+                f"{settings.JOB_TOKEN_FILE.name}={path}: cannot read the job token: {e}"
             ) from None
-    token = os.environ.get("SUMFLOW_JOB_TOKEN")
+    token = settings.JOB_TOKEN.read()
     if token:
         return token
     raise ValueError(
-        "no job token: set SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN (sumflow-run sets one)"
+        f"no job token: set {settings.JOB_TOKEN_FILE.name} or {settings.JOB_TOKEN.name} "
+        "(sumflow-run sets one)"
     )
 
 
 def _torchrun_job(children: list[subprocess.Popen[bytes]]) -> tuple[str, str, str, int]:
     """Coordinator address, token, machine id and rank for a torchrun worker, starting the
     coordinator (rank 0) and this machine's colocated server (local rank 0)."""
-    rank = _env_int("RANK") or 0
-    world = _env_int("WORLD_SIZE") or 1
-    local_rank = _env_int("LOCAL_RANK") or 0
-    local_world = _env_int("LOCAL_WORLD_SIZE") or world
+    rank = _torchrun_int("RANK") or 0
+    world = _torchrun_int("WORLD_SIZE") or 1
+    local_rank = _torchrun_int("LOCAL_RANK") or 0
+    local_world = _torchrun_int("LOCAL_WORLD_SIZE") or world
     if world % local_world:
         raise ValueError(
             f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}: sumflow "
             "under torchrun needs the same number of workers on every machine"
         )
     master = os.environ["MASTER_ADDR"]
-    port = (_env_int("MASTER_PORT") or 29500) + 1
+    port = (_torchrun_int("MASTER_PORT") or 29500) + 1
     coordinator = f"{master}:{port}"
-    token = os.environ.get("SUMFLOW_JOB_TOKEN")
+    token = settings.JOB_TOKEN.read()
     if not token:
         run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
         token = hashlib.sha256(f"sumflow:{run_id}:{coordinator}:{world}".encode()).hexdigest()
         if rank == 0:
             warnings.warn(
-                "sumflow under torchrun without SUMFLOW_JOB_TOKEN: the job token is derived "
-                "from the rendezvous settings, so anyone who knows them can join; set "
-                "SUMFLOW_JOB_TOKEN to the same secret on every machine",
+                f"sumflow under torchrun without {settings.JOB_TOKEN.name}: the job token is "
+                "derived from the rendezvous settings, so anyone who knows them can join; set "
+                f"{settings.JOB_TOKEN.name} to the same secret on every machine",
                 stacklevel=3,
             )
-    host_id = os.environ.get("SUMFLOW_HOST_ID") or socket.gethostname()
-    env = dict(os.environ, SUMFLOW_JOB_TOKEN=token)
-    env.pop("SUMFLOW_JOB_TOKEN_FILE", None)
+    host_id = settings.HOST_ID.read() or socket.gethostname()
+    env = {**os.environ, settings.JOB_TOKEN.name: token}
+    env.pop(settings.JOB_TOKEN_FILE.name, None)
     env.setdefault("RUST_LOG", "warn")
     machines = world // local_world
     if rank == 0:
@@ -271,8 +263,8 @@ def _single_process_job(
 ) -> tuple[str, str, str, int]:
     """A job of one: its own coordinator and colocated server on loopback."""
     token = secrets.token_hex(32)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
-    env["SUMFLOW_JOB_TOKEN"] = token
+    env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
+    env[settings.JOB_TOKEN.name] = token
     env.setdefault("RUST_LOG", "warn")
     addr_file = Path(tmp) / "coordinator"
     children.append(
@@ -302,31 +294,20 @@ def init() -> Runtime:
         children: list[subprocess.Popen[bytes]] = []
         tmpdir = tempfile.TemporaryDirectory(prefix="sumflow-")
         try:
-            timeout = _env_float("SUMFLOW_TIMEOUT", DEFAULT_TIMEOUT)
-            if os.environ.get("SUMFLOW_COORDINATOR"):
-                coordinator = os.environ["SUMFLOW_COORDINATOR"]
+            timeout = settings.TIMEOUT.read()
+            options = _service_options()
+            given_coordinator = settings.COORDINATOR.read()
+            if given_coordinator:
+                coordinator = given_coordinator
                 token = _job_token()
-                host_id = os.environ.get("SUMFLOW_HOST_ID") or socket.gethostname()
-                rank = _env_int("SUMFLOW_RANK")
+                host_id = settings.HOST_ID.read() or socket.gethostname()
+                rank = settings.RANK.read()
             elif os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
                 coordinator, token, host_id, rank = _torchrun_job(children)
             else:
                 coordinator, token, host_id, rank = _single_process_job(children, tmpdir.name)
             service = _core.CommunicationService(
-                coordinator,
-                token,
-                host_id=host_id,
-                rank=rank,
-                name=os.environ.get("SUMFLOW_WORKER_NAME") or f"worker pid {os.getpid()}",
-                partition_bytes=_env_int("SUMFLOW_PARTITION_BYTES") or 4 << 20,
-                scheduler=os.environ.get("SUMFLOW_SCHEDULER") or "bytescheduler",
-                credit_bytes=_env_int("SUMFLOW_CREDIT_BYTES"),
-                push_window_bytes=_env_int("SUMFLOW_PUSH_WINDOW_BYTES"),
-                prophet_stage_factor=_env_factor("SUMFLOW_PROPHET_STAGE_FACTOR"),
-                connections_per_cpu_server=_env_int("SUMFLOW_CPU_SERVER_CONNECTIONS"),
-                join_timeout=_env_float("SUMFLOW_JOIN_TIMEOUT", 300.0),
-                heartbeat_timeout=_env_float("SUMFLOW_HEARTBEAT_TIMEOUT", 10.0),
-                **_trace_settings(),
+                coordinator, token, host_id=host_id, rank=rank, **options
             )
         except BaseException:
             _stop_children(children)

@@ -25,10 +25,11 @@ Three kinds of compressor:
 from __future__ import annotations
 
 import copy
-import os
 from typing import Any, Callable, Union
 
 import torch
+
+from sumflow import settings
 
 #: What the core is told about a tensor's compression: (compressor, parameter, feedback).
 CoreSpec = tuple[str, float, bool]
@@ -296,13 +297,13 @@ class Compression:
     @staticmethod
     def from_env(default: AnyCompressor = NoneCompressor) -> AnyCompressor:
         """``SUMFLOW_COMPRESSION``'s compressor (see ``parse``), or `default` if unset."""
-        spec = os.environ.get("SUMFLOW_COMPRESSION", "").strip()
-        if not spec:
+        spec = settings.COMPRESSION.read()
+        if spec is None:
             return default
         try:
             return Compression.parse(spec)
         except ValueError as e:
-            raise ValueError(f"SUMFLOW_COMPRESSION={spec!r}: {e}") from None
+            raise settings.COMPRESSION.invalid(spec, str(e)) from None
 
 
 def _literal(text: str, spec: str) -> Any:

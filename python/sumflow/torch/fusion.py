@@ -18,28 +18,10 @@ fresh tensor, which is moved into the view once (the move DDP's bucket views mak
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-
-#: The default theta, in bytes; 0 sends every gradient on its own.
-FUSION_THRESHOLD_ENV = "SUMFLOW_FUSION_THRESHOLD"
-
-
-def threshold_from_env() -> int:
-    """Theta from ``SUMFLOW_FUSION_THRESHOLD`` (bytes), 0 when it is not set."""
-    raw = os.environ.get(FUSION_THRESHOLD_ENV, "").strip()
-    if not raw:
-        return 0
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(
-            f"{FUSION_THRESHOLD_ENV}={raw!r}: expected a whole number of bytes (0 = no fusion)"
-        ) from None
-    return check_threshold(value, FUSION_THRESHOLD_ENV)
 
 
 def check_threshold(value: int, what: str = "fusion_threshold") -> int:

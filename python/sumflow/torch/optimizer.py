@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from sumflow import settings
 from sumflow.torch import fusion, ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.fusion import GradientPool, Span
@@ -460,7 +461,7 @@ def DistributedOptimizer(
     wrapped.__dict__ = optimizer.__dict__
     _route_patched_step(wrapped)
     threshold = (
-        fusion.threshold_from_env()
+        settings.FUSION_THRESHOLD.read()
         if fusion_threshold is None
         else fusion.check_threshold(fusion_threshold)
     )

@@ -14,8 +14,10 @@ same model on the same cluster. See docs/autotune.md.
   rank 0's decisions, the protocol every worker follows, the DistributedOptimizer glue;
 - :mod:`sumflow.tune.store`, :mod:`sumflow.tune.trial_log`: persisted results and the
   trial log;
-- :mod:`sumflow.tune.compare`: the offline comparison of BO with random and grid search
-  (``python -m sumflow.tune.compare GRID.json``), with :mod:`sumflow.tune.synthetic`.
+- :mod:`sumflow.tune.synthetic`: a step-time model to test tuners on without a cluster.
+
+The offline comparison of BO with random and grid search is in the benchmark package
+(``python -m sumflow_bench.tune_compare GRID.json``).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 A driver proposes configurations (``ask``) and learns the score of each (``tell``); it
 never measures anything itself, so the online tuner and the offline replay
-(:mod:`sumflow.tune.compare`) drive the same code. Three are provided: Bayesian
+(:mod:`sumflow_bench.tune_compare`) drive the same code. Three are provided: Bayesian
 optimisation (:class:`sumflow.tune.bayes.BayesianSearch`, the default, as ByteScheduler
 §4.3), and random and grid search, the baselines of ByteScheduler Fig. 14.
 """
@@ -14,10 +14,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from sumflow import settings
 from sumflow.tune.space import Configuration, SearchSpace
 
-#: The drivers by name (``SUMFLOW_AUTOTUNE_METHOD``).
-METHODS = ("bo", "random", "grid")
+#: The drivers by name (``SUMFLOW_AUTOTUNE_METHOD``'s choices).
+METHODS = settings.TUNE_METHODS
 
 
 @dataclass(frozen=True)

@@ -1,40 +1,39 @@
-"""How a job tunes: the budget, the trial length, the method, where results go, and the
-``SUMFLOW_AUTOTUNE*`` variables that set them. Only rank 0 reads them: it decides and
-tells the other workers, so workers started with different values cannot disagree."""
+"""How a job tunes: the budget, the trial length, the method, where results go. The
+``SUMFLOW_AUTOTUNE*`` variables that set them, and their defaults, are in the one table
+of settings (:mod:`sumflow.settings`); this is the tuner's view of them. Only rank 0 reads
+them: it decides and tells the other workers, so workers started with different values
+cannot disagree."""
 
 from __future__ import annotations
 
 import dataclasses
-import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from sumflow import settings
 from sumflow.tune.search import METHODS
 from sumflow.tune.space import SearchSpace
 from sumflow.tune.store import default_path
 
-#: SUMFLOW_AUTOTUNE values: off, on (reuse a stored result when there is one), retune.
-OFF = ("", "0", "false", "no", "off")
-ON = ("1", "true", "yes", "on")
-RETUNE = "retune"
-
 
 @dataclass(frozen=True)
 class TuneSettings:
-    """Everything rank 0's tuner is configured with (defaults: docs/autotune.md)."""
+    """Everything rank 0's tuner is configured with (defaults: docs/settings.md)."""
 
     #: "bo" (Bayesian optimisation), "random" or "grid".
-    method: str = "bo"
+    method: str = settings.AUTOTUNE_METHOD.default
     #: Trials at most, the job's starting configuration included.
-    max_trials: int = 10
+    max_trials: int = settings.AUTOTUNE_TRIALS.default
     #: Stop after this many seconds of tuning even with trials left (None: no limit).
     max_seconds: float | None = None
     #: Steps run after each switch before measuring (new partitions are declared and
     #: placed, buffers grow, queues settle).
-    warmup_steps: int = 3
+    warmup_steps: int = settings.AUTOTUNE_WARMUP_STEPS.default
     #: Steps measured per trial; the score is their trimmed mean.
-    measure_steps: int = 10
-    seed: int = 0
+    measure_steps: int = settings.AUTOTUNE_MEASURE_STEPS.default
+    seed: int = settings.AUTOTUNE_SEED.default
     space: SearchSpace = field(default_factory=SearchSpace)
     #: Tune even when the store holds a result for this job.
     retune: bool = False
@@ -59,83 +58,48 @@ class TuneSettings:
 
 def enabled_in_env() -> bool:
     """Whether ``SUMFLOW_AUTOTUNE`` turns tuning on (``1`` or ``retune``)."""
-    return _mode() != "off"
-
-
-def _mode() -> str:
-    raw = os.environ.get("SUMFLOW_AUTOTUNE", "").strip().lower()
-    if raw in OFF:
-        return "off"
-    if raw in ON:
-        return "on"
-    if raw == RETUNE:
-        return RETUNE
-    raise ValueError(
-        f"SUMFLOW_AUTOTUNE={raw!r}: use 1 (tune, or reuse a stored result), retune (tune "
-        "even if a result is stored) or 0"
-    )
-
-
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
-def _float(name: str) -> float | None:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return None
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-
-
-def _bytes_range(name: str, default: tuple[int, int]) -> tuple[int, int]:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        low, high = (int(part) for part in raw.split(":"))
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: give MIN:MAX in bytes, e.g. 65536:33554432") from None
-    return low, high
+    return settings.AUTOTUNE.read() != "off"
 
 
 def from_env(base: TuneSettings | None = None) -> TuneSettings:
     """`base` (default: the defaults) with what the ``SUMFLOW_AUTOTUNE*`` variables set."""
     base = base or TuneSettings()
-    low, high = _bytes_range(
-        "SUMFLOW_AUTOTUNE_PARTITION_BYTES",
-        (base.space.min_partition_bytes, base.space.max_partition_bytes),
+    space = base.space
+    partitions = settings.AUTOTUNE_PARTITION_BYTES.get()
+    if partitions is not None:
+        low, high = partitions
+        space = _checked(
+            settings.AUTOTUNE_PARTITION_BYTES,
+            lambda: dataclasses.replace(space, min_partition_bytes=low, max_partition_bytes=high),
+        )
+    space = dataclasses.replace(
+        space,
+        max_credit_partitions=settings.AUTOTUNE_MAX_CREDIT_PARTITIONS.read_or(
+            space.max_credit_partitions
+        ),
     )
-    credit = _float("SUMFLOW_AUTOTUNE_MAX_CREDIT_PARTITIONS")
-    fusion = _bytes_range(
-        "SUMFLOW_AUTOTUNE_FUSION_BYTES",
-        (base.space.min_fusion_bytes, base.space.max_fusion_bytes),
-    )
-    space = SearchSpace(
-        low,
-        high,
-        base.space.max_credit_partitions if credit is None else credit,
-        *fusion,
-    )
-    log = os.environ.get("SUMFLOW_AUTOTUNE_LOG", "").strip()
-    seconds = _float("SUMFLOW_AUTOTUNE_SECONDS")
+    fusion = settings.AUTOTUNE_FUSION_BYTES.get()
+    if fusion is not None:
+        space = _checked(settings.AUTOTUNE_FUSION_BYTES, lambda: space.with_fusion(*fusion))
+    log = settings.AUTOTUNE_LOG.read()
     return dataclasses.replace(
         base,
-        method=os.environ.get("SUMFLOW_AUTOTUNE_METHOD", "").strip() or base.method,
-        max_trials=_int("SUMFLOW_AUTOTUNE_TRIALS", base.max_trials),
-        max_seconds=base.max_seconds if seconds is None else seconds,
-        warmup_steps=_int("SUMFLOW_AUTOTUNE_WARMUP_STEPS", base.warmup_steps),
-        measure_steps=_int("SUMFLOW_AUTOTUNE_MEASURE_STEPS", base.measure_steps),
-        seed=_int("SUMFLOW_AUTOTUNE_SEED", base.seed),
+        method=settings.AUTOTUNE_METHOD.read_or(base.method),
+        max_trials=settings.AUTOTUNE_TRIALS.read_or(base.max_trials),
+        max_seconds=settings.AUTOTUNE_SECONDS.read_or(base.max_seconds),
+        warmup_steps=settings.AUTOTUNE_WARMUP_STEPS.read_or(base.warmup_steps),
+        measure_steps=settings.AUTOTUNE_MEASURE_STEPS.read_or(base.measure_steps),
+        seed=settings.AUTOTUNE_SEED.read_or(base.seed),
         space=space,
-        retune=base.retune or _mode() == RETUNE,
+        retune=base.retune or settings.AUTOTUNE.read() == "retune",
         log_path=Path(log).expanduser() if log else base.log_path,
     )
+
+
+def _checked(variable: settings.Variable[Any], build: Callable[[], SearchSpace]) -> SearchSpace:
+    """The space `build` makes from `variable`'s value; the space's refusal (sizes below a
+    page) is reported as the variable's error."""
+    try:
+        return build()
+    except ValueError as e:
+        raise variable.invalid(variable.raw() or "", str(e)) from None

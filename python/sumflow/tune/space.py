@@ -17,6 +17,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from sumflow import settings
+
 KIB = 1 << 10
 MIB = 1 << 20
 
@@ -42,7 +44,7 @@ def format_bytes(n: float) -> str:
 #: The fusion thresholds searched when the optimizer fuses and nothing else is asked
 #: (``SUMFLOW_AUTOTUNE_FUSION_BYTES``): from fusing only vectors of a few KB to spans of
 #: the largest partitions.
-DEFAULT_FUSION_RANGE = (16 * KIB, 32 * MIB)
+DEFAULT_FUSION_RANGE = settings.AUTOTUNE_FUSION_BYTES.default
 
 
 def _positive_int(name: str, value: object) -> None:
@@ -119,9 +121,9 @@ class SearchSpace:
     small partitions).
     """
 
-    min_partition_bytes: int = 64 * KIB
-    max_partition_bytes: int = 32 * MIB
-    max_credit_partitions: float = 16.0
+    min_partition_bytes: int = settings.AUTOTUNE_PARTITION_BYTES.default[0]
+    max_partition_bytes: int = settings.AUTOTUNE_PARTITION_BYTES.default[1]
+    max_credit_partitions: float = settings.AUTOTUNE_MAX_CREDIT_PARTITIONS.default
     min_fusion_bytes: int = 0
     max_fusion_bytes: int = 0
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from sumflow import settings
 from sumflow.tune.space import Configuration
 
 FORMAT = "sumflow-autotune"
@@ -40,7 +41,7 @@ LOCK_TIMEOUT = 30.0
 def default_path() -> Path:
     """``SUMFLOW_AUTOTUNE_FILE``, else ``$XDG_CACHE_HOME/sumflow/autotune.json`` (XDG's
     default cache directory is ``~/.cache``)."""
-    explicit = os.environ.get("SUMFLOW_AUTOTUNE_FILE")
+    explicit = settings.AUTOTUNE_FILE.read()
     if explicit:
         return Path(explicit).expanduser()
     cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

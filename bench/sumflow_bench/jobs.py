@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
-from sumflow.bench.netns import EmulatedCluster, EmulatedHost
-from sumflow.launcher import program
+from sumflow import settings
+from sumflow._programs import program
+from sumflow_bench.netns import EmulatedCluster, EmulatedHost
 
 #: Port of torch.distributed's store on the first worker host.
 TORCH_MASTER_PORT = 29500
@@ -172,7 +173,7 @@ def run_torch_job(
     """``worker_argv`` on one process per host in ``workers``, with torchrun's variables
     (the store on the first host)."""
     commands = []
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
     for rank, host in enumerate(workers):
         env = dict(
             base,

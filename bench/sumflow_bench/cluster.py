@@ -1,8 +1,8 @@
 """The emulated-cluster benchmark: what the papers measure, on one Linux machine.
 
-    sudo python -m sumflow.bench.cluster            # n = 4, k = 0..4, three models
+    sudo python -m sumflow_bench.cluster            # n = 4, k = 0..4, three models
 
-Builds an emulated cluster (:mod:`sumflow.bench.netns`: n worker hosts and up to k CPU
+Builds an emulated cluster (:mod:`sumflow_bench.netns`: n worker hosts and up to k CPU
 hosts, every link shaped to the same rate), then, side by side in one invocation:
 
 1. a link check: iperf3 between two hosts in both directions at once, whose goodput is the
@@ -12,8 +12,8 @@ hosts, every link shaped to the same rate), then, side by side in one invocation
 3. training on scaled layer profiles (:mod:`sumflow.profiles`): sumflow's
    DistributedOptimizer (k = 0, and k = n) against DDP with gloo, in iterations/s; or,
    with ``--schedulers``, issue 6's comparison of sumflow's schedulers with DDP over
-   profiles x ``--reference-gbits`` (:mod:`sumflow.bench.matrix`), or, with ``--grid``,
-   bytescheduler over a grid of partition sizes x credits (:mod:`sumflow.bench.grid`).
+   profiles x ``--reference-gbits`` (:mod:`sumflow_bench.matrix`), or, with ``--grid``,
+   bytescheduler over a grid of partition sizes x credits (:mod:`sumflow_bench.grid`).
 
 Every run records the machine's CPU utilisation over its measured window and is flagged
 when it passed ``--cpu-flag``: then the 2 CPUs, not the emulated network, may have set the
@@ -34,10 +34,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow.bench import grid, matrix, report, schedreport, theory
-from sumflow.bench.cpu import CpuSampler
-from sumflow.bench.jobs import JobFailed, read_result, run_sumflow_job, run_torch_job
-from sumflow.bench.netns import (
+from sumflow.tune.space import SearchSpace
+from sumflow_bench import grid, matrix, report, schedreport, theory
+from sumflow_bench.cpu import CpuSampler
+from sumflow_bench.jobs import JobFailed, read_result, run_sumflow_job, run_torch_job
+from sumflow_bench.netns import (
     DEFAULT_SUBNET,
     ClusterError,
     ClusterUnavailable,
@@ -45,8 +46,7 @@ from sumflow.bench.netns import (
     LinkShape,
     started,
 )
-from sumflow.bench.training import step_estimates, training_runs
-from sumflow.tune.space import SearchSpace
+from sumflow_bench.training import step_estimates, training_runs
 
 GBIT = 1e9 / 8
 IPERF_PORT = 5201
@@ -54,7 +54,7 @@ IPERF_PORT = 5201
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m sumflow.bench.cluster",
+        prog="python -m sumflow_bench.cluster",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -159,7 +159,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="instead of the training comparison, measure bytescheduler (with --scheduler-k "
         "CPU-server hosts) on --grid-model at the lowest --reference-gbits over a "
         "log-spaced grid of partition sizes x credits across the tuner's search space "
-        "(scaled) and write GRID.json (for python -m sumflow.tune.compare); --iterations "
+        "(scaled) and write GRID.json (for python -m sumflow_bench.tune_compare); --iterations "
         "per point",
     )
     gr.add_argument("--grid-model", default="vgg16", help="the grid's layer profile")
@@ -312,7 +312,7 @@ def goodput_runs(
     workers, spare = cluster.hosts[:n], cluster.hosts[n:]
     logs = args.out / "logs"
     worker = [
-        *(sys.executable, "-m", "sumflow.bench.goodput_worker"),
+        *(sys.executable, "-m", "sumflow_bench.goodput_worker"),
         *("--megabytes", str(args.megabytes), "--tensors", str(args.tensors)),
         *("--rounds", str(args.rounds), "--warmup", str(args.warmup)),
     ]
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = training_plan(args)
         _, estimates = step_estimates(args, steps)
     except ValueError as e:
-        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        print(f"sumflow_bench.cluster: {e}", file=sys.stderr)
         return 2
     cpu_hosts = max(
         [*(args.ks if not (args.skip_goodput or args.grid) else ()), *(s.system.k for s in steps)]
@@ -469,10 +469,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 systems = [s.system for s in steps]
                 results["grid"] = write_grid(args, results, systems, grid_space(args))
     except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        print(f"sumflow_bench.cluster: {e}", file=sys.stderr)
         return 2
     except JobFailed as e:
-        print(f"sumflow.bench.cluster: {e}", file=sys.stderr)
+        print(f"sumflow_bench.cluster: {e}", file=sys.stderr)
         return 1
     finally:
         results["config"]["took_s"] = time.monotonic() - started

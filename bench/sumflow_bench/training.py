@@ -1,6 +1,6 @@
 """The harness's training benchmark: real training loops on sleeping layer-profile models.
 
-The plan (:mod:`sumflow.bench.matrix`) lists the jobs: for every (profile, reference
+The plan (:mod:`sumflow_bench.matrix`) lists the jobs: for every (profile, reference
 bandwidth) cell, the scales that keep the real cluster's communication/computation ratio
 on the emulated network, then every system on the same hosts, back to back. The standard
 run compares DDP with gloo, sumflow on the same machines (k = 0) and sumflow with k = n
@@ -18,16 +18,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from sumflow.bench.cpu import CpuSampler
-from sumflow.bench.jobs import read_result, run_sumflow_job, run_torch_job
-from sumflow.bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
-from sumflow.bench.netns import EmulatedCluster
-from sumflow.profiles import EmulationScales
-
-#: Variables of sumflow's auto-tuner (docs/autotune.md).
-AUTOTUNE_ENV = "SUMFLOW_AUTOTUNE"
-AUTOTUNE_FILE_ENV = "SUMFLOW_AUTOTUNE_FILE"
-AUTOTUNE_LOG_ENV = "SUMFLOW_AUTOTUNE_LOG"
+from sumflow import settings
+from sumflow_bench.cpu import CpuSampler
+from sumflow_bench.jobs import read_result, run_sumflow_job, run_torch_job
+from sumflow_bench.matrix import Cell, Step, cell_scales, estimate_seconds, tuning_space
+from sumflow_bench.netns import EmulatedCluster
+from sumflow_bench.scaling import EmulationScales
 
 
 class _Progress(Protocol):
@@ -152,7 +148,7 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
     system = step.system
     iterations = args.tune_iterations if step.tune else args.iterations
     argv = [
-        *(sys.executable, "-m", "sumflow.bench.train_worker", "--profile", step.cell.model),
+        *(sys.executable, "-m", "sumflow_bench.train_worker", "--profile", step.cell.model),
         *("--size-scale", repr(cell["size_scale"]), "--time-scale", repr(cell["time_scale"])),
         *("--iterations", str(iterations)),
         *("--warmup", "0" if step.tune else str(args.warmup_iterations)),
@@ -192,20 +188,20 @@ def sumflow_env(args: argparse.Namespace, step: Step, cell: dict[str, Any]) -> l
     env = list(args.worker_env)
     system = step.system
     if system.scheduler is not None:
-        env.append(f"SUMFLOW_SCHEDULER={system.scheduler}")
+        env.append(f"{settings.SCHEDULER.name}={system.scheduler}")
     if system.credit_bytes is not None:
-        env.append(f"SUMFLOW_CREDIT_BYTES={system.credit_bytes}")
+        env.append(f"{settings.CREDIT_BYTES.name}={system.credit_bytes}")
     if system.tuned:
         store, log = tuner_files(args, step)
         low, high = tuning_space(cell["size_scale"])
         env += [
-            f"{AUTOTUNE_ENV}=1",
-            f"{AUTOTUNE_FILE_ENV}={store}",
-            f"{AUTOTUNE_LOG_ENV}={log}",
-            f"SUMFLOW_AUTOTUNE_PARTITION_BYTES={low}:{high}",
-            f"SUMFLOW_AUTOTUNE_TRIALS={args.tune_trials}",
-            f"SUMFLOW_AUTOTUNE_WARMUP_STEPS={args.tune_warmup_steps}",
-            f"SUMFLOW_AUTOTUNE_MEASURE_STEPS={args.tune_measure_steps}",
+            f"{settings.AUTOTUNE.name}=1",
+            f"{settings.AUTOTUNE_FILE.name}={store}",
+            f"{settings.AUTOTUNE_LOG.name}={log}",
+            f"{settings.AUTOTUNE_PARTITION_BYTES.name}={low}:{high}",
+            f"{settings.AUTOTUNE_TRIALS.name}={args.tune_trials}",
+            f"{settings.AUTOTUNE_WARMUP_STEPS.name}={args.tune_warmup_steps}",
+            f"{settings.AUTOTUNE_MEASURE_STEPS.name}={args.tune_measure_steps}",
         ]
     return [a for item in env for a in ("-x", item)]
 

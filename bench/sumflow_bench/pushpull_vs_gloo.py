@@ -18,7 +18,7 @@ Each round starts after a barrier; a round's time is the slowest worker's. Goodp
 gradient bytes summed per second per worker (each worker's whole gradient set per round).
 Every method's first round is checked against the exact sum.
 
-    sumflow-run -np 4 --servers 2 python bench/pushpull_vs_gloo.py \\
+    sumflow-run -np 4 --servers 2 python -m sumflow_bench.pushpull_vs_gloo \\
         --json pushpull.json --plot pushpull.png
 
 ``--methods sumflow,gloo-bucketed`` runs a subset; ``--cpu-profile`` also reports, per
@@ -254,7 +254,8 @@ def _role(pid: int, root: int) -> str:
         return "server"
     if "sumflow-coordinator" in line or "run_coordinator" in line:
         return "coordinator"
-    if any(a.endswith("pushpull_vs_gloo.py") for a in argv):
+    # The worker runs it as a module (python -m) or as a file, by its path.
+    if any(a.endswith(("sumflow_bench.pushpull_vs_gloo", "pushpull_vs_gloo.py")) for a in argv):
         return "worker"
     return "other"
 
@@ -387,6 +388,7 @@ def _fmt(value: float) -> str:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line."""
     parser = argparse.ArgumentParser(
+        prog="python -m sumflow_bench.pushpull_vs_gloo",
         description="sumflow push_pull vs gloo all_reduce on ResNet-50's gradient set",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

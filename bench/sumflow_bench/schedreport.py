@@ -1,7 +1,7 @@
 """The scheduler benchmark's report: markdown tables, the targets' verdicts, and plots.
 
 Input is the harness's results (``results["training"]``: one record per (profile,
-bandwidth) cell with a per-system ``summary``, see :mod:`sumflow.bench.training`). Tables
+bandwidth) cell with a per-system ``summary``, see :mod:`sumflow_bench.training`). Tables
 have one row per profile and system and one column per reference bandwidth.
 """
 
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sumflow.bench import targets, theory
+from sumflow_bench import targets, theory
 
 
 def _cells(results: dict[str, Any]) -> list[dict[str, Any]]:

@@ -2,7 +2,7 @@
 
 Run on every worker by the cluster harness (or by hand under ``sumflow-run``/``torchrun``):
 
-    python -m sumflow.bench.goodput_worker --system sumflow --megabytes 32 --json out.json
+    python -m sumflow_bench.goodput_worker --system sumflow --megabytes 32 --json out.json
 
 Every worker holds ``--tensors`` float32 tensors of ``--megabytes`` in all, filled with its
 rank + 1 before each round, and sums them across the workers:

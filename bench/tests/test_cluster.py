@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from sumflow.bench import (
+from sumflow.tune.space import Configuration, SearchSpace
+from sumflow_bench import (
     cluster,
     cpu,
     grid,
@@ -27,7 +28,6 @@ from sumflow.bench import (
     train_worker,
     training,
 )
-from sumflow.tune.space import Configuration, SearchSpace
 
 GB = 1e9
 
@@ -253,7 +253,7 @@ def test_two_host_emulated_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "sumflow.bench.cluster"),
+            *(sys.executable, "-m", "sumflow_bench.cluster"),
             *("--workers", "2", "--cpu-servers", "0", "--rate-mbit", "400"),
             *("--megabytes", "4", "--rounds", "2", "--warmup", "1", "--link-seconds", "1"),
             *("--models", "resnet50", "--iterations", "3", "--warmup-iterations", "1"),
@@ -666,7 +666,7 @@ def compare_grid(data: dict[str, Any]) -> Any:
     """GRID.json `data` loaded by the tuner's comparison."""
     import tempfile
 
-    from sumflow.tune import compare
+    from sumflow_bench import tune_compare as compare
 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "GRID.json"
@@ -680,7 +680,7 @@ def test_two_host_scheduler_run(tmp_path: Path) -> None:
     out = tmp_path / "out"
     done = subprocess.run(
         [
-            *(sys.executable, "-m", "sumflow.bench.cluster", "--skip-goodput"),
+            *(sys.executable, "-m", "sumflow_bench.cluster", "--skip-goodput"),
             *("--workers", "2", "--rate-mbit", "400", "--link-seconds", "1"),
             *("--schedulers", "prophet", "--models", "resnet50", "--reference-gbits", "10"),
             *("--iterations", "3", "--warmup-iterations", "1"),

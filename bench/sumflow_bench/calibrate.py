@@ -8,7 +8,7 @@ worker and its colocated server on one host talking over loopback, and the per-m
 costs of sumflow's pipeline and the kernel's TCP stack on the 2-core machine that runs it
 all, which :data:`EMULATION` states and the calibration table judges.
 
-``python -m sumflow.sim.calibrate bench/results/schedulers-omp1-runD ... --plot out.png``
+``python -m sumflow_bench.calibrate bench/results/schedulers-omp1-runD ... --plot out.png``
 prints the comparison as a Markdown table.
 """
 
@@ -33,7 +33,7 @@ from sumflow.sim import Cluster, Config, Network, Scheduling, simulate
 #:
 #: - ``latency_us``: two veth hops and a bridge inside one machine.
 #: - ``nic_queue_bytes``, ``nic_queue_spread``: a host's egress is one FIFO (tc's HTB with
-#:   a pfifo leaf, ``sumflow.bench.netns``), and each TCP connection has its window's worth
+#:   a pfifo leaf, ``sumflow_bench.netns``), and each TCP connection has its window's worth
 #:   in it at a time, so connections share a host's link in bursts, not packet by packet.
 #:   The emulation's kernel runs BBR, whose windows there (sampled with ``ss``) are 18-50
 #:   jumbo segments, 160-450 KB, differing between connections and changing from one round
@@ -244,7 +244,7 @@ def goodput_profile(total_bytes: int, tensors: int) -> ModelProfile:
     numel = total_bytes // tensors // 4
     return ModelProfile(
         name=f"goodput-{total_bytes // 10**6}MB",
-        source="sumflow.bench.goodput_worker's gradient set",
+        source="sumflow_bench.goodput_worker's gradient set",
         device="none",
         batch_size=1,
         sample="none",
@@ -525,9 +525,9 @@ def plot(rows: Sequence[Comparison], path: str | Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m sumflow.sim.calibrate DIR...``: the table, and a plot with --plot."""
+    """``python -m sumflow_bench.calibrate DIR...``: the table, and a plot with --plot."""
     ap = argparse.ArgumentParser(
-        prog="sumflow sim calibrate",
+        prog="python -m sumflow_bench.calibrate",
         description="Simulate the emulated-cluster runs recorded in bench/results and compare.",
     )
     ap.add_argument(

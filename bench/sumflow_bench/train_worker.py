@@ -2,12 +2,12 @@
 
 Run on every worker process by a launcher:
 
-    sumflow-run -np 2 --servers 1 python -m sumflow.bench.train_worker \\
+    sumflow-run -np 2 --servers 1 python -m sumflow_bench.train_worker \\
         --system sumflow --profile resnet50 --size-scale 0.13 --time-scale 3.3 --json out.json
     sumflow-run -np 2 -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=29517 --shutdown-grace 1 \\
-        python -m sumflow.bench.train_worker --system ddp-gloo --profile resnet50 ...
+        python -m sumflow_bench.train_worker --system ddp-gloo --profile resnet50 ...
 
-The model (:mod:`sumflow.bench.model`) sleeps each layer's forward and backward time of
+The model (:mod:`sumflow_bench.model`) sleeps each layer's forward and backward time of
 the profile (``--profile``: a built-in name or a JSON file, then ``--size-scale`` and
 ``--time-scale``, see :func:`sumflow.profiles.scale`) and gives every parameter a
 gradient, so an iteration takes the profile's compute plus whatever communication does
@@ -57,8 +57,8 @@ from typing import Any
 
 import torch
 
-from sumflow import profiles
-from sumflow.bench.model import SleepingModel, build_model, expected_average
+from sumflow import profiles, settings
+from sumflow_bench.model import SleepingModel, build_model, expected_average
 
 SYSTEMS = ("sumflow", "ddp-gloo")
 #: Variables torch.distributed's env:// rendezvous reads.
@@ -68,7 +68,7 @@ GLOO_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docs)."""
     p = argparse.ArgumentParser(
-        prog="python -m sumflow.bench.train_worker",
+        prog="python -m sumflow_bench.train_worker",
         description=(__doc__ or "").split("\n\n")[0],
     )
     p.add_argument("--system", choices=SYSTEMS, required=True)
@@ -200,7 +200,7 @@ class Sumflow(System):
 
     def __init__(self, profile: profiles.ModelProfile, args: argparse.Namespace) -> None:
         if args.partition_bytes is not None:
-            os.environ["SUMFLOW_PARTITION_BYTES"] = str(args.partition_bytes)
+            os.environ[settings.PARTITION_BYTES.name] = str(args.partition_bytes)
         import sumflow.torch as hvd
 
         self.hvd = hvd
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "compression": args.compression,
         "csc_density": args.csc,
         "cross_barrier": args.cross_barrier,
-        "scheduler": os.environ.get("SUMFLOW_SCHEDULER") if system.name == "sumflow" else None,
+        "scheduler": settings.SCHEDULER.get() if system.name == "sumflow" else None,
         "bucket_cap_mb": args.bucket_cap_mb if system.name == "ddp-gloo" else None,
         "warmup": args.warmup,
         "iterations": args.iterations,

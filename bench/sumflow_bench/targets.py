@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from sumflow.bench.matrix import SCHEDULER_SYSTEMS
+from sumflow_bench.matrix import SCHEDULER_SYSTEMS
 
 #: iterations/s by (model, reference Gbit/s), then by system name.
 Rates = Mapping[tuple[str, float], Mapping[str, float]]

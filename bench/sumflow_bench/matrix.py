@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from sumflow import profiles
 from sumflow.tune.space import ALIGN, SearchSpace
+from sumflow_bench.scaling import EmulationScales, scales_for_emulation
 
 #: The scheduler benchmark's systems, in the order a cell runs them (issue 6).
 SCHEDULER_SYSTEMS = (
@@ -234,16 +235,16 @@ def compute_aim_s(reference_gbit: float) -> float:
     run's), lowered in proportion below that down to 0.1 s.
 
     Only the communication/compute ratio must be the real cluster's, and it is whatever the
-    compute time (:func:`sumflow.profiles.scales_for_emulation`); at 1 Gbit/s it is 10x
+    compute time (:func:`sumflow_bench.scaling.scales_for_emulation`); at 1 Gbit/s it is 10x
     the 10 Gbit/s one, so at a fixed 0.3 s the lowest bandwidths would take 10x longer per
     iteration. Not below 0.1 s: sleeps, per-message latencies and Python overheads, which
     are not scaled, must stay small against the compute."""
     return max(LEAST_COMPUTE_S, min(COMPUTE_AT_10G_S, COMPUTE_AT_10G_S * reference_gbit / 10))
 
 
-def cell_scales(cell: Cell, rate_mbit: float) -> profiles.EmulationScales:
+def cell_scales(cell: Cell, rate_mbit: float) -> EmulationScales:
     """The scales of `cell` on links of `rate_mbit` (see :func:`compute_aim_s`)."""
-    return profiles.scales_for_emulation(
+    return scales_for_emulation(
         profiles.load(cell.model),
         reference_gbps=cell.reference_gbit,
         emulated_gbps=rate_mbit / 1e3,
@@ -281,7 +282,7 @@ JOB_OVERHEAD_S = 15.0
 
 def estimate_seconds(
     step: Step,
-    scales: profiles.EmulationScales,
+    scales: EmulationScales,
     *,
     workers: int,
     rate_mbit: float,

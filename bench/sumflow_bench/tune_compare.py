@@ -1,8 +1,8 @@
 """Offline comparison of the search drivers (ByteScheduler Fig. 14): how many trials does
 each need to come within 5% of the best configuration a grid search measured?
 
-    python -m sumflow.tune.compare GRID.json [--plot search.png] [--json out.json]
-    python -m sumflow.tune.compare --synthetic
+    python -m sumflow_bench.tune_compare GRID.json [--plot search.png] [--json out.json]
+    python -m sumflow_bench.tune_compare --synthetic
 
 GRID.json holds step times measured per configuration::
 
@@ -322,7 +322,7 @@ def plot(summaries: Sequence[MethodSummary], path: str | Path, title: str) -> No
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m sumflow.tune.compare",
+        prog="python -m sumflow_bench.tune_compare",
         description="Replays Bayesian optimisation, random and grid search against step "
         "times measured per configuration (or a synthetic model) and reports how fast each "
         "comes within a tolerance of the best (ByteScheduler Fig. 14).",

@@ -1,6 +1,6 @@
 """Fused against unfused gradients on loopback (GradientFlow's lazy allreduce, issue 7).
 
-    python -m sumflow.bench.fusion --out bench/results/fusion-resnet50
+    python -m sumflow_bench.fusion --out bench/results/fusion-resnet50
 
 Trains the sleeping model of a profile (ResNet-50 by default: 161 gradient tensors, most of
 them batch-norm vectors of a few KB) with no compute (``--time-scale 0``), so an iteration
@@ -32,7 +32,7 @@ from sumflow.tune.space import format_bytes
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line (see the module docs)."""
     p = argparse.ArgumentParser(
-        prog="python -m sumflow.bench.fusion", description=(__doc__ or "").split("\n\n")[0]
+        prog="python -m sumflow_bench.fusion", description=(__doc__ or "").split("\n\n")[0]
     )
     p.add_argument("--profile", default="resnet50", help="built-in profile or JSON [resnet50]")
     p.add_argument("--size-scale", type=float, default=1.0, help="tensor size factor [1]")
@@ -78,7 +78,7 @@ def run_job(args: argparse.Namespace, theta: int, out: Path, log: Path) -> dict[
         "--",
         sys.executable,
         "-m",
-        "sumflow.bench.train_worker",
+        "sumflow_bench.train_worker",
         "--system",
         "sumflow",
         "--profile",
@@ -249,7 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "workers": args.workers,
         "rounds": args.rounds,
         "iterations": args.iterations,
-        "command": " ".join(["python -m sumflow.bench.fusion", *(argv or sys.argv[1:])]),
+        "command": " ".join(["python -m sumflow_bench.fusion", *(argv or sys.argv[1:])]),
         "runs": runs,
     }
     results["summary"] = summarize(runs, args.theta, profile)

@@ -89,7 +89,7 @@ def plot_goodput(results: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from sumflow.bench import theory
+    from sumflow_bench import theory
 
     g = results["goodput"]
     n = results["config"]["workers"]

@@ -1,10 +1,10 @@
 """A grid search of bytescheduler's two knobs, partition size and credit, measured on the
 emulated cluster: the reference the auto-tuner is judged against (issue 6: Bayesian
 optimisation within 5% of the grid's best in at most 10 trials, ByteScheduler Fig. 14;
-``python -m sumflow.tune.compare GRID.json``).
+``python -m sumflow_bench.tune_compare GRID.json``).
 
 The grid spans the tuner's own search space (:class:`sumflow.tune.space.SearchSpace`),
-with partition sizes scaled like the tensors (:func:`sumflow.bench.matrix.tuning_space`):
+with partition sizes scaled like the tensors (:func:`sumflow_bench.matrix.tuning_space`):
 partition sizes log-spaced over that range, credits log-spaced from 1 to the space's most
 partitions (16), so every grid point is a configuration the tuner could choose. Every grid
 point is one training job (bytescheduler across the global barrier), so every point starts
@@ -22,8 +22,8 @@ import math
 import statistics
 from typing import Any
 
-from sumflow.bench.matrix import System
 from sumflow.tune.space import SearchSpace
+from sumflow_bench.matrix import System
 
 
 def log_spaced(low: float, high: float, count: int) -> list[float]:
