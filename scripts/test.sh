@@ -58,6 +58,10 @@ step "ruff (lint and format) on python/, examples/, bench/"
 ruff check python/ examples/ bench/
 ruff format --check python/ examples/ bench/
 
+step "mypy (strict) on python/sumflow and bench/sumflow_bench; stubtest: _core.pyi against the built module"
+mypy
+python -m mypy.stubtest sumflow._core
+
 step "tools of the emulated-cluster smoke test (iproute2, iperf3)"
 ensure_cluster_tools || echo "could not install them: the emulated-cluster test will say it is skipped"
 

@@ -155,7 +155,7 @@ def _jitter(run: dict[str, Any]) -> float:
     walls = run.get("backward_s")
     if not walls or len(walls) < 2 or run["system"] == "ddp-gloo":
         return 0.0
-    return min(1.0, statistics.pstdev(walls) / statistics.fmean(walls))
+    return min(1.0, float(statistics.pstdev(walls) / statistics.fmean(walls)))
 
 
 def _scheduling(run: dict[str, Any]) -> tuple[str, Scheduling, bool]:

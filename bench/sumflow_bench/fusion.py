@@ -114,7 +114,8 @@ def run_job(args: argparse.Namespace, theta: int, out: Path, log: Path) -> dict[
             f"fusion bench: the job with theta {theta} exited {done.returncode}; "
             f"last lines of {log}:\n{tail}"
         )
-    return json.loads(out.read_text())
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
 
 
 def summarize(
@@ -213,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         profile = profiles.scale(profile, size_scale=args.size_scale, time_scale=0.0)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
-    runs = []
+    runs: list[dict[str, Any]] = []
     jobs = args.rounds * len(args.theta)
     started = time.monotonic()
     for rnd in range(args.rounds):

@@ -46,7 +46,8 @@ class JobResult:
 def read_result(path: Path, what: str) -> dict[str, Any]:
     """The JSON result a job's rank 0 wrote to `path`; JobFailed if there is none."""
     try:
-        return json.loads(path.read_text())
+        result: dict[str, Any] = json.loads(path.read_text())
+        return result
     except (OSError, ValueError) as e:
         raise JobFailed(f"{what} left no readable result in {path}: {e}") from None
 

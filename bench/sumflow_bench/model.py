@@ -81,7 +81,7 @@ class _Sleep(torch.autograd.Function):
     """Identity on the activation; forward and backward sleep the layer's times."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, layer: SleepingLayer, value: float, x: torch.Tensor, *params: torch.Tensor
     ) -> torch.Tensor:
         started = time.perf_counter()
@@ -162,7 +162,8 @@ class SleepingLayer(nn.Module):
     def forward(self, x: torch.Tensor, value: float) -> torch.Tensor:
         """`x` unchanged, after sleeping the layer's forward time; backward sleeps the
         layer's backward time and gives every parameter a gradient of `value`."""
-        return _Sleep.apply(self, value, x, *self.params)
+        out: torch.Tensor = _Sleep.apply(self, value, x, *self.params)
+        return out
 
 
 class SleepingModel(nn.Module):

@@ -262,6 +262,8 @@ def _role(pid: int, root: int) -> str:
 
 #: The counters a profile adds up per thread, in this order.
 COUNTERS = ("user s", "sys s", "page faults", "context switches")
+#: A profile's reading: per (pid, tid), the thread's role, group and COUNTERS.
+Snapshot = dict[tuple[int, int], tuple[str, str, list[float]]]
 
 
 class CpuProfile:
@@ -294,7 +296,7 @@ class CpuProfile:
             todo.extend(children.get(pid, []))
         return found
 
-    def snapshot(self) -> dict[tuple[int, int], tuple[str, str, list[float]]]:
+    def snapshot(self) -> Snapshot:
         """(pid, tid) -> (role, thread group, the COUNTERS so far)."""
         out = {}
         for pid, role in self._processes().items():
@@ -332,7 +334,7 @@ class CpuProfile:
         out[(0, 0)] = ("machine", "all", [busy, cpu[7] if len(cpu) > 7 else 0.0, 0.0, 0.0])
         return out
 
-    def add(self, method: str, before: dict, after: dict, wall: float) -> None:
+    def add(self, method: str, before: Snapshot, after: Snapshot, wall: float) -> None:
         """Adds what was spent between two snapshots to ``method``'s totals."""
         totals = self.totals.setdefault(method, {})
         for key, (role, group, now) in after.items():
@@ -492,6 +494,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if method not in args.methods:
             continue
         grads = GradientSet.allocate(shapes)
+        run: Callable[[], None]
         if method == "sumflow":
             run = functools.partial(sumflow_round, grads, names, backward)
         elif method == "gloo":

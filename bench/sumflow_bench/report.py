@@ -78,7 +78,7 @@ def markdown(results: dict[str, Any]) -> str:
 def cell_name(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:
     """A training cell's model, with its reference bandwidth when the run has several."""
     gbits = {c.get("reference_gbit") for c in cells}
-    return cell["model"] + (f" @ {cell['reference_gbit']:g} Gbit/s" if len(gbits) > 1 else "")
+    return str(cell["model"]) + (f" @ {cell['reference_gbit']:g} Gbit/s" if len(gbits) > 1 else "")
 
 
 def plot_goodput(results: dict[str, Any], path: Path) -> None:

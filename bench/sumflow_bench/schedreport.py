@@ -49,7 +49,7 @@ def ceiling(results: dict[str, Any], cell: dict[str, Any]) -> float | None:
     comm_s = theory.optimal_time(
         cfg["workers"], cfg.get("scheduler_k", 0), cell["megabytes"] * 1e6, link["b_mbit"] * 1e6 / 8
     )
-    return 1 / max(comm_s, cell["compute_s"])
+    return 1 / max(comm_s, float(cell["compute_s"]))
 
 
 def _table(

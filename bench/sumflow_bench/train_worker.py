@@ -217,7 +217,9 @@ class Sumflow(System):
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             return
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
-        crossing = {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
+        crossing: dict[str, Any] = (
+            {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
+        )
         try:
             self.optimizer = hvd.DistributedOptimizer(
                 opt,

@@ -2,7 +2,38 @@
 
 from collections.abc import Callable, Sequence
 from os import PathLike
-from typing import Any
+from typing import Any, final
+
+from typing_extensions import Self
+
+__all__ = [
+    "DEFAULT_CONNECT_TIMEOUT_S",
+    "DEFAULT_CREDIT_PARTITIONS",
+    "DEFAULT_HEARTBEAT_INTERVAL_S",
+    "DEFAULT_HEARTBEAT_TIMEOUT_S",
+    "DEFAULT_JOIN_TIMEOUT_S",
+    "DEFAULT_OPERATION_TIMEOUT_S",
+    "DEFAULT_PARTITION_BYTES",
+    "DEFAULT_PROPHET_STAGE_FACTOR",
+    "DEFAULT_SCHEDULER",
+    "DEFAULT_TRACE_MAX_EVENTS",
+    "DEFAULT_TRACE_START_STEP",
+    "DEFAULT_TRACE_STEPS",
+    "DEFAULT_WINDOW_PARTITIONS",
+    "MAX_CPU_SERVER_CONNECTIONS",
+    "SCHEDULERS",
+    "CommunicationService",
+    "DeclarationMismatchError",
+    "NodeFailedError",
+    "ProtocolError",
+    "SumflowError",
+    "SumflowTimeoutError",
+    "__version__",
+    "run_coordinator",
+    "run_server",
+    "simd_level",
+    "simulate",
+]
 
 __version__: str
 """The version of the core: the Cargo workspace's."""
@@ -12,6 +43,10 @@ __version__: str
 DEFAULT_PARTITION_BYTES: int
 #: The scheduler a job runs unless it asks for another.
 DEFAULT_SCHEDULER: str
+#: Every scheduler's name, as the communication service and the simulator accept it.
+SCHEDULERS: tuple[str, ...]
+#: Prophet's stage factor: 0, every gap between gradients ends a stage.
+DEFAULT_PROPHET_STAGE_FACTOR: float
 #: The credit per server, in partitions, when none is given.
 DEFAULT_CREDIT_PARTITIONS: int
 #: The push window per server a job starts with, in partitions of its starting size.
@@ -88,6 +123,8 @@ class ProtocolError(SumflowError):
     """A peer sent a message it must not send (a bug or a version mismatch); the message
     names the peer."""
 
+# A PyO3 class: built by __new__, and not subclassable.
+@final
 class CommunicationService:
     """The communication service of one worker: joins the job through its coordinator,
     connects to every summation server, and sums tensors across workers.
@@ -97,32 +134,34 @@ class CommunicationService:
     reference to that owner until the operation has been waited for.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         coordinator: str,
         token: str,
         *,
         host_id: str,
         rank: int | None = None,
         name: str | None = None,
-        partition_bytes: int = 4194304,
+        partition_bytes: int = ...,
         scheduler: str | None = None,
         credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
-        prophet_stage_factor: float = 0.0,
+        prophet_stage_factor: float = ...,
         connections_per_cpu_server: int | None = None,
-        join_timeout: float = 300.0,
-        declare_timeout: float = 300.0,
-        connect_timeout: float = 60.0,
-        heartbeat_interval: float = 1.0,
-        heartbeat_timeout: float = 10.0,
+        join_timeout: float = ...,
+        declare_timeout: float = ...,
+        connect_timeout: float = ...,
+        heartbeat_interval: float = ...,
+        heartbeat_timeout: float = ...,
         trace_dir: str | PathLike[str] | None = None,
         trace_start_step: int | None = None,
         trace_steps: int | None = None,
         trace_max_events: int | None = None,
-    ) -> None:
+    ) -> Self:
         """Joins the job at ``coordinator`` (host:port) with the job ``token`` and blocks
         (GIL released) until every node has joined, at most ``join_timeout`` seconds.
+        Every default is the core's, a ``DEFAULT_*`` constant of this module (the
+        timeouts, in seconds, the ``DEFAULT_*_S`` ones; ``declare_timeout`` the join's).
 
         ``host_id`` names this worker's machine: workers with the same one share its
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
@@ -243,7 +282,7 @@ class CommunicationService:
         name: str,
         start: int,
         end: int,
-        args: dict[str, object] | None = None,
+        args: dict[str, Any] | None = None,
     ) -> None:
         """Records the slice ``name`` from ``start`` to ``end`` (``trace_now()`` readings)
         on the Python track ``track``, with ``args`` (ints, floats and strings; anything
@@ -253,7 +292,7 @@ class CommunicationService:
         track: str,
         name: str,
         at: int | None = None,
-        args: dict[str, object] | None = None,
+        args: dict[str, Any] | None = None,
     ) -> None:
         """Records the moment ``name`` at ``at`` (a ``trace_now()`` reading; now if None)
         on the Python track ``track``. Nothing unless recording."""

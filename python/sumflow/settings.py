@@ -38,9 +38,9 @@ U = TypeVar("U")
 #: its children unless asked to (``sumflow-run -x``).
 PREFIX = "SUMFLOW_"
 
-#: The scheduler names the communication service accepts (docs/scheduling.md). The core
-#: refuses any other too, but only a check here can name the variable that asked for it.
-SCHEDULERS = ("fifo", "p3", "bytescheduler", "prophet")
+#: The scheduler names the communication service accepts (docs/scheduling.md), the core's.
+#: The core refuses any other too, but only a check here can name the variable.
+SCHEDULERS: tuple[str, ...] = _core.SCHEDULERS
 #: The tuner's search drivers (``sumflow.tune.search``).
 TUNE_METHODS = ("bo", "random", "grid")
 
@@ -337,12 +337,13 @@ PUSH_WINDOW_BYTES = _add(
     )
 )
 PROPHET_STAGE_FACTOR = _add(
-    OptionalSetting(
+    Setting(
         name="SUMFLOW_PROPHET_STAGE_FACTOR",
         kind=number(0.0),
-        doc="prophet: a gap between gradients longer than this times the mean gap ends a stage",
+        doc="prophet: a gap between gradients longer than this times the mean gap ends a "
+        "stage (0: every gap ends one)",
         readers=(WORKER,),
-        unset="the core's default: every gap ends one",
+        default=_core.DEFAULT_PROPHET_STAGE_FACTOR,
     )
 )
 CPU_SERVER_CONNECTIONS = _add(

@@ -3,6 +3,7 @@
 //! of its own: each lives once, in the crate that uses it.
 
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 use sumflow_comm::trace;
 use sumflow_plan::{lanes, partition, scheduler};
 use sumflow_wire::timing;
@@ -16,6 +17,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add(
         "DEFAULT_SCHEDULER",
         scheduler::SchedulerKind::default().name(),
+    )?;
+    let names = scheduler::SchedulerKind::ALL.map(scheduler::SchedulerKind::name);
+    m.add("SCHEDULERS", PyTuple::new(m.py(), names)?)?;
+    m.add(
+        "DEFAULT_PROPHET_STAGE_FACTOR",
+        scheduler::prophet::ProphetConfig::default().stage_factor,
     )?;
     m.add(
         "DEFAULT_CREDIT_PARTITIONS",

@@ -19,7 +19,7 @@ use sumflow_wire::logging::{init_logging, LogFormat};
 use sumflow_wire::program::{
     parse_args, positive_seconds, write_addr_file, NotPositiveSeconds, StopSignals,
 };
-use sumflow_wire::JobToken;
+use sumflow_wire::{timing, JobToken};
 use thiserror::Error;
 use tracing::error;
 
@@ -72,13 +72,25 @@ struct Args {
     #[arg(long, env = "SUMFLOW_SIMD", value_enum, default_value_t = Simd::Auto)]
     simd: Simd,
     /// Seconds between heartbeats to the coordinator.
-    #[arg(long, env = "SUMFLOW_HEARTBEAT_INTERVAL", default_value_t = 1.0)]
+    #[arg(
+        long,
+        env = "SUMFLOW_HEARTBEAT_INTERVAL",
+        default_value_t = timing::DEFAULT_HEARTBEAT_INTERVAL.as_secs_f64()
+    )]
     heartbeat_interval: f64,
     /// Seconds of coordinator silence after which it is considered lost.
-    #[arg(long, env = "SUMFLOW_HEARTBEAT_TIMEOUT", default_value_t = 10.0)]
+    #[arg(
+        long,
+        env = "SUMFLOW_HEARTBEAT_TIMEOUT",
+        default_value_t = timing::DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64()
+    )]
     heartbeat_timeout: f64,
     /// Seconds to wait for the whole job to register with the coordinator.
-    #[arg(long, env = "SUMFLOW_JOIN_TIMEOUT", default_value_t = 300.0)]
+    #[arg(
+        long,
+        env = "SUMFLOW_JOIN_TIMEOUT",
+        default_value_t = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64()
+    )]
     join_timeout: f64,
     /// File holding the job token (else SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN).
     #[arg(long)]

@@ -279,8 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     ap = parser()
     args = ap.parse_args(argv)
+    command: Callable[[argparse.Namespace], int] = args.func
     try:
-        return args.func(args)
+        return command(args)
     except ValueError as e:
         ap.exit(2, f"sumflow sim: {e}\n")
 

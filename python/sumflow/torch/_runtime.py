@@ -62,10 +62,8 @@ def _service_options() -> _Options:
         "connections_per_cpu_server": settings.CPU_SERVER_CONNECTIONS.read(),
         "join_timeout": settings.JOIN_TIMEOUT.read(),
         "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
+        "prophet_stage_factor": settings.PROPHET_STAGE_FACTOR.read(),
     }
-    stage_factor = settings.PROPHET_STAGE_FACTOR.read()
-    if stage_factor is not None:
-        options["prophet_stage_factor"] = stage_factor
     options.update(_trace_settings())
     return options
 

@@ -78,7 +78,7 @@ class _CastCompressor(Compressor):
     wire_dtype: torch.dtype
 
     @classmethod
-    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:  # type: ignore[override]
+    def compress(cls, tensor: torch.Tensor) -> tuple[torch.Tensor, Any]:
         return _cast(tensor, cls.wire_dtype)
 
     @staticmethod

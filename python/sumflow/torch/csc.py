@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import ops
+from sumflow.torch import _runtime, ops
 
 #: Chunk size of GradientFlow's evaluation.
 DEFAULT_CHUNK_ELEMENTS = 32 * 1024
@@ -154,7 +154,7 @@ class CoarseSparseSGD(torch.optim.Optimizer):
     def _step(self) -> None:
         group = self.param_groups[0]
         lr, momentum = group["lr"], group["momentum"]
-        workers = ops._runtime.current().service.size
+        workers = _runtime.current().service.size
         flat = self._pool.view(-1)
         at = 0
         for p in self._params:

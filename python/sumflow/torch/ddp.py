@@ -70,7 +70,8 @@ def _complete_forever() -> None:
             for h in handles:
                 ops.synchronize(h)
         except Exception as e:
-            fut.set_exception(e)
+            # torch annotates the exception as the future's result type; it takes any.
+            fut.set_exception(e)  # type: ignore[arg-type]
         else:
             fut.set_result(buffer)
 

@@ -18,12 +18,12 @@ import contextlib
 import functools
 from collections import Counter
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from sumflow import settings
-from sumflow.torch import fusion, ops, per_parameter, trace
+from sumflow.torch import _runtime, fusion, ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.fusion import GradientPool, Span
 from sumflow.torch.overlap import CrossBarrier, Update, once, zero_grad_of
@@ -112,7 +112,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sf_overlap = CrossBarrier(
                 model,
                 {p: names[p] for p in trainable},
-                lambda: ops._runtime.current().timeout,
+                lambda: _runtime.current().timeout,
             )
         self._sf_pool = None
         self._sf_ready = {}
@@ -203,7 +203,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = 1.0, 1.0
         op = self._sf_op
         if self._sf_predivide != 1.0:
-            size = ops._runtime.current().service.size
+            size = _runtime.current().service.size
             prescale, postscale, op = 1.0 / self._sf_predivide, self._sf_predivide / size, ops.Sum
         return ops._issue(name, grad, op, priority, self._sf_compression, prescale, postscale)
 
@@ -448,14 +448,19 @@ def DistributedOptimizer(
         raise NotImplementedError("sparse gradients are not supported; sumflow sends dense tensors")
     ops._no_process_sets(process_set)
     del num_groups, groups
-    cls = type(
-        optimizer.__class__.__name__,
-        (optimizer.__class__,),
-        {
-            k: v
-            for k, v in _DistributedOptimizer.__dict__.items()
-            if k not in ("__dict__", "__weakref__")
-        },
+    # A subclass of the user's optimizer class with our methods: isinstance checks and the
+    # class's own step keep working. type() cannot say that it is also ours, so cast.
+    cls = cast(
+        "type[_DistributedOptimizer]",
+        type(
+            optimizer.__class__.__name__,
+            (optimizer.__class__,),
+            {
+                k: v
+                for k, v in _DistributedOptimizer.__dict__.items()
+                if k not in ("__dict__", "__weakref__")
+            },
+        ),
     )
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__
@@ -524,5 +529,5 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) 
     """Makes every worker's optimizer state (hyper-parameters and per-parameter buffers
     such as momentum) root_rank's."""
     state = ops.broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state")
-    if ops._runtime.current().service.rank != root_rank:
+    if _runtime.current().service.rank != root_rank:
         optimizer.load_state_dict(state)

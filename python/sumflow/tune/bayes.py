@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 import optuna
 import torch
-from optuna.distributions import FloatDistribution
+from optuna.distributions import BaseDistribution, FloatDistribution
 from optuna.samplers import GPSampler
 from optuna.trial import TrialState
 from scipy.stats import qmc
@@ -79,7 +79,7 @@ class BayesianSearch:
             raise ValueError(f"startup_trials must be >= 1, not {startup_trials}")
         self._space = space
         self._startup = startup_trials
-        self._distributions = {
+        self._distributions: dict[str, BaseDistribution] = {
             "partition_bytes": FloatDistribution(
                 float(space.min_partition_bytes), float(space.max_partition_bytes), log=True
             ),
