@@ -470,7 +470,7 @@ impl CommunicationService {
         }
         let specs: Vec<(u32, TensorSpec<'_>)> =
             fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
-        let laid = self.layout(&table).group(&specs)?;
+        let laid = self.layout(&table).group(&specs)?.tensors;
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
         for ((id, decl), parts) in fresh.iter().zip(laid) {
@@ -573,7 +573,7 @@ impl CommunicationService {
                     .iter()
                     .map(|id| (*id, table.tensors[id].declaration().spec()))
                     .collect();
-                for (id, laid) in ids.iter().zip(next.group(&members)?) {
+                for (id, laid) in ids.iter().zip(next.group(&members)?.tensors) {
                     parts.insert(*id, laid);
                 }
             }
