@@ -15,7 +15,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::{
-    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp,
+    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, Scheduling,
 };
 use sumflow_plan::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
@@ -230,11 +230,15 @@ impl PyCommunicationService {
     /// The schedule in use: ``{"scheduler", "partition_bytes", "credit_bytes"}``, plus
     /// ``"bandwidth"`` (bytes/s at which partitions complete) once measured.
     fn schedule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (kind, partition, credit) = self.svc.schedule();
+        let Scheduling {
+            scheduler,
+            partition_bytes,
+            credit_bytes,
+        } = self.svc.schedule();
         let d = PyDict::new(py);
-        d.set_item("scheduler", kind.name())?;
-        d.set_item("partition_bytes", partition)?;
-        d.set_item("credit_bytes", credit)?;
+        d.set_item("scheduler", scheduler.name())?;
+        d.set_item("partition_bytes", partition_bytes)?;
+        d.set_item("credit_bytes", credit_bytes)?;
         if let Some(rate) = self.svc.bandwidth() {
             d.set_item("bandwidth", rate)?;
         }

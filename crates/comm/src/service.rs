@@ -111,6 +111,19 @@ impl CommConfig {
     }
 }
 
+/// The scheduler in use and the knobs the auto-tuner changes
+/// ([`CommunicationService::reconfigure`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduling {
+    pub scheduler: SchedulerKind,
+    /// The size tensors are cut into now (see [`CommConfig::layout_partition_bytes`]).
+    pub partition_bytes: u64,
+    /// The credit per server: how many bytes pushed to it may wait for its
+    /// acknowledgement; 0: unbounded (fifo has none and p3 one partition, whatever this
+    /// says).
+    pub credit_bytes: u64,
+}
+
 /// How the sum of a push_pull is returned.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
@@ -470,7 +483,7 @@ impl CommunicationService {
         }
         let specs: Vec<(u32, TensorSpec<'_>)> =
             fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
-        let laid = self.layout(&table).group(&specs)?;
+        let laid = self.layout(&table).group(&specs)?.tensors;
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
         for ((id, decl), parts) in fresh.iter().zip(laid) {
@@ -573,7 +586,7 @@ impl CommunicationService {
                     .iter()
                     .map(|id| (*id, table.tensors[id].declaration().spec()))
                     .collect();
-                for (id, laid) in ids.iter().zip(next.group(&members)?) {
+                for (id, laid) in ids.iter().zip(next.group(&members)?.tensors) {
                     parts.insert(*id, laid);
                 }
             }
@@ -599,11 +612,15 @@ impl CommunicationService {
         Ok(())
     }
 
-    /// The scheduler's name, the partition size and the credit per server in use.
-    pub fn schedule(&self) -> (SchedulerKind, u64, u64) {
-        let partition = self.table.lock().expect("table lock").partition_bytes();
+    /// The scheduler, the partition size and the credit per server in use.
+    pub fn schedule(&self) -> Scheduling {
+        let partition_bytes = self.table.lock().expect("table lock").partition_bytes();
         let s = self.pipeline.schedule();
-        (s.kind, partition, s.credit_bytes)
+        Scheduling {
+            scheduler: s.kind,
+            partition_bytes,
+            credit_bytes: s.credit_bytes,
+        }
     }
 
     /// The measured rate at which partitions complete (bytes per second), once measured.

@@ -193,8 +193,8 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
             match round {
                 3 => {
                     c.reconfigure(Some(1000), Some(3000)).unwrap();
-                    let (_, partition, credit) = c.schedule();
-                    assert_eq!((partition, credit), (1000, 3000));
+                    let s = c.schedule();
+                    assert_eq!((s.partition_bytes, s.credit_bytes), (1000, 3000));
                 }
                 5 => c.reconfigure(Some(4096), None).unwrap(),
                 _ => {}
@@ -458,8 +458,11 @@ fn fifo_sends_whole_tensors() {
         let mut cfg = config(addr, w);
         cfg.scheduler = SchedulerKind::Fifo;
         let c = CommunicationService::start(cfg).unwrap();
-        let (kind, partition, _) = c.schedule();
-        assert_eq!((kind, partition), (SchedulerKind::Fifo, WHOLE_TENSOR_BYTES));
+        let s = c.schedule();
+        assert_eq!(
+            (s.scheduler, s.partition_bytes),
+            (SchedulerKind::Fifo, WHOLE_TENSOR_BYTES)
+        );
         let ids = c
             .declare_group(&[("big", Dtype::F32, 30_000), ("small", Dtype::F32, 5_000)])
             .unwrap();

@@ -10,11 +10,12 @@
 //! so that when the auto-tuner changes the partition size, the keys of the new size never
 //! collide with the old ones on a server.
 
+use sumflow_wire::Dtype;
 use thiserror::Error;
 
 use crate::lanes::{self, LaneError};
-use crate::partition::{partition, Partition, PartitionError, TensorSpec};
-use crate::placement::{place, PlacementError, ServerSet};
+use crate::partition::{partition, partition_tensors, Partition, PartitionError, TensorSpec};
+use crate::placement::{place, Placement, PlacementError, ServerSet};
 use crate::scatter::scatter;
 
 const GENERATION_SHIFT: u32 = 56;
@@ -49,6 +50,16 @@ pub struct Layout<'a> {
     pub generation: usize,
 }
 
+/// Tensors laid out together: their partitions, and the placement that gave them servers.
+#[derive(Clone, Debug)]
+pub struct GroupLayout {
+    /// One list per tensor, in the group's order.
+    pub tensors: Vec<Vec<Partition>>,
+    /// What each server sums against the share Eq. 1 and 2 ask of it
+    /// ([`Placement::explain`] says it in a line per server).
+    pub placement: Placement,
+}
+
 impl Layout<'_> {
     /// The partitions of tensor `id`, declared alone: each placed from its key, so
     /// workers may declare such tensors in any order.
@@ -57,56 +68,77 @@ impl Layout<'_> {
         for p in &mut parts {
             p.server = scatter(p.key, self.servers)?;
         }
-        self.spread(tensor, parts)
+        self.spread(tensor.dtype, parts)
     }
 
     /// The partitions of a group's tensors (`(id, tensor)`, a model's parameters, the same
-    /// group on every worker), placed together to track BytePS's Eq. 1 and 2; one list per
-    /// tensor, in the group's order.
-    pub fn group(
-        &self,
-        tensors: &[(u32, TensorSpec<'_>)],
-    ) -> Result<Vec<Vec<Partition>>, LayoutError> {
+    /// group on every worker), placed together to track BytePS's Eq. 1 and 2.
+    pub fn group(&self, tensors: &[(u32, TensorSpec<'_>)]) -> Result<GroupLayout, LayoutError> {
         let mut cut = Vec::with_capacity(tensors.len());
         for (id, tensor) in tensors {
             cut.push(self.cut(*id, tensor)?);
         }
+        self.place_together(tensors.iter().map(|(_, tensor)| tensor.dtype), cut)
+    }
+
+    /// A whole declaration laid out as one group (see [`Self::group`]), each tensor's id
+    /// its index in `tensors`, whose names must differ: how the simulator declares a
+    /// model. The runtime gets ids, and one per name, from the coordinator instead.
+    ///
+    /// The checks are [`partition_tensors`]'s, in its order, so the first tensor at fault
+    /// is the one named. Ids past [`MAX_TENSOR_ID`] reach into the generation's byte.
+    pub fn declaration(&self, tensors: &[TensorSpec<'_>]) -> Result<GroupLayout, LayoutError> {
+        let mut cut = vec![Vec::new(); tensors.len()];
+        for p in self.keyed(partition_tensors(tensors, self.partition_bytes)?) {
+            cut[p.tensor as usize].push(p);
+        }
+        self.place_together(tensors.iter().map(|tensor| tensor.dtype), cut)
+    }
+
+    /// Places tensors' partitions (`cut`, a list per tensor, each of its `dtypes`)
+    /// together, then cuts them into pieces per lane.
+    fn place_together(
+        &self,
+        dtypes: impl IntoIterator<Item = Dtype>,
+        cut: Vec<Vec<Partition>>,
+    ) -> Result<GroupLayout, LayoutError> {
         let placement = place(&cut.concat(), self.servers)?;
-        tensors
-            .iter()
+        let tensors = dtypes
+            .into_iter()
             .zip(cut)
-            .map(|((_, tensor), mut parts)| {
+            .map(|(dtype, mut parts)| {
                 for p in &mut parts {
                     p.server = placement
                         .server_of(p.key)
                         .expect("every partition was placed");
                 }
-                self.spread(tensor, parts)
+                self.spread(dtype, parts)
             })
-            .collect()
+            .collect::<Result<_, _>>()?;
+        Ok(GroupLayout { tensors, placement })
     }
 
     /// Cuts a tensor by the layout's partition size, keyed in its generation.
     fn cut(&self, id: u32, tensor: &TensorSpec<'_>) -> Result<Vec<Partition>, LayoutError> {
+        Ok(self.keyed(partition(id, tensor, self.partition_bytes)?))
+    }
+
+    /// Puts the layout's generation into the keys' top byte.
+    fn keyed(&self, mut parts: Vec<Partition>) -> Vec<Partition> {
         let generation = (self.generation as u64) << GENERATION_SHIFT;
-        let mut parts = partition(id, tensor, self.partition_bytes)?;
         for p in &mut parts {
             p.key |= generation;
         }
-        Ok(parts)
+        parts
     }
 
     /// Cuts each placed partition bound for a server with several lanes into one piece per
     /// lane.
-    fn spread(
-        &self,
-        tensor: &TensorSpec<'_>,
-        parts: Vec<Partition>,
-    ) -> Result<Vec<Partition>, LayoutError> {
+    fn spread(&self, dtype: Dtype, parts: Vec<Partition>) -> Result<Vec<Partition>, LayoutError> {
         let mut out = Vec::with_capacity(parts.len());
         for p in parts {
             let lanes = self.lanes[p.server as usize];
-            out.extend(lanes::pieces(p, tensor.dtype.size() as u64, lanes)?);
+            out.extend(lanes::pieces(p, dtype.size() as u64, lanes)?);
         }
         Ok(out)
     }
@@ -139,7 +171,8 @@ mod tests {
         };
         let group = layout
             .group(&[(5, spec("w", 40)), (6, spec("b", 8))])
-            .unwrap();
+            .unwrap()
+            .tensors;
         assert_eq!(group.len(), 2);
         for (parts, (id, bytes)) in group.iter().zip([(5, 160), (6, 32)]) {
             assert_eq!(parts.iter().map(|p| p.bytes).sum::<u64>(), bytes);
@@ -161,6 +194,56 @@ mod tests {
         assert!(cpu.iter().all(|p| p.key & 1 << 31 != 0));
         assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 0));
         assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 1));
+    }
+
+    #[test]
+    fn a_declaration_is_a_group_keyed_by_position() {
+        let servers = ServerSet::new(vec![0, 1], vec![2]).unwrap();
+        let layout = Layout {
+            servers: &servers,
+            lanes: &[1, 1, 2],
+            partition_bytes: 64,
+            generation: 2,
+        };
+        let model = [spec("w", 40), spec("e", 0), spec("b", 8)];
+        let declared = layout.declaration(&model).unwrap();
+        let group = layout
+            .group(&[(0, model[0]), (1, model[1]), (2, model[2])])
+            .unwrap();
+        assert_eq!(declared.tensors, group.tensors);
+        assert_eq!(
+            declared.tensors[1],
+            [],
+            "a tensor without elements has no partitions"
+        );
+        assert_eq!(declared.placement, group.placement);
+        assert_eq!(declared.placement.total_bytes(), 192);
+    }
+
+    #[test]
+    fn a_declaration_names_the_first_tensor_at_fault() {
+        let servers = ServerSet::new(vec![0], vec![]).unwrap();
+        let layout = Layout {
+            servers: &servers,
+            lanes: &[1],
+            partition_bytes: 4,
+            generation: 0,
+        };
+        let repeated = [spec("a", 1), spec("b", 1), spec("a", 1)];
+        assert!(matches!(
+            layout.declaration(&repeated),
+            Err(LayoutError::Partition(PartitionError::DuplicateName {
+                second: 2,
+                ..
+            }))
+        ));
+        // A tensor with too many partitions before the repeated name: it is the one named.
+        let huge = [spec("a", 1), spec("big", 1 << 40), spec("a", 1)];
+        assert!(matches!(
+            layout.declaration(&huge),
+            Err(LayoutError::Partition(PartitionError::TooManyPartitions { ref tensor, .. }))
+                if tensor == "big"
+        ));
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! Why a simulation did not run.
 
+use sumflow_plan::lanes::LaneError;
+use sumflow_plan::layout::LayoutError;
 use sumflow_plan::partition::PartitionError;
 use sumflow_plan::placement::PlacementError;
 use thiserror::Error;
@@ -15,6 +17,8 @@ pub enum SimError {
     Partition(#[from] PartitionError),
     #[error("placing partitions on summation servers: {0}")]
     Placement(#[from] PlacementError),
+    #[error(transparent)]
+    Lanes(#[from] LaneError),
     /// The simulation stopped making progress: a bug, reported with where it stood.
     #[error("the simulation stalled at {at_s:.6} s in iteration {iteration}: {what}")]
     Stalled {
@@ -22,4 +26,15 @@ pub enum SimError {
         iteration: u32,
         what: String,
     },
+}
+
+/// A layout's error as the step that failed: cutting, placing, or cutting into pieces.
+impl From<LayoutError> for SimError {
+    fn from(e: LayoutError) -> Self {
+        match e {
+            LayoutError::Partition(e) => e.into(),
+            LayoutError::Placement(e) => e.into(),
+            LayoutError::Lanes(e) => e.into(),
+        }
+    }
 }

@@ -1,10 +1,11 @@
-//! What a worker pushes: push_pull operations (a tensor, or a span of fused tensors), cut
-//! into partitions and placed on summation servers exactly as the runtime does it, with
-//! `sumflow-plan`'s own partitioning, Eq. 1/2 placement and lanes.
+//! What a worker pushes: push_pull operations (a tensor, or a span of fused tensors), laid
+//! out on summation servers by the runtime's own code: `sumflow_plan::layout` cuts them
+//! into partitions, places those by Eq. 1/2 and cuts them into pieces per lane.
 
 use sumflow_plan::lanes;
+use sumflow_plan::layout::{GroupLayout, Layout as ServerLayout};
 use sumflow_plan::partition::{partition_tensors, Partition, TensorSpec};
-use sumflow_plan::placement::{place, ServerKind, ServerSet};
+use sumflow_plan::placement::{ServerKind, ServerSet};
 use sumflow_wire::Dtype;
 
 use crate::config::{Architecture, SimConfig};
@@ -54,75 +55,32 @@ impl Layout {
     pub fn build(cfg: &SimConfig) -> Result<Layout, SimError> {
         let partition_bytes = cfg.schedule.layout_partition_bytes()?;
         let (ops, ready_after, updated_by) = spans(cfg);
-        let names: Vec<String> = ops.iter().map(|o| o.name.clone()).collect();
         let specs: Vec<TensorSpec<'_>> = ops
             .iter()
-            .zip(&names)
-            .map(|(o, name)| TensorSpec {
-                name,
+            .map(|o| TensorSpec {
+                name: &o.name,
                 elements: o.bytes / 4,
                 dtype: Dtype::F32,
             })
             .collect();
-        let keyed = partition_tensors(&specs, partition_bytes)?;
+        let (parts, servers, placement) = if cfg.architecture.has_servers() {
+            let (servers, laid) = lay_out(cfg, &specs, partition_bytes)?;
+            (laid.tensors.concat(), servers, laid.placement.explain())
+        } else {
+            // An all-reduce has no servers to place partitions on: they are only cut.
+            let parts = partition_tensors(&specs, partition_bytes)?;
+            (parts, Vec::new(), Vec::new())
+        };
         let mut layout = Layout {
             ops,
-            parts: Vec::with_capacity(keyed.len()),
+            parts: Vec::with_capacity(parts.len()),
             ready_after,
             updated_by,
-            servers: Vec::new(),
-            placement: Vec::new(),
+            servers,
+            placement,
         };
-        if !cfg.architecture.has_servers() {
-            for p in keyed {
-                layout.push_part(p);
-            }
-            return Ok(layout);
-        }
-        let n = cfg.cluster.machines;
-        let k = cfg.cluster.cpu_machines;
-        // Ranks as the cluster map would give them: colocated servers first, by machine.
-        let set = match cfg.architecture {
-            Architecture::Ps => ServerSet::non_colocated(n, (0..k).collect())?,
-            _ => ServerSet::new((0..n).collect(), (n..n + k).collect())?,
-        };
-        // The runtime opens lanes to CPU servers only where colocated servers share the load.
-        let cpu_lanes = lanes::per_cpu_server(set.colocated().len() as u32, set.cpu().len() as u32);
-        for &rank in set.colocated() {
-            layout.servers.push(Server {
-                kind: ServerKind::Colocated,
-                index: rank,
-                lanes: 1,
-                bytes: 0,
-            });
-        }
-        for (j, _) in set.cpu().iter().enumerate() {
-            layout.servers.push(Server {
-                kind: ServerKind::Cpu,
-                index: j as u32,
-                lanes: cpu_lanes,
-                bytes: 0,
-            });
-        }
-        let placed = place(&keyed, &set)?;
-        layout.placement = placed.explain();
-        let slot_of = |rank: u32| -> u32 {
-            set.colocated()
-                .iter()
-                .chain(set.cpu())
-                .position(|&r| r == rank)
-                .expect("placement uses the set's ranks") as u32
-        };
-        for mut p in keyed {
-            let rank = placed.server_of(p.key).expect("every partition is placed");
-            p.server = slot_of(rank);
-            let server = &mut layout.servers[p.server as usize];
-            server.bytes += p.bytes;
-            let pieces =
-                lanes::pieces(p, 4, server.lanes).map_err(|e| SimError::Invalid(e.to_string()))?;
-            for piece in pieces {
-                layout.push_part(piece);
-            }
+        for p in parts {
+            layout.push_part(p);
         }
         Ok(layout)
     }
@@ -157,6 +115,52 @@ impl Layout {
         let o = &self.ops[op as usize];
         o.first as usize..(o.first + o.count) as usize
     }
+}
+
+/// The ops declared as one group on every worker, as the runtime's optimizer declares a
+/// model, laid out on the job's servers; each server with the lanes a worker opens to it
+/// and the bytes placed on it.
+fn lay_out(
+    cfg: &SimConfig,
+    ops: &[TensorSpec<'_>],
+    partition_bytes: u64,
+) -> Result<(Vec<Server>, GroupLayout), SimError> {
+    let n = cfg.cluster.machines;
+    let k = cfg.cluster.cpu_machines;
+    // Ranks as the cluster map would give them: colocated servers first, by machine. A
+    // server's rank is therefore its index in the list below, which is how partitions
+    // name it.
+    let set = match cfg.architecture {
+        Architecture::Ps => ServerSet::non_colocated(n, (0..k).collect())?,
+        _ => ServerSet::new((0..n).collect(), (n..n + k).collect())?,
+    };
+    // The runtime opens lanes to CPU servers only where colocated servers share the load.
+    let cpu_lanes = lanes::per_cpu_server(set.colocated().len() as u32, set.cpu().len() as u32);
+    let colocated = set.colocated().iter().map(|&rank| Server {
+        kind: ServerKind::Colocated,
+        index: rank,
+        lanes: 1,
+        bytes: 0,
+    });
+    let cpu = (0..set.cpu().len() as u32).map(|j| Server {
+        kind: ServerKind::Cpu,
+        index: j,
+        lanes: cpu_lanes,
+        bytes: 0,
+    });
+    let mut servers: Vec<Server> = colocated.chain(cpu).collect();
+    let lanes: Vec<u32> = servers.iter().map(|s| s.lanes).collect();
+    let layout = ServerLayout {
+        servers: &set,
+        lanes: &lanes,
+        partition_bytes,
+        generation: 0,
+    };
+    let laid = layout.declaration(ops)?;
+    for p in laid.tensors.iter().flatten() {
+        servers[p.server as usize].bytes += p.bytes;
+    }
+    Ok((servers, laid))
 }
 
 /// The push_pulls of one iteration, in declaration order: one per tensor, or, with

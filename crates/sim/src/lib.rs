@@ -11,7 +11,8 @@
 //! What it shares with the runtime, rather than re-implements: the scheduler state machine
 //! (`sumflow_plan::scheduler`: fifo, p3, bytescheduler and prophet, with their credit,
 //! push window and Prophet's profile and bandwidth monitor, driven with simulated instants),
-//! partitioning, Eq. 1/2 placement and lanes (`crate::layout`). What it adds: the compute
+//! and the lay-out of a model on the servers (`sumflow_plan::layout`: partitioning, Eq. 1/2
+//! placement and lanes, which `crate::layout` calls). What it adds: the compute
 //! timeline (`compute`), servers (`ps`), all-reduce (`collective`) and the network (`net`).
 //! `plan` says which machines are simulated and why folding the others away is exact.
 //!

@@ -4,7 +4,7 @@ this machine cannot run (``docs/simulator.md``).
 It replays a layer profile (``sumflow.profiles``) on n worker machines of g GPUs and k CPU
 machines, under ring or hierarchical all-reduce, a non-colocated or colocated parameter
 server, or sumflow/BytePS with any k, with the runtime's own schedulers (the Rust core
-drives ``sumflow-comm``'s scheduler state machine and placement with simulated time), and
+drives ``sumflow-plan``'s scheduler state machine and placement with simulated time), and
 reports iteration time, throughput, GPU idle time, per-link utilisation and a Chrome-trace
 timeline.
 

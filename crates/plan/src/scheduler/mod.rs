@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use bandwidth::BandwidthMonitor;
 use credit::Credit;
-use prophet::{Prophet, ProphetConfig, Release};
+use prophet::{Block, Prophet, ProphetConfig, Release, Waiting};
 use window::PushWindow;
 
 use crate::partition::Partition;
@@ -302,13 +302,16 @@ impl<T> Scheduler<T> {
         };
         self.arrivals += 1;
         let ready = parts.len();
-        let mut orders = Vec::with_capacity(ready);
+        let mut waiting = Vec::with_capacity(ready);
         for p in parts {
             let order = Order {
                 priority: first,
                 key: p.partition.key,
             };
-            orders.push((order, p.wire_bytes));
+            waiting.push(Waiting {
+                order,
+                wire_bytes: p.wire_bytes,
+            });
             self.outstanding += p.wire_bytes;
             self.servers[p.partition.server as usize].ready.insert(
                 order,
@@ -326,8 +329,8 @@ impl<T> Scheduler<T> {
             };
         };
         let ahead = self.servers.iter().map(|s| s.credit.bytes()).sum::<u64>() + self.block_bytes;
-        let (block, why) =
-            prophet.ready(tensor, orders, now, ahead, self.bandwidth.bytes_per_sec());
+        let Block { orders: block, why } =
+            prophet.ready(tensor, waiting, now, ahead, self.bandwidth.bytes_per_sec());
         // Prophet's blocks go out without waiting for credit: the budget, sized to the
         // gap at the measured bandwidth, is theirs (the notes: "the per-gap budget adapts
         // each stage").

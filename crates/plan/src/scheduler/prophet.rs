@@ -141,6 +141,33 @@ impl Release {
     }
 }
 
+/// A ready partition not sent yet, which a gap's block may take.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Waiting {
+    /// Its place in its server's sending order.
+    pub order: Order,
+    /// What its push puts on the wire, which the block's budget counts.
+    pub wire_bytes: u64,
+}
+
+/// What Prophet lets out past the credit at a gradient, and why: a block when a gap
+/// begins, nothing otherwise.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Block {
+    /// Most urgent first.
+    pub orders: Vec<Order>,
+    pub why: Release,
+}
+
+impl Block {
+    fn none(why: Release) -> Block {
+        Block {
+            orders: Vec::new(),
+            why,
+        }
+    }
+}
+
 /// The state of Prophet's block assembler.
 #[derive(Debug)]
 pub struct Prophet {
@@ -150,7 +177,8 @@ pub struct Prophet {
     history: VecDeque<Record>,
     profile: Option<Profile>,
     closed_iterations: u32,
-    /// Partitions ready and not sent yet, which a gap's block may take: order -> bytes.
+    /// Partitions ready and not sent yet, which a gap's block may take: order -> wire
+    /// bytes.
     waiting: BTreeMap<Order, u64>,
 }
 
@@ -170,49 +198,52 @@ impl Prophet {
         self.profile.as_ref()
     }
 
-    /// The gradient `tensor` became ready with `parts` (order, bytes). `ahead`: bytes on
-    /// their way out already (sent and not acknowledged, or in an earlier block);
-    /// `bytes_per_sec`: the monitor's measurement. Returns the block that goes past the
-    /// credit now, most urgent first, and why.
+    /// The gradient `tensor` became ready with `parts`. `ahead`: bytes on their way out
+    /// already (sent and not acknowledged, or in an earlier block); `bytes_per_sec`: the
+    /// monitor's measurement. Returns the block that goes past the credit now, and why.
     pub fn ready(
         &mut self,
         tensor: u32,
-        parts: impl IntoIterator<Item = (Order, u64)>,
+        parts: impl IntoIterator<Item = Waiting>,
         now: Instant,
         ahead: u64,
         bytes_per_sec: Option<f64>,
-    ) -> (Vec<Order>, Release) {
+    ) -> Block {
         // A gradient seen again starts a new iteration even without a step mark (the DDP
         // hook, user code that never calls step()).
         if self.current.iter().any(|e| e.0 == tensor) {
             self.close_iteration();
         }
         self.current.push((tensor, now));
-        self.waiting.extend(parts);
+        self.waiting
+            .extend(parts.into_iter().map(|w| (w.order, w.wire_bytes)));
         let (Some(profile), Some(rate)) = (&self.profile, bytes_per_sec) else {
-            return (Vec::new(), Release::Unprofiled);
+            return Block::none(Release::Unprofiled);
         };
         if profile.last() == Some(tensor) {
-            return (Vec::new(), Release::Flush("last gradient"));
+            return Block::none(Release::Flush("last gradient"));
         }
         let Some(&gap) = profile.gap_after.get(&tensor) else {
-            return (Vec::new(), Release::Flush("gradient not in the profile"));
+            return Block::none(Release::Flush("gradient not in the profile"));
         };
         if gap.is_zero() {
-            return (Vec::new(), Release::Burst);
+            return Block::none(Release::Burst);
         }
         let budget = (((gap + self.cfg.slack).as_secs_f64() * rate) as u64).saturating_sub(ahead);
         let mut left = budget;
-        let mut block = Vec::new();
+        let mut orders = Vec::new();
         while let Some((&order, &bytes)) = self.waiting.first_key_value() {
             if bytes > left {
                 break;
             }
             left -= bytes;
             self.waiting.remove(&order);
-            block.push(order);
+            orders.push(order);
         }
-        (block, Release::Gap { gap, budget })
+        Block {
+            orders,
+            why: Release::Gap { gap, budget },
+        }
     }
 
     /// The step ended (the plugin's step mark): the backward pass is over.
@@ -273,20 +304,24 @@ mod tests {
 
     const MS: Duration = Duration::from_millis(1);
 
+    /// A partition of `wire_bytes` at `(priority, key)`.
+    fn waiting(priority: i64, key: u64, wire_bytes: u64) -> [Waiting; 1] {
+        [Waiting {
+            order: order(priority, key),
+            wire_bytes,
+        }]
+    }
+
     /// One backward pass: tensors 5..0 (5 first), bursts {5,4} {3,2,1} {0} with 20 ms gaps.
-    fn backward(
-        p: &mut Prophet,
-        t0: Instant,
-        rate: Option<f64>,
-    ) -> Vec<(u32, Vec<Order>, Release)> {
+    /// Prophet's block at each, in that order.
+    fn backward(p: &mut Prophet, t0: Instant, rate: Option<f64>) -> Vec<Block> {
         let times = [0, 1, 21, 22, 23, 43];
         (0..6u32)
             .rev()
             .zip(times)
             .map(|(tensor, at)| {
-                let order = order(i64::from(tensor), u64::from(tensor));
-                let (out, why) = p.ready(tensor, [(order, 1000)], t0 + at * MS, 0, rate);
-                (tensor, out, why)
+                let part = waiting(i64::from(tensor), u64::from(tensor), 1000);
+                p.ready(tensor, part, t0 + at * MS, 0, rate)
             })
             .collect()
     }
@@ -343,19 +378,17 @@ mod tests {
         assert_eq!(prof.gap_after[&5], MS);
         // 1 ms at 1 MB/s: the waiting 1000-byte partition of 5 goes in the gap after it.
         let out = backward(&mut p, t + 300 * MS, Some(1e6));
-        assert_eq!(out[0].1, [order(5, 5)]);
+        assert_eq!(out[0].orders, [order(5, 5)]);
     }
 
     #[test]
     fn without_profile_or_bandwidth_no_block_goes_past_the_credit() {
         let mut p = Prophet::new(ProphetConfig::default());
         let out = backward(&mut p, Instant::now(), Some(1e6));
-        assert!(out
-            .iter()
-            .all(|(_, o, why)| o.is_empty() && *why == Release::Unprofiled));
+        assert!(out.iter().all(|b| *b == Block::none(Release::Unprofiled)));
         let (mut p, t) = profiled();
         let out = backward(&mut p, t, None);
-        assert!(out.iter().all(|(_, o, _)| o.is_empty()));
+        assert!(out.iter().all(|b| b.orders.is_empty()));
     }
 
     #[test]
@@ -363,53 +396,57 @@ mod tests {
         let (mut p, t) = profiled();
         // 20 ms at 100 kB/s = 2000 bytes: two of the waiting 1000-byte partitions.
         let out = backward(&mut p, t, Some(100_000.0));
-        assert_eq!(out[0].1, [], "inside the first burst");
-        assert_eq!(out[0].2, Release::Burst);
         assert_eq!(
-            out[1].1,
-            [order(4, 4), order(5, 5)],
+            out[0],
+            Block::none(Release::Burst),
+            "inside the first burst"
+        );
+        assert_eq!(
+            out[1],
+            Block {
+                orders: vec![order(4, 4), order(5, 5)],
+                why: Release::Gap {
+                    gap: 20 * MS,
+                    budget: 2000
+                }
+            },
             "gap after 4: both waiting ones fit"
         );
+        assert_eq!(out[2].orders, []);
+        assert_eq!(out[3].orders, []);
         assert_eq!(
-            out[1].2,
-            Release::Gap {
-                gap: 20 * MS,
-                budget: 2000
-            }
-        );
-        assert_eq!(out[2].1, []);
-        assert_eq!(out[3].1, []);
-        assert_eq!(
-            out[4].1,
+            out[4].orders,
             [order(1, 1), order(2, 2)],
             "3 waits behind the next burst"
         );
-        assert_eq!(out[5].1, [], "last gradient: the credit alone");
-        assert_eq!(out[5].2, Release::Flush("last gradient"));
+        assert_eq!(
+            out[5],
+            Block::none(Release::Flush("last gradient")),
+            "last gradient: the credit alone"
+        );
     }
 
     #[test]
     fn outstanding_bytes_shrink_the_budget() {
         let (mut p, t) = profiled();
-        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(100_000.0));
-        let (out, why) = p.ready(4, [(order(4, 4), 1000)], t + MS, 1500, Some(100_000.0));
+        p.ready(5, waiting(5, 5, 1000), t, 0, Some(100_000.0));
+        let block = p.ready(4, waiting(4, 4, 1000), t + MS, 1500, Some(100_000.0));
         assert_eq!(
-            why,
-            Release::Gap {
+            block,
+            Block::none(Release::Gap {
                 gap: 20 * MS,
                 budget: 500
-            }
+            })
         );
-        assert!(out.is_empty());
     }
 
     #[test]
     fn a_block_takes_only_partitions_not_sent_yet() {
         let (mut p, t) = profiled();
-        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(100_000.0));
+        p.ready(5, waiting(5, 5, 1000), t, 0, Some(100_000.0));
         p.sent(&order(5, 5));
-        let (out, _) = p.ready(4, [(order(4, 4), 1000)], t + MS, 0, Some(100_000.0));
-        assert_eq!(out, [order(4, 4)]);
+        let block = p.ready(4, waiting(4, 4, 1000), t + MS, 0, Some(100_000.0));
+        assert_eq!(block.orders, [order(4, 4)]);
     }
 
     #[test]
@@ -420,7 +457,7 @@ mod tests {
             for (k, tensor) in [9u32, 5, 0].into_iter().enumerate() {
                 p.ready(
                     tensor,
-                    [(order(0, u64::from(tensor)), 1)],
+                    waiting(0, u64::from(tensor), 1),
                     t + MS * (i * 100 + k as u32 * 30),
                     0,
                     None,
@@ -435,9 +472,11 @@ mod tests {
     #[test]
     fn an_unknown_gradient_flushes() {
         let (mut p, t) = profiled();
-        p.ready(5, [(order(5, 5), 1000)], t, 0, Some(1.0));
-        let (out, why) = p.ready(77, [(order(77, 77), 1)], t + MS, 0, Some(1.0));
-        assert!(out.is_empty());
-        assert_eq!(why, Release::Flush("gradient not in the profile"));
+        p.ready(5, waiting(5, 5, 1000), t, 0, Some(1.0));
+        let block = p.ready(77, waiting(77, 77, 1), t + MS, 0, Some(1.0));
+        assert_eq!(
+            block,
+            Block::none(Release::Flush("gradient not in the profile"))
+        );
     }
 }

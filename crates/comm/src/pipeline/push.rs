@@ -1,0 +1,177 @@
+//! The sending half of each lane: a FIFO send queue that the scheduler fills in the order
+//! it starts partitions, and the push thread that drains it, compressing a partition
+//! first when its tensor is compressed.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use sumflow_client::server::ServerSender;
+use sumflow_compress::Compressor;
+use sumflow_plan::scheduler::Order;
+
+use super::task::{CodecBuffers, PartTask};
+use super::{server_lost, Flight, Shared, POLL};
+use crate::queue::LaneQueue;
+use crate::trace::{Arg, Track};
+
+/// One connection to a server, with its send queue.
+#[derive(Debug)]
+pub(super) struct Lane {
+    pub(super) server: usize,
+    pub(super) sender: Mutex<ServerSender>,
+    pub(super) queue: LaneQueue<(Order, Instant, PartTask)>,
+    /// Its index among its server's lanes, for the trace.
+    pub(super) index: usize,
+}
+
+/// Sends the partitions started for `lane`, in the order they started.
+pub(super) fn push_loop(sh: &Shared, lane: usize) {
+    let mut initialised: HashSet<u64> = HashSet::new();
+    let mut buffers = CodecBuffers::default();
+    let Lane {
+        server,
+        sender,
+        queue,
+        index,
+    } = &sh.lanes[lane];
+    let (server, index) = (*server, *index);
+    while !sh.stop.load(Ordering::Acquire) {
+        let Some((order, started, task)) = queue.pop(POLL) else {
+            continue;
+        };
+        let popped = Instant::now();
+        // A failed operation's buffer may already be gone: drop its remaining partitions.
+        if !sh.handles.begin_access(task.handle) {
+            sh.scheduler().abandoned(order, Instant::now());
+            continue;
+        }
+        debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
+        // Compressed by this lane's thread, so lanes compress in parallel, and before the
+        // connection is locked.
+        if let Some(c) = task.compressor() {
+            compress(sh, &task, c, &mut buffers);
+        }
+        let (key, round, dtype, len, handle, codec) = (
+            task.key(),
+            task.round,
+            task.dtype,
+            task.data.len,
+            task.handle,
+            task.codec,
+        );
+        let data = task.data;
+        let tensor_name = Arc::clone(&task.name);
+        let label = sh
+            .tracer
+            .active()
+            .then(|| (Arc::clone(&task.name), task.index));
+        // Registered before the frames go out: the reply may beat this thread back (so
+        // `pushed` is corrected below, which only the trace reads).
+        sh.in_flight.lock().expect("in-flight lock").insert(
+            key,
+            Flight {
+                order,
+                task,
+                started,
+                pushed: popped,
+                acknowledged: None,
+            },
+        );
+        let sent = {
+            let mut tx = sender.lock().expect("sender lock");
+            let before = tx.bytes_sent();
+            let init = if initialised.insert(key) {
+                // Before a key's first frames go: the server's replies may be read (and
+                // counted) before this thread counts what it wrote.
+                sh.wire.open(key, &tensor_name);
+                if codec.is_raw() {
+                    tx.init_key(key, dtype, len as u64, None)
+                } else {
+                    tx.init_compressed_key(key, len as u64, codec)
+                }
+            } else {
+                Ok(())
+            };
+            let sent = init
+                .and_then(|()| {
+                    if codec.is_raw() {
+                        tx.push(key, round, dtype, data.bytes())
+                    } else {
+                        tx.push_compressed(key, round, codec.codec, &buffers.payload)
+                    }
+                })
+                .and_then(|()| tx.pull(key, round));
+            sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
+            sent
+        };
+        // Recorded before the access ends: the waiter cannot return (and a step close the
+        // trace window) before it is.
+        if let Some((tensor, part)) = label {
+            let pushed = Instant::now();
+            if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+                f.pushed = pushed;
+            }
+            sh.tracer.span(
+                Track::Push {
+                    server: server as u32,
+                    lane: index as u32,
+                },
+                format!("{tensor} [{part}]"),
+                popped,
+                pushed,
+                &[
+                    (
+                        "bytes",
+                        Arg::Uint(codec.payload_len(dtype, (len / dtype.size()) as u64)),
+                    ),
+                    ("round", Arg::Uint(round)),
+                    ("key", Arg::Uint(key)),
+                    (
+                        "queued in lane ms",
+                        Arg::Float(popped.duration_since(started).as_secs_f64() * 1e3),
+                    ),
+                ],
+            );
+        }
+        sh.handles.end_access(handle, None);
+        if let Err(e) = sent {
+            if sh.stop.load(Ordering::Acquire) {
+                break;
+            }
+            server_lost(sh, server, &e.to_string());
+        }
+    }
+}
+
+/// Encodes a compressed partition into `buffers.payload`, with its key's residual when it
+/// has error feedback.
+fn compress(sh: &Shared, task: &PartTask, c: Compressor, buffers: &mut CodecBuffers) {
+    let bytes = task.data.bytes();
+    let input: &[f32] = match bytemuck::try_cast_slice(bytes) {
+        Ok(aligned) => aligned,
+        Err(_) => {
+            buffers.elements.clear();
+            buffers.elements.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))),
+            );
+            &buffers.elements
+        }
+    };
+    buffers.payload.resize(c.payload_len(), 0);
+    let (seed, scratch, out) = (
+        task.seed(sh.rank),
+        &mut buffers.scratch,
+        &mut buffers.payload,
+    );
+    if task.codec.feedback {
+        let mut residual = sh.residuals.take(task.key(), c.elements());
+        c.compress_with_feedback(input, &mut residual, seed, scratch, out);
+        sh.residuals.put(task.key(), residual);
+    } else {
+        c.compress(input, seed, scratch, out);
+    }
+}
