@@ -13,13 +13,13 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from sumflow import settings
+from sumflow import _core
 from sumflow.profiles import BYTES_PER_ELEMENT, ModelProfile
 
 #: The architectures the simulator knows (``docs/simulator.md``).
 ARCHITECTURES = ("ring", "hierarchical", "ps", "colocated-ps", "byteps")
 #: The runtime's schedulers (``docs/scheduling.md``).
-SCHEDULERS = settings.SCHEDULERS
+SCHEDULERS = _core.SCHEDULERS
 
 
 def _number(owner: str, name: str, value: Any, *, positive: bool) -> None:

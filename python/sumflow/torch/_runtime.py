@@ -31,9 +31,8 @@ from sumflow._programs import program
 
 
 class _Options(TypedDict, total=False):
-    """The service's keywords that come from the environment. Those of the trace window and
-    Prophet's stage factor are there only when their variable is set, so that the core's
-    own defaults hold otherwise."""
+    """The service's keywords that come from the environment. Those of the trace window are
+    there only when their variable is set, so that the core's own defaults hold otherwise."""
 
     name: str
     partition_bytes: int
