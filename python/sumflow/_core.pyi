@@ -217,6 +217,9 @@ class CommunicationService:
     def local_size(self) -> int:
         """The number of workers on this machine."""
     @property
+    def is_homogeneous(self) -> bool:
+        """Whether every worker machine runs the same number of workers."""
+    @property
     def num_servers(self) -> int:
         """The number of summation servers."""
     def declare(

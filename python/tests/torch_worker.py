@@ -129,9 +129,8 @@ def collectives() -> dict[str, object]:
     errors = {}
     for label, call in {
         "adasum": lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum),
-        "allgather": lambda: hvd.allgather(torch.ones(1)),
-        "uint8": lambda: hvd.allreduce(torch.ones(1, dtype=torch.uint8)),
-        "int_avg": lambda: hvd.allreduce(torch.ones(1, dtype=torch.int32)),
+        "bool": lambda: hvd.allreduce(torch.ones(1, dtype=torch.bool)),
+        "mismatch": lambda: hvd.allreduce(torch.ones(r + 1), name="mismatch"),
     }.items():
         try:
             call()

@@ -207,6 +207,12 @@ impl PyCommunicationService {
         self.svc.local_size()
     }
 
+    /// Whether every worker machine runs the same number of workers.
+    #[getter]
+    fn is_homogeneous(&self) -> bool {
+        self.svc.is_homogeneous()
+    }
+
     /// The number of summation servers.
     #[getter]
     fn num_servers(&self) -> usize {

@@ -428,6 +428,15 @@ impl CommunicationService {
         self.job.cluster_map()
     }
 
+    /// Whether every worker machine runs the same number of workers (Horovod's
+    /// `is_homogeneous`).
+    pub fn is_homogeneous(&self) -> bool {
+        let workers = &self.cluster_map().workers;
+        workers
+            .iter()
+            .all(|w| local_rank(self.cluster_map(), w.rank).1 == self.local_size())
+    }
+
     /// Declares one uncompressed tensor; every worker must declare it with the same dtype
     /// and size. Returns its id. Its partitions are placed from their keys alone, so
     /// workers may declare tensors in any order.

@@ -23,10 +23,29 @@ from sumflow import (
     SumflowError,
     SumflowTimeoutError,
 )
-from sumflow.torch import _runtime, _staging, ops
+from sumflow.torch import _runtime, _staging, elastic, ops
+from sumflow.torch.autograd import allreduce, broadcast
+from sumflow.torch.collectives import (
+    allgather,
+    allgather_async,
+    allgather_object,
+    alltoall,
+    alltoall_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from sumflow.torch.compression import Compression, Compressor, ErrorFeedback
 from sumflow.torch.csc import CoarseSparseSGD
 from sumflow.torch.ddp import DDPHookState, ddp_hook
+from sumflow.torch.negotiate import HorovodInternalError
 from sumflow.torch.ops import (
     Adasum,
     Average,
@@ -35,13 +54,12 @@ from sumflow.torch.ops import (
     Product,
     ReduceOp,
     Sum,
-    allreduce,
     allreduce_,
     allreduce_async,
     allreduce_async_,
     barrier,
-    broadcast,
     broadcast_,
+    broadcast_async,
     broadcast_async_,
     broadcast_object,
     declare_tensors,
@@ -55,6 +73,16 @@ from sumflow.torch.optimizer import (
     broadcast_optimizer_state,
     broadcast_parameters,
 )
+from sumflow.torch.process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    remove_process_set,
+)
+from sumflow.torch.sparse import sparse_allreduce_async
+from sumflow.torch.sync_batch_norm import SyncBatchNorm
+from sumflow.torch.timeline import start_timeline, stop_timeline
+from sumflow.torch.timeline import stop_quietly as timeline_stop_quietly
 from sumflow.torch.wire import (
     ServerTraffic,
     WireBytes,
@@ -64,16 +92,21 @@ from sumflow.torch.wire import (
 )
 
 
-def init(*args: object, **kwargs: object) -> None:
+def init(comm: object = None, process_sets: object = None) -> None:
     """Joins the job this process belongs to (see the module docs); blocks until every
-    worker and server has joined. Horovod's arguments (``comm``, ``process_sets``) are not
-    supported: every sumflow job spans all its workers."""
-    if args or kwargs:
+    worker and server has joined. Horovod's ``comm`` (an MPI communicator) is not
+    supported: the job comes from the environment. ``process_sets`` may list sets to
+    register (see ``add_process_set``)."""
+    if comm is not None:
         raise NotImplementedError(
-            "sumflow.torch.init() takes no arguments: the job comes from the environment "
-            "(sumflow-run, torchrun, or a job of one)"
+            "sumflow.torch.init(comm=...): sumflow uses no MPI communicator; the job comes "
+            "from the environment (sumflow-run, torchrun, mpirun, srun, or a job of one)"
         )
     _runtime.init()
+    if process_sets == "dynamic":
+        return
+    for ps in process_sets or ():  # type: ignore[attr-defined]
+        add_process_set(ps)
 
 
 def shutdown() -> None:
@@ -82,6 +115,7 @@ def shutdown() -> None:
         _runtime.shutdown()
     finally:
         ops._reset()
+        timeline_stop_quietly()
         _staging.clear()
 
 
@@ -120,28 +154,70 @@ def cross_size() -> int:
     return size() // local_size()
 
 
+def is_homogeneous() -> bool:
+    """Whether every worker machine runs the same number of workers."""
+    return _runtime.current().service.is_homogeneous
+
+
 def mpi_threads_supported() -> bool:
     """sumflow uses no MPI."""
     return False
 
 
-def _unsupported(name: str, alternative: str) -> object:
-    def fail(*args: object, **kwargs: object) -> None:
-        raise NotImplementedError(f"sumflow.torch.{name} is not supported: {alternative}")
-
-    fail.__name__ = name
-    fail.__doc__ = f"Not supported by sumflow: {alternative}"
-    return fail
+def mpi_built() -> bool:
+    """sumflow uses no MPI: False."""
+    return False
 
 
-allgather = _unsupported("allgather", "use broadcast_object or allreduce of a zero-padded tensor")
-allgather_async = _unsupported("allgather_async", "use broadcast_object")
-allgather_object = _unsupported("allgather_object", "broadcast_object from each rank in turn")
-alltoall = _unsupported("alltoall", "sumflow implements sum and broadcast only")
-reducescatter = _unsupported("reducescatter", "use allreduce and slice")
-grouped_allreduce = _unsupported("grouped_allreduce", "issue allreduce_async_ per tensor")
-join = _unsupported("join", "give every worker the same number of steps")
-add_process_set = _unsupported("add_process_set", "start a separate job per subset")
+def mpi_enabled() -> bool:
+    """sumflow uses no MPI: False."""
+    return False
+
+
+def gloo_built() -> bool:
+    """sumflow does not use Gloo: its summation servers carry every collective. False."""
+    return False
+
+
+def gloo_enabled() -> bool:
+    """False: see ``gloo_built``."""
+    return False
+
+
+def nccl_built() -> int:
+    """0: sumflow is not built against NCCL (CUDA tensors are staged through host memory)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    """False: sumflow has no IBM DDL support."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: sumflow has no oneCCL support."""
+    return False
+
+
+def cuda_built() -> bool:
+    """True: CUDA tensors are accepted (staged through pinned host memory). sumflow's wheel
+    is not built against CUDA, so this holds for every torch build."""
+    return True
+
+
+def rocm_built() -> bool:
+    """False: ROCm tensors are not supported."""
+    return False
+
+
+def join(device: int = -1) -> int:
+    """Not supported yet: a joined worker would have to take part, with zeros, in the
+    operations of the others, which needs summation rounds that know who has joined."""
+    raise NotImplementedError(
+        "sumflow.torch.join is not supported yet: give every worker the same number of "
+        "steps (e.g. with a DistributedSampler that pads)"
+    )
+
 
 __all__ = [
     "Adasum",
@@ -153,9 +229,11 @@ __all__ = [
     "DeclarationMismatchError",
     "DistributedOptimizer",
     "ErrorFeedback",
+    "HorovodInternalError",
     "Max",
     "Min",
     "NodeFailedError",
+    "ProcessSet",
     "Product",
     "ProtocolError",
     "ReduceOp",
@@ -163,6 +241,7 @@ __all__ = [
     "Sum",
     "SumflowError",
     "SumflowTimeoutError",
+    "SyncBatchNorm",
     "WireBytes",
     "add_process_set",
     "allgather",
@@ -173,32 +252,58 @@ __all__ = [
     "allreduce_async",
     "allreduce_async_",
     "alltoall",
+    "alltoall_async",
     "barrier",
     "broadcast",
     "broadcast_",
+    "broadcast_async",
     "broadcast_async_",
     "broadcast_object",
     "broadcast_optimizer_state",
     "broadcast_parameters",
+    "ccl_built",
     "cross_rank",
     "cross_size",
+    "cuda_built",
+    "ddl_built",
     "ddp_hook",
     "declare_tensors",
+    "elastic",
+    "global_process_set",
+    "gloo_built",
+    "gloo_enabled",
+    "grouped_allgather",
+    "grouped_allgather_async",
     "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
     "init",
+    "is_homogeneous",
     "is_initialized",
     "join",
     "local_rank",
     "local_size",
+    "mpi_built",
+    "mpi_enabled",
     "mpi_threads_supported",
+    "nccl_built",
     "poll",
     "push_pull",
     "push_pull_async",
     "rank",
     "reducescatter",
+    "reducescatter_async",
+    "remove_process_set",
+    "rocm_built",
     "server_wire_bytes",
     "shutdown",
     "size",
+    "sparse_allreduce_async",
+    "start_timeline",
+    "stop_timeline",
     "synchronize",
     "total_wire_bytes",
     "wire_bytes",

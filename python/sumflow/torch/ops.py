@@ -11,13 +11,12 @@ from __future__ import annotations
 import io
 import itertools
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _staging
+from sumflow.torch import _runtime, _staging, _work, negotiate, timeline
 from sumflow.torch.compression import Compression, Compressor, CoreSpec, bind, core_spec
 
 
@@ -49,17 +48,8 @@ DTYPES = {
 }
 
 
-@dataclass
-class _Pending:
-    core: int
-    output: torch.Tensor
-    finish: Callable[[], None]
-
-
-_pending: dict[int, _Pending] = {}
-_pending_lock = threading.Lock()
-_next_handle = itertools.count(1)
-_declared: dict[str, tuple[int, torch.dtype, int, CoreSpec | None]] = {}
+_declared: dict[str, dict[tuple[torch.dtype, int, CoreSpec | None], int]] = {}
+_first_layout: dict[str, tuple[torch.dtype, int, CoreSpec | None]] = {}
 _declared_lock = threading.Lock()
 _unnamed: dict[str, itertools.count[int]] = {}
 
@@ -68,9 +58,9 @@ def _reset() -> None:
     """Forgets declarations and handles (at shutdown: a new job starts afresh)."""
     with _declared_lock:
         _declared.clear()
+        _first_layout.clear()
         _unnamed.clear()
-    with _pending_lock:
-        _pending.clear()
+    _work.reset()
 
 
 def _auto_name(kind: str, name: str | None) -> str:
@@ -96,26 +86,34 @@ def check_dtype(tensor: torch.Tensor, what: str) -> str:
         ) from None
 
 
+def _core_name(name: str, layout: tuple[torch.dtype, int, CoreSpec | None]) -> str:
+    """The name the core knows a layout of `name` by: the name itself for the first layout
+    it was used with, the name and the layout after that. Every worker running the same
+    program computes the same one, so a name may change shape, dtype or compression."""
+    with _declared_lock:
+        first = _first_layout.setdefault(name, layout)
+    if first == layout:
+        return name
+    dtype, numel, compression = layout
+    spec = "" if compression is None else f":{compression[0]}:{compression[1]}:{compression[2]}"
+    return f"{name}@{DTYPES[dtype]}x{numel}{spec}"
+
+
 def declare(name: str, tensor: torch.Tensor, compression: CoreSpec | None = None) -> int:
-    """The id of tensor `name`, declaring it on first use, with how the core compresses it
-    (``None``: not at all). Reusing a name for a tensor of another dtype, size or
-    compression is an error, on this worker as across workers."""
+    """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
+    first use. A name used with another layout gets keys of its own for it: each call
+    stands alone, as in Horovod."""
     dtype = check_dtype(tensor, name)
-    numel = tensor.numel()
+    layout = (tensor.dtype, tensor.numel(), compression)
     with _declared_lock:
-        known = _declared.get(name)
+        known = _declared.get(name, {}).get(layout)
     if known is not None:
-        tid, kdtype, knumel, kcompression = known
-        if (kdtype, knumel, kcompression) != (tensor.dtype, numel, compression):
-            raise ValueError(
-                f"tensor '{name}' was first used as {knumel} x {kdtype} (compression "
-                f"{kcompression}) and now as {numel} x {tensor.dtype} (compression "
-                f"{compression}); give tensors of different shapes different names"
-            )
-        return tid
-    tid = _runtime.current().service.declare(name, dtype, numel, compression)
+        return known
+    tid = _runtime.current().service.declare(
+        _core_name(name, layout), dtype, layout[1], compression
+    )
     with _declared_lock:
-        _declared[name] = (tid, tensor.dtype, numel, compression)
+        _declared.setdefault(name, {})[layout] = tid
     return tid
 
 
@@ -125,16 +123,21 @@ def declare_group(
 ) -> list[int]:
     """Declares tensors together, so their partitions are placed as one group (BytePS
     Eq. 1 and 2 over the whole set), as `compression` will send them; names already
-    declared keep their placement."""
+    declared in that layout keep their placement."""
     wires = [(n, w, core_spec(compression, w)) for n, w in _wires(compression, named)]
     with _declared_lock:
-        fresh = [(n, w, c) for n, w, c in wires if n not in _declared]
+        fresh = [
+            (n, w, c) for n, w, c in wires if (w.dtype, w.numel(), c) not in _declared.get(n, {})
+        ]
     if fresh:
-        specs = [(n, check_dtype(w, n), w.numel(), c) for n, w, c in fresh]
+        specs = [
+            (_core_name(n, (w.dtype, w.numel(), c)), check_dtype(w, n), w.numel(), c)
+            for n, w, c in fresh
+        ]
         ids = _runtime.current().service.declare_group(specs)
         with _declared_lock:
             for (n, w, c), tid in zip(fresh, ids):
-                _declared[n] = (tid, w.dtype, w.numel(), c)
+                _declared.setdefault(n, {})[(w.dtype, w.numel(), c)] = tid
     return [declare(n, w, c) for n, w, c in wires]
 
 
@@ -166,6 +169,61 @@ def declare_tensors(named: Sequence[tuple[str, torch.Tensor]], *, api: str = "al
     declare_group([(_auto_name(api, name), tensor) for name, tensor in named])
 
 
+#: Integer dtypes the core does not sum, carried as int32 (exact: their sums fit).
+_INT_CARRIERS = {torch.uint8: torch.int32, torch.int8: torch.int32, torch.int16: torch.int32}
+
+
+def sum_work(
+    name: str,
+    output: torch.Tensor,
+    op: ReduceOp,
+    priority: int,
+    compression: type[Compressor] | Compressor,
+    prescale_factor: float,
+    postscale_factor: float,
+    size: int,
+) -> _work.CoreWork:
+    """Sums (``op`` Sum or Average) `output` across workers in place, after compression;
+    the work's result is `output`. Integers are averaged as Horovod does: the sum is
+    divided and truncated toward zero."""
+    check_dtype(output, name)
+    if output.requires_grad and output.is_leaf:
+        raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
+    rt = _runtime.current()
+    compressor = bind(compression, name)
+    wire, ctx = compressor.compress(output)
+    if prescale_factor != 1.0:
+        _scale(wire, prescale_factor)
+    host = _staging.to_host(name, wire)
+    tid = declare(name, host, core_spec(compressor, wire))
+    float_average = op is Average and wire.is_floating_point()
+    core = rt.service.push_pull(
+        tid, host, host.data_ptr(), host.numel() * host.element_size(), priority, float_average
+    )
+
+    def finish() -> torch.Tensor:
+        if host is not wire:
+            _staging.copy_back(host, wire)
+        result = compressor.decompress(wire, ctx)
+        if result is not output:
+            output.copy_(result)
+        post = postscale_factor / size if op is Average and not float_average else postscale_factor
+        if post != 1.0:
+            _scale(output, post)
+        return output
+
+    return _work.CoreWork(name, [core], finish)
+
+
+def _scale(tensor: torch.Tensor, factor: float) -> None:
+    """Multiplies in place; integers as Horovod scales them (in float64, truncated)."""
+    with torch.no_grad():
+        if tensor.is_floating_point():
+            tensor.mul_(factor)
+        else:
+            tensor.copy_(tensor.double().mul_(factor).trunc_())
+
+
 def _issue(
     name: str,
     output: torch.Tensor,
@@ -174,98 +232,199 @@ def _issue(
     compression: type[Compressor] | Compressor,
     prescale_factor: float,
     postscale_factor: float,
-    deliver_to: torch.Tensor | None = None,
 ) -> int:
-    """Sums `output` across workers in place (after compression); returns a handle.
-    With `deliver_to`, the result is also copied there and that is what ``synchronize``
-    returns."""
+    """A sum of a tensor whose layout every worker already agrees on (a declared model's
+    gradients): no negotiation, the fast path. Returns a handle."""
     if op not in (Average, Sum):
-        raise NotImplementedError(
-            f"op={op!r} is not supported by sumflow; use sumflow.torch.Average or Sum "
-            "(Adasum, Min, Max and Product need an all-to-all exchange sumflow does not do)"
-        )
-    check_dtype(output, name)
-    if op is Average and not output.is_floating_point():
-        raise ValueError(
-            f"tensor '{name}' holds {output.dtype}: averaging integers would truncate; "
-            "use op=sumflow.torch.Sum"
-        )
-    if output.requires_grad and output.is_leaf:
-        raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
-    rt = _runtime.current()
-    compressor = bind(compression, name)
-    wire, ctx = compressor.compress(output)
-    if prescale_factor != 1.0:
-        wire.mul_(prescale_factor)
-    host = _staging.to_host(name, wire)
-    tid = declare(name, host, core_spec(compressor, wire))
-    core = rt.service.push_pull(
-        tid,
-        host,
-        host.data_ptr(),
-        host.numel() * host.element_size(),
-        priority,
-        op is Average,
+        raise NotImplementedError(f"op={op!r}: gradients are summed or averaged")
+    size = _runtime.current().service.size
+    work = sum_work(
+        name, output, op, priority, compression, prescale_factor, postscale_factor, size
     )
-
-    def finish() -> None:
-        if host is not wire:
-            _staging.copy_back(host, wire)
-        result = compressor.decompress(wire, ctx)
-        if result is not output:
-            output.copy_(result)
-        if postscale_factor != 1.0:
-            output.mul_(postscale_factor)
-        if deliver_to is not None:
-            with torch.no_grad():
-                deliver_to.copy_(output)
-
-    handle = next(_next_handle)
-    with _pending_lock:
-        _pending[handle] = _Pending(core, output if deliver_to is None else deliver_to, finish)
-    return handle
+    return _work.register(work)
 
 
-def _take(handle: int) -> _Pending:
-    with _pending_lock:
-        pending = _pending.pop(handle, None)
-    if pending is None:
-        raise ValueError(f"unknown handle {handle}: never issued, or already synchronized")
-    return pending
+def negotiated(
+    request: negotiate.Request, start: Callable[[list[negotiate.Row]], _work.Work]
+) -> int:
+    """Issues an operation that starts with an agreement (``negotiate.py``): returns its
+    handle at once; ``start`` gets every worker's row and issues the data stage."""
+    _work.check_not_in_flight(request.name)
+    rt = _runtime.current()
+    size, rank = rt.service.size, rt.service.rank
+    width = negotiate.WIDTH + len(request.extra)
+    table = negotiate.encode(request, rank, size, width)
+    tid = declare(f"agree.{request.name}", table)
+    core = rt.service.push_pull(tid, table, table.data_ptr(), table.numel() * 8, 0, False)
+    members = list(range(size))
+    timeline.phase(request.name, f"NEGOTIATE_{request.kind.upper()}")
+
+    def begin() -> _work.Work:
+        try:
+            rows = negotiate.check(request, negotiate.decode(table), members)
+        except BaseException:
+            timeline.phase(request.name, None)
+            raise
+        timeline.phase(request.name, request.kind.upper())
+        work = start(rows)
+        if isinstance(work, _work.CoreWork):
+            inner = work.finish
+
+            def finish() -> Any:
+                try:
+                    return inner()
+                finally:
+                    timeline.phase(request.name, None)
+
+            work.finish = finish
+        return work
+
+    return _work.register(_work.NegotiatedWork(request.name, core, begin))
+
+
+def _op_code(op: ReduceOp) -> int:
+    return (Average, Sum, Adasum, Min, Max, Product).index(op)
 
 
 def poll(handle: int) -> bool:
     """True once the operation behind `handle` has finished (then ``synchronize`` returns
     at once); raises the operation's error if it failed."""
-    with _pending_lock:
-        pending = _pending.get(handle)
-    if pending is None:
-        raise ValueError(f"unknown handle {handle}: never issued, or already synchronized")
-    return _runtime.current().service.poll(pending.core)
+    return _work.poll(handle)
 
 
-def synchronize(handle: int) -> torch.Tensor:
-    """Waits for the operation behind `handle` and returns its result tensor.
+def synchronize(handle: int) -> Any:
+    """Waits for the operation behind `handle` and returns its result (a tensor; for
+    ``alltoall`` the tensor and the received splits; for grouped operations a list).
 
     Raises ``SumflowTimeoutError`` after the job's timeout (``SUMFLOW_TIMEOUT``, default
-    300 s), ``NodeFailedError`` naming a failed peer, ``DeclarationMismatchError`` naming a
-    tensor that workers declared differently.
+    300 s), ``NodeFailedError`` naming a failed peer, ``HorovodInternalError`` when the
+    workers disagreed on the operation (the job goes on).
     """
-    pending = _take(handle)
-    rt = _runtime.current()
-    rt.service.wait(pending.core, rt.timeout)
-    pending.finish()
-    return pending.output
+    return _work.wait(handle)
 
 
 def _op_of(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     if average is not None and op is not None:
         raise ValueError("give either average= (deprecated) or op=, not both")
     if op is not None:
+        if not isinstance(op, ReduceOp):
+            raise TypeError(
+                f"op must be sumflow.torch.Sum, Average, Min, Max or Product, not {op!r}"
+            )
         return op
     if average is not None:
         return Average if average else Sum
     return Average
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s bytes as a flat host uint8 tensor (a view where it can be)."""
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    return flat.contiguous().view(torch.uint8)
+
+
+def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """A new tensor of `dtype` and `shape` holding the bytes `raw`."""
+    return raw.clone().view(dtype).reshape(tuple(shape))
+
+
+def gather_bytes_work(
+    name: str,
+    total: int,
+    writes: Sequence[tuple[int, torch.Tensor]],
+    finish: Callable[[torch.Tensor], Any],
+) -> _work.CoreWork:
+    """Every worker's bytes in one buffer of `total` bytes: this worker writes each tensor
+    of `writes` at its byte offset, the others write theirs, and the buffer is summed as
+    int32 words. Regions are disjoint, so each byte is the sum of one value and zeros:
+    exact for every dtype, even where one word holds two workers' bytes (no carries).
+    ``finish`` gets the gathered bytes and gives the work's result."""
+    words = max(1, (total + 3) // 4)
+    buf = torch.zeros(words, dtype=torch.int32)
+    raw = buf.view(torch.uint8)
+    for offset, tensor in writes:
+        data = as_bytes(tensor)
+        raw[offset : offset + data.numel()].copy_(data)
+    rt = _runtime.current()
+    tid = declare(name, buf)
+    core = rt.service.push_pull(tid, buf, buf.data_ptr(), words * 4, 0, False)
+    return _work.CoreWork(name, [core], lambda: finish(raw[:total]))
+
+
+def _reduce_locally(
+    name: str, output: torch.Tensor, op: ReduceOp, size: int, rank: int, post: float
+) -> _work.CoreWork:
+    """Min, Max or Product: every worker's tensor gathered, then reduced here."""
+    nbytes = output.numel() * output.element_size()
+
+    def finish(raw: torch.Tensor) -> torch.Tensor:
+        stacked = from_bytes(raw, output.dtype, (size, *output.shape))
+        if op is Min:
+            result = stacked.amin(0)
+        elif op is Max:
+            result = stacked.amax(0)
+        else:
+            result = stacked.prod(0, dtype=output.dtype)
+        with torch.no_grad():
+            output.copy_(result)
+        if post != 1.0:
+            _scale(output, post)
+        return output
+
+    return gather_bytes_work(name, size * nbytes, [(rank * nbytes, output)], finish)
+
+
+def _facts(tensor: torch.Tensor, *values: float, extra: str = "") -> str:
+    return f"{tensor.device.type}|{negotiate.pack_floats(*values)}|{extra}"
+
+
+def allreduce_work(
+    name: str,
+    output: torch.Tensor,
+    op: ReduceOp,
+    compression: type[Compressor] | Compressor,
+    prescale_factor: float,
+    postscale_factor: float,
+    priority: int = 0,
+) -> _work.CoreWork:
+    """The data stage of an agreed allreduce of `output`, in place."""
+    rt = _runtime.current()
+    size, rank = rt.service.size, rt.service.rank
+    if op in (Min, Max, Product):
+        if prescale_factor != 1.0:
+            _scale(output, prescale_factor)
+        return _reduce_locally(f"{name}.gather", output, op, size, rank, postscale_factor)
+    carrier = _INT_CARRIERS.get(output.dtype)
+    if carrier is None:
+        return sum_work(
+            name, output, op, priority, compression, prescale_factor, postscale_factor, size
+        )
+    wide = output.to(carrier)
+    work = sum_work(name, wide, op, priority, compression, prescale_factor, postscale_factor, size)
+
+    def narrow() -> torch.Tensor:
+        wide_result = inner()
+        with torch.no_grad():
+            output.copy_(wide_result)
+        return output
+
+    inner = work.finish
+    work.finish = narrow
+    return work
+
+
+def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
+    if op is Adasum:
+        raise NotImplementedError(
+            f"'{name}': op=Adasum is not supported by sumflow; use Sum or Average"
+        )
+    if tensor.dtype not in DTYPES and tensor.dtype not in _INT_CARRIERS:
+        raise TypeError(
+            f"'{name}': sumflow reduces float16, bfloat16, float32, float64, uint8, int8, "
+            f"int16, int32 and int64 tensors, not {tensor.dtype}"
+        )
 
 
 def allreduce_async_(
@@ -280,17 +439,30 @@ def allreduce_async_(
     compression: type[Compressor] | Compressor = Compression.none,
     priority: int = 0,
 ) -> int:
-    """Starts averaging (or summing) `tensor` across workers in place; returns a handle
-    for ``poll`` / ``synchronize``. Lower ``priority`` is sent first."""
+    """Starts averaging (or summing, or Min/Max/Product) `tensor` across workers in place;
+    returns a handle for ``poll`` / ``synchronize``. Lower ``priority`` is sent first.
+    Workers that disagree on the operation (shape, dtype, op, scaling) all get a
+    ``HorovodInternalError`` for it, and the job goes on."""
     _no_process_sets(process_set)
-    return _issue(
-        _auto_name("allreduce", name),
-        tensor,
-        _op_of(average, op),
-        priority,
-        compression,
-        prescale_factor,
-        postscale_factor,
+    full = _auto_name("allreduce", name)
+    reduce_op = _op_of(average, op)
+    _check_reduce_op(full, tensor, reduce_op)
+    if tensor.requires_grad and tensor.is_leaf:
+        raise ValueError(f"tensor '{full}' is a leaf that requires grad; pass tensor.data")
+    comp_name = getattr(compression, "__name__", type(compression).__name__)
+    request = negotiate.Request(
+        kind="allreduce",
+        name=full,
+        dtype=tensor.dtype,
+        shape=tuple(tensor.shape),
+        op=_op_code(reduce_op),
+        facts=_facts(tensor, prescale_factor, postscale_factor, extra=comp_name),
+    )
+    return negotiated(
+        request,
+        lambda rows: allreduce_work(
+            full, tensor, reduce_op, compression, prescale_factor, postscale_factor, priority
+        ),
     )
 
 
@@ -321,33 +493,6 @@ def allreduce_async(
     )
 
 
-def allreduce(
-    tensor: torch.Tensor,
-    average: bool | None = None,
-    name: str | None = None,
-    compression: type[Compressor] | Compressor = Compression.none,
-    op: ReduceOp | None = None,
-    prescale_factor: float = 1.0,
-    postscale_factor: float = 1.0,
-    process_set: Any = None,
-) -> torch.Tensor:
-    """The average (or sum, ``op=Sum``) of `tensor` over all workers, as a new tensor.
-
-    Unlike Horovod's, it does not propagate gradients through the reduction.
-    """
-    handle = allreduce_async(
-        tensor,
-        average,
-        name,
-        op,
-        prescale_factor,
-        postscale_factor,
-        process_set,
-        compression=compression,
-    )
-    return synchronize(handle)
-
-
 def allreduce_(
     tensor: torch.Tensor,
     average: bool | None = None,
@@ -358,7 +503,7 @@ def allreduce_(
     process_set: Any = None,
 ) -> torch.Tensor:
     """Averages (or sums) `tensor` over all workers in place and returns it."""
-    return synchronize(
+    return synchronize(  # type: ignore[no-any-return]
         allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor, process_set)
     )
 
@@ -371,17 +516,13 @@ def push_pull_async(
     priority: int = 0,
 ) -> int:
     """BytePS's name: starts summing (``average=False``) or averaging `tensor` in place
-    across workers; returns a handle. Lower ``priority`` is sent first."""
+    across workers; returns a handle. Lower ``priority`` is sent first. Like BytePS, no
+    agreement step: every worker must push the same name with the same shape and dtype
+    (the declaration is checked, a mismatch is ``DeclarationMismatchError``)."""
     del version  # BytePS's argument; sumflow counts rounds itself.
-    return _issue(
-        _auto_name("push_pull", name),
-        tensor,
-        Average if average else Sum,
-        priority,
-        Compression.none,
-        1.0,
-        1.0,
-    )
+    full = _auto_name("push_pull", name)
+    _work.check_not_in_flight(full)
+    return _issue(full, tensor, Average if average else Sum, priority, Compression.none, 1.0, 1.0)
 
 
 def push_pull(
@@ -392,57 +533,71 @@ def push_pull(
     priority: int = 0,
 ) -> torch.Tensor:
     """BytePS's name: sums or averages `tensor` in place across workers and returns it."""
-    return synchronize(push_pull_async(tensor, average, name, version, priority))
+    return synchronize(push_pull_async(tensor, average, name, version, priority))  # type: ignore[no-any-return]
 
 
-_BROADCAST_CARRIER = {
-    torch.bool: torch.int32,
-    torch.uint8: torch.int32,
-    torch.int8: torch.int32,
-    torch.int16: torch.int32,
-}
-
-
-def broadcast_async_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> int:
+def broadcast_async_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> int:
     """Starts overwriting `tensor` with root_rank's on every worker; returns a handle.
-
-    Implemented as a sum in which every worker but the root contributes zeros, exact in
-    every dtype.
-    """
+    Every dtype is carried bit for bit (its bytes, summed with zeros from all but the
+    root)."""
+    _no_process_sets(process_set)
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"broadcast needs a torch.Tensor, not {type(tensor).__name__}")
     rt = _runtime.current()
-    size = rt.service.size
-    if not 0 <= root_rank < size:
-        raise ValueError(f"root_rank {root_rank} is not a worker rank (0 to {size - 1})")
-    full_name = _auto_name("broadcast", name)
-    carrier_dtype = _BROADCAST_CARRIER.get(tensor.dtype)
-    if carrier_dtype is None and tensor.dtype not in DTYPES:
-        raise TypeError(f"broadcast of '{full_name}': unsupported dtype {tensor.dtype}")
-    carrier = tensor.detach().to(
-        carrier_dtype or tensor.dtype, memory_format=torch.contiguous_format
+    size, rank = rt.service.size, rt.service.rank
+    full = _auto_name("broadcast", name)
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(
+            f"broadcast '{full}': root_rank {root_rank} is not a worker rank (0 to {size - 1})"
+        )
+    request = negotiate.Request(
+        kind="broadcast",
+        name=full,
+        dtype=tensor.dtype if tensor.dtype in negotiate.DTYPE_CODES else torch.uint8,
+        shape=tuple(tensor.shape),
+        root=root_rank,
+        facts=_facts(tensor, extra=str(tensor.dtype)),
     )
-    if carrier is tensor or carrier.data_ptr() == tensor.data_ptr():
-        carrier = carrier.clone()
-    if rt.service.rank != root_rank:
-        carrier.zero_()
-    return _issue(full_name, carrier, Sum, 0, Compression.none, 1.0, 1.0, deliver_to=tensor)
+
+    def start(rows: list[negotiate.Row]) -> _work.Work:
+        nbytes = tensor.numel() * tensor.element_size()
+
+        def finish(raw: torch.Tensor) -> torch.Tensor:
+            if rank != root_rank:
+                with torch.no_grad():
+                    tensor.copy_(from_bytes(raw, tensor.dtype, tensor.shape))
+            return tensor
+
+        writes = [(0, tensor)] if rank == root_rank else []
+        return gather_bytes_work(full, nbytes, writes, finish)
+
+    return negotiated(request, start)
 
 
-def broadcast_(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
+def broadcast_async(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> int:
+    """Starts broadcasting root_rank's `tensor` into a new tensor (``synchronize``
+    returns it); `tensor` itself is left as it is."""
+    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+
+
+def broadcast_(
+    tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
+) -> torch.Tensor:
     """Overwrites `tensor` with root_rank's on every worker, in place; returns it."""
-    return synchronize(broadcast_async_(tensor, root_rank, name))
+    return synchronize(broadcast_async_(tensor, root_rank, name, process_set))  # type: ignore[no-any-return]
 
 
-def broadcast(tensor: torch.Tensor, root_rank: int, name: str | None = None) -> torch.Tensor:
-    """root_rank's `tensor`, as a new tensor on every worker."""
-    out = tensor.detach().clone()
-    return broadcast_(out, root_rank, name)
-
-
-def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> Any:
+def broadcast_object(
+    obj: Any, root_rank: int = 0, name: str | None = None, process_set: Any = None
+) -> Any:
     """root_rank's `obj` on every worker (pickled with torch.save, so tensors inside
     arrive on the devices they were saved from)."""
     rt = _runtime.current()
-    base = name or "object"
+    base = name or type(obj).__name__
     if rt.service.rank == root_rank:
         buf = io.BytesIO()
         torch.save(obj, buf)
@@ -450,28 +605,24 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: str | None = None) -> A
     else:
         payload = b""
     length = torch.tensor([len(payload)], dtype=torch.int64)
-    broadcast_(length, root_rank, name=f"{base}.length")
-    n = int(length.item())
-    padded = (n + 3) // 4 * 4
-    data = torch.zeros(padded, dtype=torch.uint8)
+    broadcast_(length, root_rank, name=f"object.{base}.length", process_set=process_set)
+    data = torch.zeros(int(length.item()), dtype=torch.uint8)
     if payload:
-        data[:n] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    words = data.view(torch.int32)
-    broadcast_(words, root_rank, name=f"{base}.data.{padded}")
+        data.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+    broadcast_(data, root_rank, name=f"object.{base}.data", process_set=process_set)
     if rt.service.rank == root_rank:
         return obj
-    return torch.load(io.BytesIO(words.view(torch.uint8)[:n].numpy().tobytes()), weights_only=False)
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
 
 
-def barrier() -> None:
+def barrier(process_set: Any = None) -> None:
     """Waits until every worker reaches the barrier (at most the job's timeout)."""
+    _no_process_sets(process_set)
     rt = _runtime.current()
     rt.service.barrier(rt.timeout)
 
 
 def _no_process_sets(process_set: Any) -> None:
-    if process_set is not None:
-        raise NotImplementedError(
-            "process sets are not supported by sumflow: every operation spans all workers; "
-            "start a separate job for a subset of workers"
-        )
+    from sumflow.torch.process_sets import check_global
+
+    check_global(process_set)

@@ -23,10 +23,11 @@ from typing import Any, cast
 import torch
 
 from sumflow import settings
-from sumflow.torch import _runtime, fusion, ops, per_parameter, trace
+from sumflow.torch import _runtime, _work, fusion, ops, per_parameter, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.fusion import GradientPool, Span
 from sumflow.torch.overlap import CrossBarrier, Update, once, zero_grad_of
+from sumflow.torch.sparse import sparse_allreduce_async
 from sumflow.tune import plugin as autotune
 
 
@@ -46,6 +47,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
     _sf_predivide: float
+    _sf_sparse_as_dense: bool
     _sf_synchronized: bool
     _sf_skip: bool
     _sf_hooks: list[Any]
@@ -65,6 +67,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: float,
         model: torch.nn.Module | None,
         fusion_threshold: int,
+        sparse_as_dense: bool = False,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters:
@@ -101,6 +104,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_compression = compression
         self._sf_op = op
         self._sf_predivide = gradient_predivide_factor
+        self._sf_sparse_as_dense = sparse_as_dense
         self._sf_synchronized = False
         self._sf_skip = False
         self._sf_base = base
@@ -187,7 +191,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_push(self, p: torch.Tensor) -> None:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+        if p.grad.is_sparse:
+            self._sf_handles[p] = self._sf_issue_sparse(p)
+            return
         self._sf_handles[p] = self._sf_issue(self._sf_names[p], p.grad, self._sf_priority[p])
+
+    def _sf_issue_sparse(self, p: torch.Tensor) -> int:
+        """A sparse gradient (e.g. of ``nn.Embedding(sparse=True)``): gathered as indices
+        and values (Horovod's sparse allreduce), or, with ``sparse_as_dense``, summed as
+        a dense tensor; either way it stays sparse for the optimizer."""
+        assert p.grad is not None
+        name = self._sf_names[p]
+        if self._sf_sparse_as_dense:
+            dense = p.grad.to_dense()
+            handle = self._sf_issue(name, dense, self._sf_priority[p])
+            then = [handle]
+        else:
+            op = ops.Sum if self._sf_op is ops.Sum else ops.Average
+            then = [sparse_allreduce_async(p.grad, name, op=op)]
+
+        def replace(results: list[torch.Tensor]) -> None:
+            p.grad = results[0].to_sparse() if self._sf_sparse_as_dense else results[0]
+
+        return _work.register(_work.Chain(f"{name}.sparse", then, replace))
 
     def _sf_push_span(self, span: Span) -> None:
         """Sends a span of the pool; gradients it has not seen this step (parameters
@@ -444,8 +470,6 @@ def DistributedOptimizer(
             raise ValueError("model= is only used with cross_barrier=True")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    if sparse_as_dense:
-        raise NotImplementedError("sparse gradients are not supported; sumflow sends dense tensors")
     ops._no_process_sets(process_set)
     del num_groups, groups
     # A subclass of the user's optimizer class with our methods: isinstance checks and the
@@ -479,6 +503,7 @@ def DistributedOptimizer(
         gradient_predivide_factor,
         model,
         threshold,
+        sparse_as_dense,
     )
     return wrapped
 

@@ -1,0 +1,222 @@
+"""Operations in flight, from the caller's side: handles, and the negotiation driver.
+
+An operation is a ``Work``: ``poll`` says whether it is done, ``wait`` returns its result.
+``CoreWork`` is one or more sums in the core followed by a finishing step in Python.
+``NegotiatedWork`` first agrees on the operation with every worker (``negotiate.py``);
+once the agreement arrives, the driver thread starts the data stage, so the caller's
+``*_async`` never blocks on other workers and operations still overlap each other.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from sumflow import SumflowTimeoutError
+from sumflow.torch import _runtime
+
+
+class Work:
+    """An operation in flight."""
+
+    #: The name the operation was issued under (for "already in flight" checks).
+    name: str = ""
+
+    def poll(self) -> bool:
+        raise NotImplementedError
+
+    def wait(self) -> Any:
+        raise NotImplementedError
+
+
+class CoreWork(Work):
+    """Sums in the core (their handles), then ``finish()``, whose value is the result."""
+
+    def __init__(self, name: str, cores: list[int], finish: Callable[[], Any]) -> None:
+        self.name = name
+        self.cores = cores
+        self.finish = finish
+
+    def poll(self) -> bool:
+        service = _runtime.current().service
+        return all(service.poll(c) for c in self.cores)
+
+    def wait(self) -> Any:
+        rt = _runtime.current()
+        errors: list[BaseException] = []
+        for core in self.cores:
+            # Every handle is waited for, so none is left holding a buffer.
+            try:
+                rt.service.wait(core, rt.timeout)
+            except BaseException as e:  # the first is raised below
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return self.finish()
+
+
+class NegotiatedWork(Work):
+    """An agreement to reach (a core sum of the request table), then the data stage that
+    ``start(table)`` issues; both run on the driver thread."""
+
+    def __init__(self, name: str, core: int, start: Callable[[], Work]) -> None:
+        self.name = name
+        self.core = core
+        self.start = start
+        self.ready = threading.Event()
+        self.data: Work | None = None
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        rt = _runtime.running()
+        try:
+            if rt is None:
+                raise RuntimeError("sumflow was shut down before the operation was agreed")
+            rt.service.wait(self.core, rt.timeout)
+            self.data = self.start()
+        except BaseException as e:  # handed to the caller's wait()
+            self.error = e
+        finally:
+            self.ready.set()
+
+    def poll(self) -> bool:
+        if not self.ready.is_set():
+            return False
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None
+        return self.data.poll()
+
+    def wait(self) -> Any:
+        timeout = _runtime.current().timeout
+        # The driver's own wait has the same timeout; this one only bounds a stuck driver.
+        if not self.ready.wait(timeout + 5.0):
+            raise SumflowTimeoutError(
+                f"'{self.name}': no agreement from every worker within {timeout:.0f} s"
+            )
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None
+        return self.data.wait()
+
+
+class Chain(Work):
+    """Operations already issued (their handles), and what to make of their results."""
+
+    def __init__(self, name: str, handles: list[int], finish: Callable[[list[Any]], Any]) -> None:
+        self.name = name
+        self.handles = handles
+        self.finish = finish
+
+    def poll(self) -> bool:
+        return all(poll(h) for h in self.handles)
+
+    def wait(self) -> Any:
+        results, errors = [], []
+        for h in self.handles:
+            try:
+                results.append(wait(h))
+            except BaseException as e:  # every handle is waited for; the first is raised
+                errors.append(e)
+        if errors:
+            raise errors[0]
+        return self.finish(results)
+
+
+class _Driver:
+    """One thread that waits for agreements in the order they were asked for and starts
+    each operation's data stage."""
+
+    def __init__(self) -> None:
+        self.queue: queue.Queue[NegotiatedWork | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._loop, name="sumflow-negotiation", daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            work = self.queue.get()
+            if work is None:
+                return
+            work.run()
+
+    def stop(self) -> None:
+        self.queue.put(None)
+        self.thread.join(timeout=5.0)
+
+
+_works: dict[int, Work] = {}
+_in_flight: dict[str, int] = {}
+_lock = threading.Lock()
+_next_handle = itertools.count(1)
+_driver: _Driver | None = None
+
+
+def register(work: Work) -> int:
+    """A handle for `work`; a NegotiatedWork is handed to the driver."""
+    global _driver
+    handle = next(_next_handle)
+    with _lock:
+        _works[handle] = work
+        if work.name:
+            _in_flight[work.name] = handle
+        if isinstance(work, NegotiatedWork):
+            if _driver is None:
+                _driver = _Driver()
+            _driver.queue.put(work)
+    return handle
+
+
+def check_not_in_flight(name: str) -> None:
+    """Horovod's rule: one operation per name at a time. A ValueError naming it."""
+    with _lock:
+        handle = _in_flight.get(name)
+        work = None if handle is None else _works.get(handle)
+    if work is not None and not _finished(work):
+        raise ValueError(
+            f"an operation named '{name}' is already in flight (handle {handle}): "
+            "synchronize it before reusing the name, or give this one another name"
+        )
+
+
+def _finished(work: Work) -> bool:
+    """Whether `work` is over, failed included (a failure is for its waiter to see)."""
+    try:
+        return work.poll()
+    except Exception:  # failed is finished
+        return True
+
+
+def _get(handle: int, pop: bool) -> Work:
+    with _lock:
+        work = _works.pop(handle, None) if pop else _works.get(handle)
+        if work is not None and pop and _in_flight.get(work.name) == handle:
+            del _in_flight[work.name]
+    if work is None:
+        raise ValueError(f"unknown handle {handle}: never issued, or already synchronized")
+    return work
+
+
+def poll(handle: int) -> bool:
+    return _get(handle, pop=False).poll()
+
+
+def wait(handle: int) -> Any:
+    work = _get(handle, pop=False)
+    try:
+        return work.wait()
+    finally:
+        _get(handle, pop=True)
+
+
+def reset() -> None:
+    """Forgets every handle and stops the driver (at shutdown)."""
+    global _driver
+    with _lock:
+        _works.clear()
+        _in_flight.clear()
+        driver, _driver = _driver, None
+    if driver is not None:
+        driver.stop()

@@ -1,0 +1,487 @@
+"""Horovod's collectives beyond allreduce and broadcast: allgather, alltoall,
+reducescatter, and the grouped forms, each agreed first (``negotiate.py``) and then carried
+by the summation servers.
+
+Gathering operations (allgather, alltoall) lay every worker's rows out in one buffer of
+bytes, each worker writing its own region, and sum it (``ops.gather_bytes_work``): exact
+for every dtype. Reductions (reducescatter, grouped allreduce) are sums of the tensors
+themselves, fused into one buffer per dtype for a group.
+"""
+
+from __future__ import annotations
+
+import math
+import pickle
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from sumflow.torch import _runtime, _work, negotiate, ops
+from sumflow.torch.compression import Compression, Compressor
+from sumflow.torch.ops import Average, ReduceOp, Sum
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _first_dim(tensor: torch.Tensor, what: str) -> int:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} needs a torch.Tensor, not {type(tensor).__name__}")
+    if tensor.dim() == 0:
+        raise ValueError(f"{what}: a scalar has no first dimension to gather or split along")
+    return int(tensor.shape[0])
+
+
+def _request_dtype(tensor: torch.Tensor) -> torch.dtype:
+    return tensor.dtype if tensor.dtype in negotiate.DTYPE_CODES else torch.uint8
+
+
+def allgather_async(tensor: torch.Tensor, name: str | None = None, process_set: Any = None) -> int:
+    """Starts gathering every worker's `tensor` along the first dimension (which may
+    differ between workers, even be 0); the others must agree. Returns a handle;
+    ``synchronize`` gives the gathered tensor, on `tensor`'s device."""
+    return grouped_allgather_async([tensor], name, process_set, _single=True)
+
+
+def allgather(
+    tensor: torch.Tensor, name: str | None = None, process_set: Any = None
+) -> torch.Tensor:
+    """Every worker's `tensor`, concatenated along the first dimension in rank order.
+    Differentiable: the gradient of a worker's input is its rows of the averaged gradient."""
+    from sumflow.torch import autograd
+
+    return autograd.allgather(tensor, name, process_set)
+
+
+def grouped_allgather_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    process_set: Any = None,
+    *,
+    _single: bool = False,
+) -> int:
+    """Starts an allgather of each tensor of `tensors`, agreed once and carried in one
+    buffer; ``synchronize`` gives the list of gathered tensors."""
+    ops._no_process_sets(process_set)
+    kind = "allgather" if _single else "grouped_allgather"
+    full = ops._auto_name(kind, name)
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError(f"{kind} '{full}': no tensors given")
+    firsts = [_first_dim(t, f"{kind} '{full}'") for t in tensors]
+    request = negotiate.Request(
+        kind=kind,
+        name=full,
+        dtype=_request_dtype(tensors[0]),
+        shape=tuple(tensors[0].shape) if _single else (len(tensors),),
+        facts="|".join(f"{t.dtype}{list(t.shape[1:])}{t.device.type}" for t in tensors),
+        extra=tuple(firsts),
+        any_first_dim=_single,
+    )
+    rt = _runtime.current()
+    rank = rt.service.rank
+
+    def start(rows: list[negotiate.Row]) -> _work.Work:
+        counts = [row.extra for row in rows]  # counts[r][i]: rows of tensor i from worker r
+        writes: list[tuple[int, torch.Tensor]] = []
+        regions: list[tuple[int, int]] = []
+        offset = 0
+        for i, t in enumerate(tensors):
+            per_row = _row_bytes(t)
+            total_rows = sum(c[i] for c in counts)
+            mine = offset + sum(c[i] for c in counts[:rank]) * per_row
+            if t.numel():
+                writes.append((mine, t))
+            regions.append((offset, total_rows))
+            offset += total_rows * per_row
+
+        def finish(raw: torch.Tensor) -> Any:
+            out = []
+            for t, (start_byte, total_rows) in zip(tensors, regions):
+                shape = (total_rows, *t.shape[1:])
+                nbytes = math.prod(shape) * t.element_size()
+                gathered = ops.from_bytes(raw[start_byte : start_byte + nbytes], t.dtype, shape)
+                out.append(gathered.to(t.device))
+            return out[0] if _single else out
+
+        return ops.gather_bytes_work(full, offset, writes, finish)
+
+    return ops.negotiated(request, start)
+
+
+def grouped_allgather(
+    tensors: Sequence[torch.Tensor], name: str | None = None, process_set: Any = None
+) -> list[torch.Tensor]:
+    """``allgather`` of each tensor, as one operation. Differentiable."""
+    from sumflow.torch import autograd
+
+    return autograd.grouped_allgather(list(tensors), name, process_set)
+
+
+def allgather_object(obj: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """Every worker's picklable `obj`, as a list in rank order."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    base = name or type(obj).__name__
+    gathered = synchronize_tensor(
+        allgather_async(payload, name=f"object.{base}", process_set=process_set)
+    )
+    sizes = synchronize_tensor(
+        allgather_async(
+            torch.tensor([payload.numel()], dtype=torch.int64),
+            name=f"object.{base}.sizes",
+            process_set=process_set,
+        )
+    ).tolist()
+    out, offset = [], 0
+    for n in sizes:
+        out.append(pickle.loads(gathered[offset : offset + n].numpy().tobytes()))
+        offset += n
+    return out
+
+
+def synchronize_tensor(handle: int) -> torch.Tensor:
+    result = ops.synchronize(handle)
+    assert isinstance(result, torch.Tensor)
+    return result
+
+
+def _splits_list(tensor: torch.Tensor, splits: Any, size: int, what: str) -> list[int]:
+    first = _first_dim(tensor, what)
+    if splits is None:
+        if first % size:
+            raise ValueError(
+                f"{what}: the first dimension ({first}) is not divisible by the number of "
+                f"workers ({size}); pass splits="
+            )
+        return [first // size] * size
+    if isinstance(splits, torch.Tensor):
+        if splits.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{what}: splits must hold int32 or int64, not {splits.dtype}")
+        values = [int(v) for v in splits.reshape(-1).tolist()]
+    else:
+        values = [int(v) for v in splits]
+    if len(values) != size:
+        raise ValueError(f"{what}: {len(values)} splits for {size} workers")
+    if any(v < 0 for v in values):
+        raise ValueError(f"{what}: splits must not be negative, got {values}")
+    if sum(values) != first:
+        raise ValueError(
+            f"{what}: the splits {values} add up to {sum(values)}, not to the first "
+            f"dimension {first}"
+        )
+    return values
+
+
+def alltoall_async(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+) -> int:
+    """Starts sending ``splits[j]`` rows of `tensor` (in order) to worker j, and receiving
+    every worker's rows for this one; ``synchronize`` gives ``(received, received_splits)``.
+    Without splits, the first dimension is divided equally."""
+    ops._no_process_sets(process_set)
+    rt = _runtime.current()
+    size, rank = rt.service.size, rt.service.rank
+    full = ops._auto_name("alltoall", name)
+    values = _splits_list(tensor, splits, size, f"alltoall '{full}'")
+    request = negotiate.Request(
+        kind="alltoall",
+        name=full,
+        dtype=_request_dtype(tensor),
+        shape=tuple(tensor.shape),
+        facts=f"{tensor.dtype}|{tensor.device.type}",
+        extra=tuple(values),
+        any_first_dim=True,
+    )
+    per_row = _row_bytes(tensor)
+
+    def start(rows: list[negotiate.Row]) -> _work.Work:
+        matrix = [row.extra for row in rows]  # matrix[i][j]: rows from i to j
+        # The buffer holds the rows for worker 0 (from 0, 1, ...), then for worker 1, ...
+        column_start = [0] * (size + 1)
+        for j in range(size):
+            column_start[j + 1] = column_start[j] + sum(matrix[i][j] for i in range(size))
+        writes: list[tuple[int, torch.Tensor]] = []
+        sent = 0
+        for j in range(size):
+            n = matrix[rank][j]
+            if n:
+                at = column_start[j] + sum(matrix[i][j] for i in range(rank))
+                writes.append((at * per_row, tensor.narrow(0, sent, n)))
+            sent += n
+        received = [matrix[i][rank] for i in range(size)]
+        mine = column_start[rank] * per_row
+
+        def finish(raw: torch.Tensor) -> Any:
+            shape = (sum(received), *tensor.shape[1:])
+            nbytes = math.prod(shape) * tensor.element_size()
+            out = ops.from_bytes(raw[mine : mine + nbytes], tensor.dtype, shape).to(tensor.device)
+            return out, torch.tensor(received, dtype=torch.int32)
+
+        return ops.gather_bytes_work(full, column_start[size] * per_row, writes, finish)
+
+    return ops.negotiated(request, start)
+
+
+def alltoall(
+    tensor: torch.Tensor, splits: Any = None, name: str | None = None, process_set: Any = None
+) -> Any:
+    """Scatters `tensor`'s rows to the workers by `splits` and gathers theirs; returns
+    the received tensor, and with `splits` given also the received splits. Differentiable."""
+    from sumflow.torch import autograd
+
+    out, received = autograd.alltoall(tensor, splits, name, process_set)
+    return out if splits is None else (out, received)
+
+
+def reducescatter_rows(first: int, size: int) -> list[int]:
+    """How many rows of the first dimension each worker receives: as even as can be,
+    the lower ranks taking one more."""
+    base, extra = divmod(first, size)
+    return [base + (1 if r < extra else 0) for r in range(size)]
+
+
+def grouped_reducescatter_async(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    op: ReduceOp = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    *,
+    _single: bool = False,
+) -> int:
+    """Starts reducing each tensor over the workers and giving each worker its rows of the
+    result (``reducescatter_rows``); ``synchronize`` gives the list of slices."""
+    ops._no_process_sets(process_set)
+    kind = "reducescatter" if _single else "grouped_reducescatter"
+    full = ops._auto_name(kind, name)
+    tensors = list(tensors)
+    if op not in (Sum, Average):
+        raise NotImplementedError(f"{kind} '{full}': op={op!r}; reducescatter sums or averages")
+    for t in tensors:
+        _first_dim(t, f"{kind} '{full}'")
+    rt = _runtime.current()
+    size, rank = rt.service.size, rt.service.rank
+    request = negotiate.Request(
+        kind=kind,
+        name=full,
+        dtype=_request_dtype(tensors[0]),
+        shape=tuple(tensors[0].shape) if _single else (len(tensors),),
+        op=ops._op_code(op),
+        facts=ops._facts(tensors[0], prescale_factor, postscale_factor)
+        + "|".join(f"{t.dtype}{list(t.shape)}" for t in tensors),
+    )
+
+    def start(rows: list[negotiate.Row]) -> _work.Work:
+        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor)
+        summed = work.finish
+
+        def finish() -> Any:
+            out = []
+            for t in summed():
+                counts = reducescatter_rows(t.shape[0], size)
+                out.append(t.narrow(0, sum(counts[:rank]), counts[rank]).clone())
+            return out[0] if _single else out
+
+        work.finish = finish
+        return work
+
+    return ops.negotiated(request, start)
+
+
+def reducescatter_async(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    op: ReduceOp = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> int:
+    """Starts reducing `tensor` over the workers; ``synchronize`` gives this worker's rows
+    of the result (``reducescatter_rows``)."""
+    return grouped_reducescatter_async(
+        [tensor], name, op, process_set, prescale_factor, postscale_factor, _single=True
+    )
+
+
+def reducescatter(
+    tensor: torch.Tensor,
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> torch.Tensor:
+    """This worker's rows of `tensor` reduced over the workers. Differentiable."""
+    from sumflow.torch import autograd
+
+    return autograd.reducescatter(
+        tensor, name, compression, op, process_set, prescale_factor, postscale_factor
+    )
+
+
+def grouped_reducescatter(
+    tensors: Sequence[torch.Tensor],
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp = Average,
+    process_set: Any = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+) -> list[torch.Tensor]:
+    """``reducescatter`` of each tensor, as one operation. Differentiable."""
+    from sumflow.torch import autograd
+
+    return autograd.grouped_reducescatter(
+        list(tensors), name, compression, op, process_set, prescale_factor, postscale_factor
+    )
+
+
+def _fused_sum(
+    name: str,
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+) -> _work.CoreWork:
+    """One sum per dtype over copies of `tensors` laid end to end; the work's result is
+    the list of reduced tensors, shaped as given."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    works: list[tuple[list[int], torch.Tensor, _work.CoreWork]] = []
+    for dtype, members in by_dtype.items():
+        flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
+        label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
+        work = ops.allreduce_work(
+            label, flat, op, Compression.none, prescale_factor, postscale_factor
+        )
+        works.append((members, flat, work))
+
+    def finish() -> list[torch.Tensor]:
+        out: list[torch.Tensor | None] = [None] * len(tensors)
+        for members, flat, work in works:
+            work.finish()
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                out[i] = flat.narrow(0, offset, t.numel()).view(t.shape).to(t.device)
+                offset += t.numel()
+        return [t for t in out if t is not None]
+
+    return _work.CoreWork(name, [c for _, _, w in works for c in w.cores], finish)
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
+    """Starts reducing every tensor of `tensors` as one operation, fused into one buffer
+    per dtype; ``synchronize`` gives the list of results (new tensors)."""
+    return _grouped_allreduce(
+        list(tensors), average, name, op, prescale_factor, postscale_factor, process_set, False
+    )
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> int:
+    """Like ``grouped_allreduce_async``, writing each result into its tensor."""
+    return _grouped_allreduce(
+        list(tensors), average, name, op, prescale_factor, postscale_factor, process_set, True
+    )
+
+
+def _grouped_allreduce(
+    tensors: list[torch.Tensor],
+    average: bool | None,
+    name: str | None,
+    op: ReduceOp | None,
+    prescale_factor: float,
+    postscale_factor: float,
+    process_set: Any,
+    in_place: bool,
+) -> int:
+    ops._no_process_sets(process_set)
+    full = ops._auto_name("grouped_allreduce", name)
+    reduce_op = ops._op_of(average, op)
+    if not tensors:
+        raise ValueError(f"grouped_allreduce '{full}': no tensors given")
+    for t in tensors:
+        ops._check_reduce_op(full, t, reduce_op)
+    request = negotiate.Request(
+        kind="grouped_allreduce",
+        name=full,
+        dtype=_request_dtype(tensors[0]),
+        shape=(len(tensors),),
+        op=ops._op_code(reduce_op),
+        facts=ops._facts(tensors[0], prescale_factor, postscale_factor)
+        + "|".join(f"{t.dtype}{list(t.shape)}" for t in tensors),
+    )
+
+    def start(rows: list[negotiate.Row]) -> _work.Work:
+        work = _fused_sum(full, tensors, reduce_op, prescale_factor, postscale_factor)
+        if not in_place:
+            return work
+        reduced = work.finish
+
+        def finish() -> list[torch.Tensor]:
+            with torch.no_grad():
+                for t, r in zip(tensors, reduced()):
+                    t.copy_(r)
+            return tensors
+
+        work.finish = finish
+        return work
+
+    return ops.negotiated(request, start)
+
+
+def grouped_allreduce(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    compression: type[Compressor] | Compressor = Compression.none,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    """Each tensor reduced over the workers, as one fused operation. Differentiable."""
+    from sumflow.torch import autograd
+
+    return autograd.grouped_allreduce(
+        list(tensors), average, name, op, prescale_factor, postscale_factor, process_set
+    )
+
+
+def grouped_allreduce_(
+    tensors: Sequence[torch.Tensor],
+    average: bool | None = None,
+    name: str | None = None,
+    op: ReduceOp | None = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = None,
+) -> list[torch.Tensor]:
+    """Reduces each tensor over the workers in place, as one fused operation."""
+    result = ops.synchronize(
+        grouped_allreduce_async_(
+            tensors, average, name, op, prescale_factor, postscale_factor, process_set
+        )
+    )
+    return list(result)
