@@ -4,6 +4,7 @@ workers as threads of the test process (each with its own CommunicationService).
 from __future__ import annotations
 
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -192,7 +193,7 @@ def run_worker_processes(
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             master_port = s.getsockname()[1]
-        procs = []
+        envs = []
         for rank in range(workers):
             worker_env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
             worker_env.update(
@@ -211,24 +212,78 @@ def run_worker_processes(
                 RUST_LOG="warn",
                 **(env or {}),
             )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv],
-                    env=worker_env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outcomes = []
-        deadline = time.monotonic() + timeout
-        for rank, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, err = p.communicate()
-                err += f"\n[test harness: worker {rank} killed after {timeout:.0f} s]"
-            outcomes.append(Outcome(rank, p.returncode, out, err))
-        return outcomes
+            envs.append(worker_env)
+        return run_processes(argv, envs, timeout)
+
+
+def run_processes(argv: list[str], envs: list[dict[str, str]], timeout: float) -> list[Outcome]:
+    """Runs this interpreter on `argv` once per environment of `envs` (the i-th is rank i)
+    and returns how each ended; after `timeout` seconds every one still running is killed."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    outcomes = []
+    deadline = time.monotonic() + timeout
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            err += f"\n[test harness: worker {rank} killed after {timeout:.0f} s]"
+        outcomes.append(Outcome(rank, p.returncode, out, err))
+    return outcomes
+
+
+#: Variables by which a launcher tells a process about its job (torchrun, horovodrun, Open
+#: MPI, MPICH, Slurm): none may leak from the test's own environment into a job's.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+LAUNCHER_PREFIXES = (
+    "SUMFLOW_",
+    "TORCHELASTIC_",
+    "MASTER_",
+    "HOROVOD_",
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "MPI_LOCAL",
+    "SLURM",
+)
+
+
+def launcher_free_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or sumflow's variables, plus
+    `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)
+    }
+    env.update(extra)
+    return env
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free, below Linux's ephemeral range (32768 up): a
+    coordinator under torchrun's variables binds MASTER_PORT + 1, and a port-0 bind (the
+    summation server's, any client socket's) could take an ephemeral P + 1 first (seen once
+    in CI)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free pair of ports in 20000-32000")
