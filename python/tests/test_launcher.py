@@ -190,6 +190,10 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
         (["-np", "2", "--servers", "-1", "true"], "--servers must be at least 0"),
         (["-np", "3", "--local-size", "2", "true"], "-np 3 is not divisible by --local-size 2"),
         (["-np", "2", "--local-size", "0", "true"], "--local-size must be at least 1"),
+        (
+            ["-H", "a", "--coordinator-bind", "127.0.0.1:0", "--machine-per-worker", "true"],
+            "--machine-per-worker is for one machine",
+        ),
         (["-np", "2", "sumflow-no-such-program"], "no such program on PATH"),
         (["-np", "2", "./no/such/file.sh"], "no such file"),
         (["-np", "2", "--timeout", "0", "true"], "--timeout must be a positive number"),
@@ -229,6 +233,7 @@ def test_help_documents_every_option() -> None:
         "--servers",
         "--no-colocated",
         "--local-size",
+        "--machine-per-worker",
         "--engine-threads",
         "--partition-bytes",
         "--scheduler",
@@ -323,6 +328,37 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     env = build_processes(plan, "127.0.0.1:1")[-1].env
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29611")
     assert "--engine-threads" not in specs[0].argv
+
+
+def test_one_machine_is_one_machine_unless_told_otherwise() -> None:
+    """As horovodrun: -np N on one machine gives local ranks 0..N-1 of local size N, and
+    the machine one colocated server; --machine-per-worker emulates a machine per worker."""
+    parser = build_parser()
+
+    def layout(argv: list[str]) -> tuple[list[str], list[tuple[str, str, str]], int]:
+        plan = make_plan(parser.parse_args(argv))
+        specs = build_processes(plan, "127.0.0.1:1")
+        servers = [s.argv[s.argv.index("--host-id") + 1] for s in specs if s.kind == "server"]
+        workers = [
+            (s.env["LOCAL_RANK"], s.env["LOCAL_WORLD_SIZE"], s.env["SUMFLOW_HOST_ID"])
+            for s in specs
+            if s.kind == "worker"
+        ]
+        return servers, workers, plan.num_servers
+
+    assert layout(["-np", "3", "--servers", "2", "true"]) == (
+        ["local-0", "cpu-0", "cpu-1"],
+        [("0", "3", "local-0"), ("1", "3", "local-0"), ("2", "3", "local-0")],
+        3,
+    )
+    assert layout(["-np", "3", "--machine-per-worker", "true"]) == (
+        ["local-0", "local-1", "local-2"],
+        [("0", "1", "local-0"), ("0", "1", "local-1"), ("0", "1", "local-2")],
+        3,
+    )
+    assert layout(["-np", "2", "--local-size", "1", "true"]) == layout(
+        ["-np", "2", "--machine-per-worker", "true"]
+    )
 
 
 def test_workers_sharing_a_machine_get_one_openmp_thread_unless_told(
@@ -545,14 +581,7 @@ def test_a_failing_worker_stops_the_job(
     assert out.returncode == code, out
     assert time.monotonic() - t0 < 30
     pids = started(out.stderr)
-    assert set(pids) == {
-        "coordinator",
-        "server 0",
-        "server 1",
-        "cpu-server 0",
-        "worker 0",
-        "worker 1",
-    }
+    assert set(pids) == {"coordinator", "server 0", "cpu-server 0", "worker 0", "worker 1"}
     assert re.search(
         rf"^sumflow-run: worker 1 \(pid {pids['worker 1']}\) {message}", out.stderr, re.M
     ), out.stderr
@@ -581,7 +610,7 @@ def test_a_signal_to_the_launcher_stops_the_job(tmp_path: Path, sig: int, code: 
     assert proc.returncode == code, err
     assert f"sumflow-run: received {signal.Signals(sig).name}; stopping every process" in err
     pids = started(err)
-    assert len(pids) == 5, err
+    assert len(pids) == 4, err  # coordinator, one colocated server, two workers
     assert_all_gone(list(pids.values()))
 
 
@@ -623,7 +652,7 @@ def test_servers_count_per_key_the_bytes_the_workers_count(tmp_path: Path) -> No
     stats = tmp_path / "stats"
     out = run(
         [
-            *("-np", "2", "--servers", "1", "--partition-bytes", "8192"),
+            *("-np", "2", "--machine-per-worker", "--servers", "1", "--partition-bytes", "8192"),
             *("--wire-stats", str(stats), sys.executable, str(worker), str(tmp_path)),
         ]
     )

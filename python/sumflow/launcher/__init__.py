@@ -1,8 +1,9 @@
 """``sumflow-run``: start a whole sumflow job with one command.
 
 On one machine (the default) it starts, over loopback only, a coordinator, one colocated
-summation server per emulated worker machine, optional CPU-only summation servers, and the
-N worker processes running the user's command::
+summation server per worker machine (this one, or each emulated machine of
+``--local-size``/``--machine-per-worker``), optional CPU-only summation servers, and the N
+worker processes running the user's command::
 
     sumflow-run -np 4 python train.py --epochs 3
     sumflow-run -np 4 --local-size 2 --servers 1 -- python train.py

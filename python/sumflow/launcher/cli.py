@@ -22,11 +22,15 @@ that of the first process that failed (128+N for signal N); 2 for a bad configur
 
 EXAMPLES = """\
 examples:
-  # 4 workers on this machine, one colocated summation server each
+  # 4 workers on this machine (local ranks 0-3, as horovodrun -np 4), which runs one
+  # colocated summation server
   sumflow-run -np 4 python train.py --epochs 3
 
   # 4 workers as 2 emulated machines of 2 workers, plus 1 CPU-only server
   sumflow-run -np 4 --local-size 2 --servers 1 -- python train.py
+
+  # every worker its own emulated machine, with its own colocated server
+  sumflow-run -np 4 --machine-per-worker --servers 2 python train.py
 
   # CPU-only servers, no colocated ones
   sumflow-run -np 2 --no-colocated --servers 2 python train.py
@@ -48,8 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         usage=(
-            "%(prog)s -np N [--servers K] [--colocated | --no-colocated] [--local-size G] "
-            "[options] [--] command [args...]"
+            "%(prog)s -np N [--servers K] [--colocated | --no-colocated] "
+            "[--local-size G | --machine-per-worker] [options] [--] command [args...]"
         ),
         description=DESCRIPTION,
         epilog=EXAMPLES,
@@ -80,13 +84,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one summation server on each worker machine, sharing its host id "
         "[default: on]; --no-colocated needs --servers K >= 1",
     )
-    job.add_argument(
+    machines = job.add_mutually_exclusive_group()
+    machines.add_argument(
         "--local-size",
         type=int,
         metavar="G",
         help="one machine only: workers per emulated machine; ranks are grouped G per "
         "machine, machine m has host id local-m and (with --colocated) its own server; N "
-        "must be divisible by G [default: 1]",
+        "must be divisible by G [default: N, one machine, as horovodrun]",
+    )
+    machines.add_argument(
+        "--machine-per-worker",
+        action="store_true",
+        help="one machine only: every worker is an emulated machine of its own, with its "
+        "own colocated server (--local-size 1)",
     )
     job.add_argument(
         "--engine-threads",

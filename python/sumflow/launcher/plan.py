@@ -207,7 +207,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         n = args.np
         if n < 1:
             raise ConfigError(f"-np must be at least 1, got {n}")
-        g = 1 if args.local_size is None else args.local_size
+        g = 1 if args.machine_per_worker else n if args.local_size is None else args.local_size
         if g < 1:
             raise ConfigError(f"--local-size must be at least 1, got {g}")
         if n % g:
@@ -222,11 +222,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
         coordinator_addr = None
         _check_program(command[0])
     else:
-        if args.local_size is not None:
-            raise ConfigError(
-                "--local-size is for one machine; in the cluster form each host's slots are "
-                "its local size"
-            )
+        for flag, given in (
+            ("--local-size", args.local_size is not None),
+            ("--machine-per-worker", args.machine_per_worker),
+        ):
+            if given:
+                raise ConfigError(
+                    f"{flag} is for one machine; in the cluster form each host's slots are "
+                    "its local size"
+                )
         n = sum(h.slots for h in hosts)
         if args.np is not None and args.np != n:
             raise ConfigError(f"-np {args.np} does not match the hosts' {n} slots in all")
