@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -21,9 +22,10 @@ import pytest
 from sumflow import _core
 from sumflow.launcher.cli import build_parser
 from sumflow.launcher.errors import ConfigError
-from sumflow.launcher.hosts import parse_hostfile, parse_hosts
+from sumflow.launcher.hosts import parse_hostfile, parse_hosts, slurm_hosts
+from sumflow.launcher.logs import log_dir
 from sumflow.launcher.plan import ProcSpec, build_processes, make_plan
-from sumflow.launcher.ssh import remote_command
+from sumflow.launcher.ssh import remote_command, ssh_argv
 
 #: Every subprocess call of this file ends within this many seconds, or the test fails.
 TIMEOUT = 60
@@ -212,6 +214,10 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
         (["-H", "a", "--coordinator-bind", "0.0.0.0:29400", "true"], "--coordinator-addr"),
         (["-H", "a", "--coordinator-bind", "127.0.0.1:0", "--servers", "1", "true"], "where"),
         (["--hostfile", "/no/such/hostfile", "--coordinator-bind", "x:1", "true"], "hostfile"),
+        (["-hostfile", "/no/such/hostfile", "--coordinator-bind", "x:1", "true"], "hostfile"),
+        (["-np", "2", "--network-interface", "lo", "true"], "needs the cluster form"),
+        (["-H", "a", "--network-interface", "no-such-nic0", "true"], "no such interface here"),
+        (["-np", "2", "--start-timeout", "0", "true"], "--start-timeout must be a positive"),
     ],
 )
 def test_configuration_errors_exit_2_and_start_nothing(args: list[str], reason: str) -> None:
@@ -250,9 +256,145 @@ def test_help_documents_every_option() -> None:
         "--server-hosts",
         "--master-port",
         "--wire-stats",
+        "--network-interface",
+        "--output-filename",
+        "--start-timeout",
+        "--version",
         "examples:",
     ):
         assert flag in out.stdout, flag
+
+
+def test_version_is_sumflows() -> None:
+    out = run(["--version"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"sumflow {_core.__version__}"
+
+
+def test_horovodruns_spellings_mean_the_same() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["-hostfile", "hosts.txt", "-np", "2", "true"])
+    assert (args.hostfile, args.np) == ("hosts.txt", 2)
+    # --network-interface: the coordinator listens on the interface's address, any port,
+    # and the others dial the address it binds.
+    plan = make_plan(parser.parse_args(["-H", "a:1", "--network-interface", "lo", "true"]))
+    assert (plan.coordinator_bind, plan.coordinator_addr) == ("127.0.0.1:0", None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(
+            ["-H", "a", "--network-interface", "lo", "--coordinator-bind", "x:1", "true"]
+        )
+    # --start-timeout: the coordinator's start and, unless --join-timeout says, the join.
+    plan = make_plan(parser.parse_args(["-np", "2", "--start-timeout", "45", "true"]))
+    assert plan.start_timeout == 45
+    assert plan.worker_env["SUMFLOW_JOIN_TIMEOUT"] == plan.service_env["SUMFLOW_JOIN_TIMEOUT"]
+    assert float(plan.worker_env["SUMFLOW_JOIN_TIMEOUT"]) == 45
+    assert plan.coordinator_args == ["--join-timeout", "45.0"]
+    plan = make_plan(
+        parser.parse_args(["-np", "2", "--start-timeout", "45", "--join-timeout", "90", "true"])
+    )
+    assert (plan.start_timeout, plan.coordinator_args) == (45, ["--join-timeout", "90.0"])
+    plan = make_plan(parser.parse_args(["-np", "2", "true"]))
+    assert plan.start_timeout == 30
+    assert "SUMFLOW_JOIN_TIMEOUT" not in plan.worker_env
+
+
+def test_ssh_forwards_the_programs_paths_and_the_given_variables() -> None:
+    """As horovodrun: PATH, PYTHONPATH, LD_LIBRARY_PATH and VIRTUAL_ENV (an activated
+    virtualenv) reach every remote process, -x variables too and over them; nothing else."""
+    parser = build_parser()
+    plan = make_plan(
+        parser.parse_args(
+            [
+                *("-H", "gpu1:1", "--coordinator-bind", "10.0.0.1:29400"),
+                *("-x", "PATH=/x/bin", "-x", "NCCL_DEBUG=INFO", "python", "train.py"),
+            ]
+        )
+    )
+    specs = build_processes(plan, "10.0.0.1:29400")
+    local = {
+        "PATH": "/venv/bin:/usr/bin",
+        "PYTHONPATH": "/src",
+        "LD_LIBRARY_PATH": "/opt/lib",
+        "VIRTUAL_ENV": "/venv",
+        "HOME": "/home/me",
+        "SECRET": "no",
+    }
+    for spec in specs:
+        argv = ssh_argv(plan, spec, "/work", local)
+        assert argv[:2] == ["ssh", "gpu1"]
+        # The remote command line: sh -c WRAPPER sumflow-run CWD env VAR=VALUE... ARGV.
+        words = shlex.split(argv[2])
+        assigned = words[words.index("env") + 1 : words.index(spec.argv[0])]
+        env = dict(a.split("=", 1) for a in assigned)
+        assert env["PYTHONPATH"] == "/src"
+        assert env["LD_LIBRARY_PATH"] == "/opt/lib"
+        assert env["VIRTUAL_ENV"] == "/venv"
+        assert env["PATH"] == "/x/bin"  # -x wins
+        assert env["NCCL_DEBUG"] == "INFO"
+        assert env["RUST_LOG"] == plan.rust_log
+        assert "HOME" not in env
+        assert "SECRET" not in env
+        assert words[words.index(spec.argv[0]) :] == spec.argv
+    worker = specs[-1]
+    assert ssh_argv(plan, worker, "/", {})[2].count("PYTHONPATH") == 0
+
+
+def test_a_slurm_allocations_nodes_are_the_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside salloc or sbatch, without -H or --hostfile, the allocation's nodes and tasks
+    per node are the hosts; the coordinator listens on every interface and the nodes dial
+    this node's name."""
+    allocation = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "gpu[01-02,07]",
+        "SLURM_TASKS_PER_NODE": "2(x2),1",
+        "SLURMD_NODENAME": "gpu01",
+    }
+    hosts = slurm_hosts(allocation)
+    assert hosts is not None
+    assert [(h.name, h.slots) for h in hosts] == [("gpu01", 2), ("gpu02", 2), ("gpu07", 1)]
+    # One node, and this is it: the job runs here, on one machine.
+    assert (
+        slurm_hosts({**allocation, "SLURM_JOB_NODELIST": "gpu01", "SLURM_TASKS_PER_NODE": "4"})
+        is None
+    )
+    # One node seen from a login node (salloc's shell): it is a host like any other.
+    login = {"SLURM_JOB_NODELIST": "gpu05", "SLURM_TASKS_PER_NODE": "4"}
+    assert [(h.name, h.slots) for h in slurm_hosts(login) or []] == [("gpu05", 4)]
+    assert slurm_hosts({"SLURM_TASKS_PER_NODE": "4"}) is None
+    for env, message in [
+        ({**allocation, "SLURM_TASKS_PER_NODE": "2"}, "does not give each of the 3 nodes"),
+        ({**allocation, "SLURM_JOB_NODELIST": "gpu[01-"}, "SLURM_JOB_NODELIST='gpu[01-'"),
+        ({"SLURM_JOB_NODELIST": "a,b"}, "without SLURM_TASKS_PER_NODE"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            slurm_hosts(env)
+
+    for name, value in allocation.items():
+        monkeypatch.setenv(name, value)
+    parser = build_parser()
+    plan = make_plan(parser.parse_args(["python", "train.py"]))
+    assert plan.cluster
+    assert plan.machines == [("gpu01", "gpu01", 2), ("gpu02", "gpu02", 2), ("gpu07", "gpu07", 1)]
+    assert (plan.num_workers, plan.coordinator_bind, plan.coordinator_addr) == (
+        5,
+        "0.0.0.0:0",
+        "gpu01",
+    )
+    workers = [s for s in build_processes(plan, "gpu01:4000") if s.kind == "worker"]
+    assert [(s.host, s.env["LOCAL_RANK"]) for s in workers] == [
+        ("gpu01", "0"),
+        ("gpu01", "1"),
+        ("gpu02", "0"),
+        ("gpu02", "1"),
+        ("gpu07", "0"),
+    ]
+    with pytest.raises(ConfigError, match=r"-np 8 does not match .* --ntasks-per-node"):
+        make_plan(parser.parse_args(["-np", "8", "python", "train.py"]))
+    # -H still decides where it is given.
+    plan = make_plan(
+        parser.parse_args(["-H", "x:1", "--coordinator-bind", "10.0.0.1:1", "python", "t.py"])
+    )
+    assert plan.machines == [("x", "x", 1)]
 
 
 def test_host_lists_and_host_files() -> None:
@@ -538,6 +680,32 @@ def test_worker_environment(tmp_path: Path) -> None:
     assert "--heartbeat-timeout 7.0 --join-timeout 40.0" in out.stderr
     assert "--host-id local-1 --engine-threads 1" in out.stderr
     assert "--workers 4 --servers 2 " in out.stderr
+
+
+def test_each_processs_output_is_also_written_to_its_own_files(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    worker = script(
+        tmp_path,
+        "w.py",
+        "import os, sys\n"
+        "r = os.environ['RANK']\n"
+        "print(f'out {r}', flush=True)\n"
+        "print(f'err {r}', file=sys.stderr, flush=True)\n",
+    )
+    out = run(
+        [
+            *("-np", "2", "--output-filename", str(logs), "--shutdown-grace", "0.2"),
+            *(sys.executable, str(worker)),
+        ]
+    )
+    assert out.returncode == 0, out
+    for r in range(2):
+        assert (logs / f"rank.{r}" / "stdout").read_text() == f"out {r}\n"
+        assert (logs / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+        assert f"[worker {r}] out {r}\n" in out.stdout  # and still on the terminal, prefixed
+    assert (logs / "coordinator" / "stderr").exists()
+    assert (logs / "server.0" / "stdout").exists()
+    assert log_dir(logs, "cpu-server 3") == logs / "cpu-server.3"
 
 
 def test_rust_log_defaults_to_warn_and_a_token_file_is_used_as_given(tmp_path: Path) -> None:
