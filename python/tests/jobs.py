@@ -3,6 +3,7 @@ workers as threads of the test process (each with its own CommunicationService).
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import secrets
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sumflow import _core
+from sumflow.jobenv.coordinator import slurm_port
 
 #: Every wait in these tests is bounded; this is the bound for a job's start.
 START_TIMEOUT = 30.0
@@ -213,16 +215,19 @@ def run_worker_processes(
                 **(env or {}),
             )
             envs.append(worker_env)
-        return run_processes(argv, envs, timeout)
+        return run_processes([sys.executable, *argv], envs, timeout)
 
 
-def run_processes(argv: list[str], envs: list[dict[str, str]], timeout: float) -> list[Outcome]:
-    """Runs this interpreter on `argv` once per environment of `envs` (the i-th is rank i)
-    and returns how each ended; after `timeout` seconds every one still running is killed."""
+def run_processes(
+    command: list[str], envs: list[dict[str, str]], timeout: float, cwd: Path | None = None
+) -> list[Outcome]:
+    """Runs `command` once per environment of `envs` (the i-th is rank i), in `cwd`, and
+    returns how each ended; after `timeout` seconds every one still running is killed."""
     procs = [
         subprocess.Popen(
-            [sys.executable, *argv],
+            command,
             env=env,
+            cwd=cwd,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -269,6 +274,29 @@ def launcher_free_env(**extra: str) -> dict[str, str]:
     }
     env.update(extra)
     return env
+
+
+def slurm_job_id() -> int:
+    """A Slurm job id whose coordinator port (step 0, no MASTER_PORT) is free here."""
+    for _ in range(200):
+        job = secrets.randbelow(10**6)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", slurm_port(f"{job}.0")))
+        except OSError:
+            continue
+        return job
+    raise RuntimeError("no Slurm job id whose coordinator port is free")
+
+
+def check_job_of_two(lines: list[str]) -> None:
+    """Two workers of launch_env_worker.py saw a job of two on one machine and summed 2:
+    `lines` are what they printed, one JSON line each, in any order."""
+    seen = sorted((json.loads(line) for line in lines), key=lambda s: int(s["rank"]))
+    assert [s["rank"] for s in seen] == [0, 1], lines
+    for s in seen:
+        assert (s["size"], s["local_rank"], s["local_size"]) == (2, s["rank"], 2), s
+        assert s["sum"] == [2.0, 2.0, 2.0], s
 
 
 def free_port_pair() -> int:
