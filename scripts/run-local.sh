@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up and runs the main local job: data-parallel training through sumflow on this
-# machine. A coordinator, 2 CPU summation servers, one colocated server per worker and 4
+# machine. A coordinator, 2 CPU summation servers, the machine's colocated server and 4
 # worker processes train a small CNN on scikit-learn's digits (examples/train_digits.py)
 # with sumflow.torch's DistributedOptimizer, over loopback. Each output line is prefixed
 # with the process it came from; the job fails unless the test accuracy reaches 95%.
@@ -98,7 +98,7 @@ run_training() {
   result=$(mktemp --suffix=.json)
   trap 'rm -f "$result"' EXIT
 
-  step "training on digits: $WORKERS workers, $SERVERS CPU servers (+ one colocated per worker)"
+  step "training on digits: $WORKERS workers, $SERVERS CPU servers (+ this machine's colocated one)"
   echo "+ ${launcher[*]} -np $WORKERS --servers $SERVERS python examples/train_digits.py ${extra[*]}"
   local status=0
   "${launcher[@]}" -np "$WORKERS" --servers "$SERVERS" \

@@ -5,7 +5,8 @@
 Trains the sleeping model of a profile (ResNet-50 by default: 161 gradient tensors, most of
 them batch-norm vectors of a few KB) with no compute (``--time-scale 0``), so an iteration
 is the push_pull of every gradient plus the local SGD update, on one machine over
-loopback: ``sumflow-run -np 4`` (a colocated summation server per worker). Each
+loopback: ``sumflow-run -np 4 --machine-per-worker`` (a colocated summation server per
+worker, as the recorded runs had). Each
 ``--thresholds`` value (theta in bytes, 0 = unfused) is one job; the jobs run round after
 round, interleaved, so drift on this shared machine hits every theta alike. Reported per
 theta: the median iteration, its communication part (iteration less the local update,
@@ -75,6 +76,7 @@ def run_job(args: argparse.Namespace, theta: int, out: Path, log: Path) -> dict[
         "sumflow-run",
         "-np",
         str(args.workers),
+        "--machine-per-worker",
         "--",
         sys.executable,
         "-m",

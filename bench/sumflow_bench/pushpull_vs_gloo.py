@@ -18,7 +18,7 @@ Each round starts after a barrier; a round's time is the slowest worker's. Goodp
 gradient bytes summed per second per worker (each worker's whole gradient set per round).
 Every method's first round is checked against the exact sum.
 
-    sumflow-run -np 4 --servers 2 python -m sumflow_bench.pushpull_vs_gloo \\
+    sumflow-run -np 4 --machine-per-worker --servers 2 python -m sumflow_bench.pushpull_vs_gloo \\
         --json pushpull.json --plot pushpull.png
 
 ``--methods sumflow,gloo-bucketed`` runs a subset; ``--cpu-profile`` also reports, per

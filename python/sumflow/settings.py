@@ -247,7 +247,8 @@ COORDINATOR = _add(
         kind=text("HOST:PORT"),
         doc="the job's coordinator, which every node joins the job through",
         readers=(WORKER, SERVER_PROGRAM),
-        unset="torchrun's job, or a job of one",
+        unset="another launcher's job (torchrun, mpirun, horovodrun, srun; docs/launcher.md), "
+        "or a job of one",
     )
 )
 JOB_TOKEN_FILE = _add(
@@ -265,7 +266,8 @@ JOB_TOKEN = _add(
         kind=text("the token"),
         doc="the job's secret token, the same on every node",
         readers=(WORKER, SERVER_PROGRAM, COORDINATOR_PROGRAM),
-        unset="none (under torchrun: one derived from the rendezvous, with a warning)",
+        unset="none (under another launcher: on one machine rank 0 makes one up, else it is "
+        "derived from the launcher's job id, with a warning)",
     )
 )
 HOST_ID = _add(
@@ -275,7 +277,8 @@ HOST_ID = _add(
         doc="the machine a worker runs on: workers with the same one share its colocated "
         "summation server",
         readers=(WORKER, SERVER_PROGRAM),
-        unset="this machine's host name",
+        unset="the launcher's name for the machine (HOROVOD_HOSTNAME, SLURMD_NODENAME), else "
+        "this machine's host name",
     )
 )
 RANK = _add(
@@ -284,7 +287,8 @@ RANK = _add(
         kind=integer(least=0),
         doc="the worker rank to ask the coordinator for",
         readers=(WORKER,),
-        unset="the lowest free rank",
+        unset="the rank another launcher gave (torchrun, mpirun, srun...), else the lowest "
+        "free rank",
     )
 )
 WORKER_NAME = _add(

@@ -3,7 +3,9 @@ workers as threads of the test process (each with its own CommunicationService).
 
 from __future__ import annotations
 
+import json
 import os
+import random
 import secrets
 import shutil
 import socket
@@ -19,6 +21,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from sumflow import _core
+from sumflow.jobenv.coordinator import slurm_port
 
 #: Every wait in these tests is bounded; this is the bound for a job's start.
 START_TIMEOUT = 30.0
@@ -192,7 +195,7 @@ def run_worker_processes(
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             master_port = s.getsockname()[1]
-        procs = []
+        envs = []
         for rank in range(workers):
             worker_env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
             worker_env.update(
@@ -211,24 +214,104 @@ def run_worker_processes(
                 RUST_LOG="warn",
                 **(env or {}),
             )
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv],
-                    env=worker_env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        outcomes = []
-        deadline = time.monotonic() + timeout
-        for rank, p in enumerate(procs):
-            try:
-                out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                out, err = p.communicate()
-                err += f"\n[test harness: worker {rank} killed after {timeout:.0f} s]"
-            outcomes.append(Outcome(rank, p.returncode, out, err))
-        return outcomes
+            envs.append(worker_env)
+        return run_processes([sys.executable, *argv], envs, timeout)
+
+
+def run_processes(
+    command: list[str], envs: list[dict[str, str]], timeout: float, cwd: Path | None = None
+) -> list[Outcome]:
+    """Runs `command` once per environment of `envs` (the i-th is rank i), in `cwd`, and
+    returns how each ended; after `timeout` seconds every one still running is killed."""
+    procs = [
+        subprocess.Popen(
+            command,
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    outcomes = []
+    deadline = time.monotonic() + timeout
+    for rank, p in enumerate(procs):
+        try:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            err += f"\n[test harness: worker {rank} killed after {timeout:.0f} s]"
+        outcomes.append(Outcome(rank, p.returncode, out, err))
+    return outcomes
+
+
+#: Variables by which a launcher tells a process about its job (torchrun, horovodrun, Open
+#: MPI, MPICH, Slurm): none may leak from the test's own environment into a job's.
+LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+LAUNCHER_PREFIXES = (
+    "SUMFLOW_",
+    "TORCHELASTIC_",
+    "MASTER_",
+    "HOROVOD_",
+    "OMPI_",
+    "PMIX_",
+    "PMI_",
+    "MPI_LOCAL",
+    "SLURM",
+)
+
+
+def launcher_free_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any launcher's or sumflow's variables, plus
+    `extra`."""
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in LAUNCHER_VARIABLES and not k.startswith(LAUNCHER_PREFIXES)
+    }
+    env.update(extra)
+    return env
+
+
+def slurm_job_id() -> int:
+    """A Slurm job id whose coordinator port (step 0, no MASTER_PORT) is free here."""
+    for _ in range(200):
+        job = secrets.randbelow(10**6)
+        try:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", slurm_port(f"{job}.0")))
+        except OSError:
+            continue
+        return job
+    raise RuntimeError("no Slurm job id whose coordinator port is free")
+
+
+def check_job_of_two(lines: list[str]) -> None:
+    """Two workers of launch_env_worker.py saw a job of two on one machine and summed 2:
+    `lines` are what they printed, one JSON line each, in any order."""
+    seen = sorted((json.loads(line) for line in lines), key=lambda s: int(s["rank"]))
+    assert [s["rank"] for s in seen] == [0, 1], lines
+    for s in seen:
+        assert (s["size"], s["local_rank"], s["local_size"]) == (2, s["rank"], 2), s
+        assert s["sum"] == [2.0, 2.0, 2.0], s
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free, below Linux's ephemeral range (32768 up): a
+    coordinator under torchrun's variables binds MASTER_PORT + 1, and a port-0 bind (the
+    summation server's, any client socket's) could take an ephemeral P + 1 first (seen once
+    in CI)."""
+    rng = random.Random()
+    for _ in range(200):
+        p = rng.randrange(20000, 32000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 1))
+        except OSError:
+            continue
+        return p
+    raise RuntimeError("no free pair of ports in 20000-32000")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import stat
 import subprocess
@@ -21,9 +22,10 @@ import pytest
 from sumflow import _core
 from sumflow.launcher.cli import build_parser
 from sumflow.launcher.errors import ConfigError
-from sumflow.launcher.hosts import parse_hostfile, parse_hosts
+from sumflow.launcher.hosts import parse_hostfile, parse_hosts, slurm_hosts
+from sumflow.launcher.logs import log_dir
 from sumflow.launcher.plan import ProcSpec, build_processes, make_plan
-from sumflow.launcher.ssh import remote_command
+from sumflow.launcher.ssh import remote_command, ssh_argv
 
 #: Every subprocess call of this file ends within this many seconds, or the test fails.
 TIMEOUT = 60
@@ -190,6 +192,10 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
         (["-np", "2", "--servers", "-1", "true"], "--servers must be at least 0"),
         (["-np", "3", "--local-size", "2", "true"], "-np 3 is not divisible by --local-size 2"),
         (["-np", "2", "--local-size", "0", "true"], "--local-size must be at least 1"),
+        (
+            ["-H", "a", "--coordinator-bind", "127.0.0.1:0", "--machine-per-worker", "true"],
+            "--machine-per-worker is for one machine",
+        ),
         (["-np", "2", "sumflow-no-such-program"], "no such program on PATH"),
         (["-np", "2", "./no/such/file.sh"], "no such file"),
         (["-np", "2", "--timeout", "0", "true"], "--timeout must be a positive number"),
@@ -208,6 +214,10 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
         (["-H", "a", "--coordinator-bind", "0.0.0.0:29400", "true"], "--coordinator-addr"),
         (["-H", "a", "--coordinator-bind", "127.0.0.1:0", "--servers", "1", "true"], "where"),
         (["--hostfile", "/no/such/hostfile", "--coordinator-bind", "x:1", "true"], "hostfile"),
+        (["-hostfile", "/no/such/hostfile", "--coordinator-bind", "x:1", "true"], "hostfile"),
+        (["-np", "2", "--network-interface", "lo", "true"], "needs the cluster form"),
+        (["-H", "a", "--network-interface", "no-such-nic0", "true"], "no such interface here"),
+        (["-np", "2", "--start-timeout", "0", "true"], "--start-timeout must be a positive"),
     ],
 )
 def test_configuration_errors_exit_2_and_start_nothing(args: list[str], reason: str) -> None:
@@ -229,6 +239,7 @@ def test_help_documents_every_option() -> None:
         "--servers",
         "--no-colocated",
         "--local-size",
+        "--machine-per-worker",
         "--engine-threads",
         "--partition-bytes",
         "--scheduler",
@@ -245,9 +256,145 @@ def test_help_documents_every_option() -> None:
         "--server-hosts",
         "--master-port",
         "--wire-stats",
+        "--network-interface",
+        "--output-filename",
+        "--start-timeout",
+        "--version",
         "examples:",
     ):
         assert flag in out.stdout, flag
+
+
+def test_version_is_sumflows() -> None:
+    out = run(["--version"])
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == f"sumflow {_core.__version__}"
+
+
+def test_horovodruns_spellings_mean_the_same() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["-hostfile", "hosts.txt", "-np", "2", "true"])
+    assert (args.hostfile, args.np) == ("hosts.txt", 2)
+    # --network-interface: the coordinator listens on the interface's address, any port,
+    # and the others dial the address it binds.
+    plan = make_plan(parser.parse_args(["-H", "a:1", "--network-interface", "lo", "true"]))
+    assert (plan.coordinator_bind, plan.coordinator_addr) == ("127.0.0.1:0", None)
+    with pytest.raises(SystemExit):
+        parser.parse_args(
+            ["-H", "a", "--network-interface", "lo", "--coordinator-bind", "x:1", "true"]
+        )
+    # --start-timeout: the coordinator's start and, unless --join-timeout says, the join.
+    plan = make_plan(parser.parse_args(["-np", "2", "--start-timeout", "45", "true"]))
+    assert plan.start_timeout == 45
+    assert plan.worker_env["SUMFLOW_JOIN_TIMEOUT"] == plan.service_env["SUMFLOW_JOIN_TIMEOUT"]
+    assert float(plan.worker_env["SUMFLOW_JOIN_TIMEOUT"]) == 45
+    assert plan.coordinator_args == ["--join-timeout", "45.0"]
+    plan = make_plan(
+        parser.parse_args(["-np", "2", "--start-timeout", "45", "--join-timeout", "90", "true"])
+    )
+    assert (plan.start_timeout, plan.coordinator_args) == (45, ["--join-timeout", "90.0"])
+    plan = make_plan(parser.parse_args(["-np", "2", "true"]))
+    assert plan.start_timeout == 30
+    assert "SUMFLOW_JOIN_TIMEOUT" not in plan.worker_env
+
+
+def test_ssh_forwards_the_programs_paths_and_the_given_variables() -> None:
+    """As horovodrun: PATH, PYTHONPATH, LD_LIBRARY_PATH and VIRTUAL_ENV (an activated
+    virtualenv) reach every remote process, -x variables too and over them; nothing else."""
+    parser = build_parser()
+    plan = make_plan(
+        parser.parse_args(
+            [
+                *("-H", "gpu1:1", "--coordinator-bind", "10.0.0.1:29400"),
+                *("-x", "PATH=/x/bin", "-x", "NCCL_DEBUG=INFO", "python", "train.py"),
+            ]
+        )
+    )
+    specs = build_processes(plan, "10.0.0.1:29400")
+    local = {
+        "PATH": "/venv/bin:/usr/bin",
+        "PYTHONPATH": "/src",
+        "LD_LIBRARY_PATH": "/opt/lib",
+        "VIRTUAL_ENV": "/venv",
+        "HOME": "/home/me",
+        "SECRET": "no",
+    }
+    for spec in specs:
+        argv = ssh_argv(plan, spec, "/work", local)
+        assert argv[:2] == ["ssh", "gpu1"]
+        # The remote command line: sh -c WRAPPER sumflow-run CWD env VAR=VALUE... ARGV.
+        words = shlex.split(argv[2])
+        assigned = words[words.index("env") + 1 : words.index(spec.argv[0])]
+        env = dict(a.split("=", 1) for a in assigned)
+        assert env["PYTHONPATH"] == "/src"
+        assert env["LD_LIBRARY_PATH"] == "/opt/lib"
+        assert env["VIRTUAL_ENV"] == "/venv"
+        assert env["PATH"] == "/x/bin"  # -x wins
+        assert env["NCCL_DEBUG"] == "INFO"
+        assert env["RUST_LOG"] == plan.rust_log
+        assert "HOME" not in env
+        assert "SECRET" not in env
+        assert words[words.index(spec.argv[0]) :] == spec.argv
+    worker = specs[-1]
+    assert ssh_argv(plan, worker, "/", {})[2].count("PYTHONPATH") == 0
+
+
+def test_a_slurm_allocations_nodes_are_the_hosts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Inside salloc or sbatch, without -H or --hostfile, the allocation's nodes and tasks
+    per node are the hosts; the coordinator listens on every interface and the nodes dial
+    this node's name."""
+    allocation = {
+        "SLURM_JOB_ID": "77",
+        "SLURM_JOB_NODELIST": "gpu[01-02,07]",
+        "SLURM_TASKS_PER_NODE": "2(x2),1",
+        "SLURMD_NODENAME": "gpu01",
+    }
+    hosts = slurm_hosts(allocation)
+    assert hosts is not None
+    assert [(h.name, h.slots) for h in hosts] == [("gpu01", 2), ("gpu02", 2), ("gpu07", 1)]
+    # One node, and this is it: the job runs here, on one machine.
+    assert (
+        slurm_hosts({**allocation, "SLURM_JOB_NODELIST": "gpu01", "SLURM_TASKS_PER_NODE": "4"})
+        is None
+    )
+    # One node seen from a login node (salloc's shell): it is a host like any other.
+    login = {"SLURM_JOB_NODELIST": "gpu05", "SLURM_TASKS_PER_NODE": "4"}
+    assert [(h.name, h.slots) for h in slurm_hosts(login) or []] == [("gpu05", 4)]
+    assert slurm_hosts({"SLURM_TASKS_PER_NODE": "4"}) is None
+    for env, message in [
+        ({**allocation, "SLURM_TASKS_PER_NODE": "2"}, "does not give each of the 3 nodes"),
+        ({**allocation, "SLURM_JOB_NODELIST": "gpu[01-"}, "SLURM_JOB_NODELIST='gpu[01-'"),
+        ({"SLURM_JOB_NODELIST": "a,b"}, "without SLURM_TASKS_PER_NODE"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            slurm_hosts(env)
+
+    for name, value in allocation.items():
+        monkeypatch.setenv(name, value)
+    parser = build_parser()
+    plan = make_plan(parser.parse_args(["python", "train.py"]))
+    assert plan.cluster
+    assert plan.machines == [("gpu01", "gpu01", 2), ("gpu02", "gpu02", 2), ("gpu07", "gpu07", 1)]
+    assert (plan.num_workers, plan.coordinator_bind, plan.coordinator_addr) == (
+        5,
+        "0.0.0.0:0",
+        "gpu01",
+    )
+    workers = [s for s in build_processes(plan, "gpu01:4000") if s.kind == "worker"]
+    assert [(s.host, s.env["LOCAL_RANK"]) for s in workers] == [
+        ("gpu01", "0"),
+        ("gpu01", "1"),
+        ("gpu02", "0"),
+        ("gpu02", "1"),
+        ("gpu07", "0"),
+    ]
+    with pytest.raises(ConfigError, match=r"-np 8 does not match .* --ntasks-per-node"):
+        make_plan(parser.parse_args(["-np", "8", "python", "train.py"]))
+    # -H still decides where it is given.
+    plan = make_plan(
+        parser.parse_args(["-H", "x:1", "--coordinator-bind", "10.0.0.1:1", "python", "t.py"])
+    )
+    assert plan.machines == [("x", "x", 1)]
 
 
 def test_host_lists_and_host_files() -> None:
@@ -323,6 +470,37 @@ def test_plan_places_ranks_machines_and_servers() -> None:
     env = build_processes(plan, "127.0.0.1:1")[-1].env
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("127.0.0.1", "29611")
     assert "--engine-threads" not in specs[0].argv
+
+
+def test_one_machine_is_one_machine_unless_told_otherwise() -> None:
+    """As horovodrun: -np N on one machine gives local ranks 0..N-1 of local size N, and
+    the machine one colocated server; --machine-per-worker emulates a machine per worker."""
+    parser = build_parser()
+
+    def layout(argv: list[str]) -> tuple[list[str], list[tuple[str, str, str]], int]:
+        plan = make_plan(parser.parse_args(argv))
+        specs = build_processes(plan, "127.0.0.1:1")
+        servers = [s.argv[s.argv.index("--host-id") + 1] for s in specs if s.kind == "server"]
+        workers = [
+            (s.env["LOCAL_RANK"], s.env["LOCAL_WORLD_SIZE"], s.env["SUMFLOW_HOST_ID"])
+            for s in specs
+            if s.kind == "worker"
+        ]
+        return servers, workers, plan.num_servers
+
+    assert layout(["-np", "3", "--servers", "2", "true"]) == (
+        ["local-0", "cpu-0", "cpu-1"],
+        [("0", "3", "local-0"), ("1", "3", "local-0"), ("2", "3", "local-0")],
+        3,
+    )
+    assert layout(["-np", "3", "--machine-per-worker", "true"]) == (
+        ["local-0", "local-1", "local-2"],
+        [("0", "1", "local-0"), ("0", "1", "local-1"), ("0", "1", "local-2")],
+        3,
+    )
+    assert layout(["-np", "2", "--local-size", "1", "true"]) == layout(
+        ["-np", "2", "--machine-per-worker", "true"]
+    )
 
 
 def test_workers_sharing_a_machine_get_one_openmp_thread_unless_told(
@@ -504,6 +682,32 @@ def test_worker_environment(tmp_path: Path) -> None:
     assert "--workers 4 --servers 2 " in out.stderr
 
 
+def test_each_processs_output_is_also_written_to_its_own_files(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    worker = script(
+        tmp_path,
+        "w.py",
+        "import os, sys\n"
+        "r = os.environ['RANK']\n"
+        "print(f'out {r}', flush=True)\n"
+        "print(f'err {r}', file=sys.stderr, flush=True)\n",
+    )
+    out = run(
+        [
+            *("-np", "2", "--output-filename", str(logs), "--shutdown-grace", "0.2"),
+            *(sys.executable, str(worker)),
+        ]
+    )
+    assert out.returncode == 0, out
+    for r in range(2):
+        assert (logs / f"rank.{r}" / "stdout").read_text() == f"out {r}\n"
+        assert (logs / f"rank.{r}" / "stderr").read_text() == f"err {r}\n"
+        assert f"[worker {r}] out {r}\n" in out.stdout  # and still on the terminal, prefixed
+    assert (logs / "coordinator" / "stderr").exists()
+    assert (logs / "server.0" / "stdout").exists()
+    assert log_dir(logs, "cpu-server 3") == logs / "cpu-server.3"
+
+
 def test_rust_log_defaults_to_warn_and_a_token_file_is_used_as_given(tmp_path: Path) -> None:
     token = tmp_path / "job.token"
     token.write_text("a-token-of-at-least-16-bytes\n")
@@ -545,14 +749,7 @@ def test_a_failing_worker_stops_the_job(
     assert out.returncode == code, out
     assert time.monotonic() - t0 < 30
     pids = started(out.stderr)
-    assert set(pids) == {
-        "coordinator",
-        "server 0",
-        "server 1",
-        "cpu-server 0",
-        "worker 0",
-        "worker 1",
-    }
+    assert set(pids) == {"coordinator", "server 0", "cpu-server 0", "worker 0", "worker 1"}
     assert re.search(
         rf"^sumflow-run: worker 1 \(pid {pids['worker 1']}\) {message}", out.stderr, re.M
     ), out.stderr
@@ -581,7 +778,7 @@ def test_a_signal_to_the_launcher_stops_the_job(tmp_path: Path, sig: int, code: 
     assert proc.returncode == code, err
     assert f"sumflow-run: received {signal.Signals(sig).name}; stopping every process" in err
     pids = started(err)
-    assert len(pids) == 5, err
+    assert len(pids) == 4, err  # coordinator, one colocated server, two workers
     assert_all_gone(list(pids.values()))
 
 
@@ -623,7 +820,7 @@ def test_servers_count_per_key_the_bytes_the_workers_count(tmp_path: Path) -> No
     stats = tmp_path / "stats"
     out = run(
         [
-            *("-np", "2", "--servers", "1", "--partition-bytes", "8192"),
+            *("-np", "2", "--machine-per-worker", "--servers", "1", "--partition-bytes", "8192"),
             *("--wire-stats", str(stats), sys.executable, str(worker), str(tmp_path)),
         ]
     )

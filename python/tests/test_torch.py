@@ -5,8 +5,6 @@ failures (declaration mismatch, a killed worker)."""
 from __future__ import annotations
 
 import os
-import random
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import Outcome, run_worker_processes
+from jobs import Outcome, free_port_pair, run_worker_processes
 from torch_worker import BATCH, STEPS, batch, make_optimizer, model
 
 WORKER = str(Path(__file__).with_name("torch_worker.py"))
@@ -171,23 +169,6 @@ def test_a_killed_worker_is_named_by_the_others_within_the_heartbeat_timeout(
     # Start-up (three torch imports on two cores) plus detection; far below the 300 s an
     # operation waits before timing out.
     assert elapsed < 60, elapsed
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free, below Linux's ephemeral range (32768 up): torchrun's
-    sumflow coordinator binds MASTER_PORT + 1, and a port-0 bind (the summation server's,
-    any client socket's) could take an ephemeral P + 1 first (seen once in CI)."""
-    rng = random.Random()
-    for _ in range(200):
-        p = rng.randrange(20000, 32000)
-        try:
-            with socket.socket() as a, socket.socket() as b:
-                a.bind(("127.0.0.1", p))
-                b.bind(("127.0.0.1", p + 1))
-        except OSError:
-            continue
-        return p
-    raise RuntimeError("no free pair of ports in 20000-32000")
 
 
 def test_workers_started_by_torchrun(tmp_path: Path) -> None:

@@ -1,14 +1,16 @@
 """``sumflow-run``: start a whole sumflow job with one command.
 
 On one machine (the default) it starts, over loopback only, a coordinator, one colocated
-summation server per emulated worker machine, optional CPU-only summation servers, and the
-N worker processes running the user's command::
+summation server per worker machine (this one, or each emulated machine of
+``--local-size``/``--machine-per-worker``), optional CPU-only summation servers, and the N
+worker processes running the user's command::
 
     sumflow-run -np 4 python train.py --epochs 3
     sumflow-run -np 4 --local-size 2 --servers 1 -- python train.py
 
-With ``-H host1:slots,host2:slots`` or ``--hostfile FILE`` it runs the workers and servers
-on those hosts over ssh and the coordinator on this machine (see ``docs/launcher.md``).
+With ``-H host1:slots,host2:slots`` or ``--hostfile FILE``, or inside a Slurm allocation of
+several nodes, it runs the workers and servers on those hosts over ssh and the coordinator
+on this machine (see ``docs/launcher.md``).
 
 What it guarantees:
 
@@ -26,9 +28,11 @@ What it guarantees:
 
 The package's modules, each with one job: :mod:`~sumflow.launcher.cli` (the command line),
 :mod:`~sumflow.launcher.plan` (the checked plan of a job, from the arguments),
-:mod:`~sumflow.launcher.hosts` (host lists, host files, ``HOST:PORT``),
-:mod:`~sumflow.launcher.ssh` (commands run on other hosts) and
-:mod:`~sumflow.launcher.supervise` (children, prefixed output, teardown).
+:mod:`~sumflow.launcher.hosts` (host lists, host files, a Slurm allocation's nodes,
+``HOST:PORT``), :mod:`~sumflow.launcher.interfaces` (a network interface's address),
+:mod:`~sumflow.launcher.ssh` (commands run on other hosts, and what of this environment
+they get), :mod:`~sumflow.launcher.supervise` (children, prefixed output, teardown) and
+:mod:`~sumflow.launcher.logs` (per-process output files).
 """
 
 from sumflow.launcher.cli import main

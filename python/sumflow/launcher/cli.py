@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from sumflow import settings
+from sumflow import __version__, settings
 from sumflow.launcher.errors import PROG, ConfigError
 from sumflow.launcher.plan import make_plan
 from sumflow.launcher.supervise import Launcher
@@ -13,7 +13,8 @@ from sumflow.launcher.supervise import Launcher
 DESCRIPTION = """\
 Start a sumflow job: a coordinator, summation servers and N worker processes running
 COMMAND, every output line prefixed by the process it came from. Without -H/--hostfile
-everything runs on this machine over loopback.
+(or a Slurm allocation of several nodes, whose nodes are then the hosts) everything runs
+on this machine over loopback.
 
 Exit status: 0 when every worker exited 0; otherwise the job is stopped and the status is
 that of the first process that failed (128+N for signal N); 2 for a bad configuration;
@@ -22,11 +23,15 @@ that of the first process that failed (128+N for signal N); 2 for a bad configur
 
 EXAMPLES = """\
 examples:
-  # 4 workers on this machine, one colocated summation server each
+  # 4 workers on this machine (local ranks 0-3, as horovodrun -np 4), which runs one
+  # colocated summation server
   sumflow-run -np 4 python train.py --epochs 3
 
   # 4 workers as 2 emulated machines of 2 workers, plus 1 CPU-only server
   sumflow-run -np 4 --local-size 2 --servers 1 -- python train.py
+
+  # every worker its own emulated machine, with its own colocated server
+  sumflow-run -np 4 --machine-per-worker --servers 2 python train.py
 
   # CPU-only servers, no colocated ones
   sumflow-run -np 2 --no-colocated --servers 2 python train.py
@@ -35,11 +40,15 @@ examples:
   sumflow-run -H gpu1:8,gpu2:8 --server-hosts cpu1,cpu2 \\
       --coordinator-bind 10.0.0.1:29400 --ssh 'ssh -o BatchMode=yes' python train.py
 
+  # inside salloc -N 2 --ntasks-per-node 8 (or an sbatch script): the allocation's nodes
+  sumflow-run python train.py
+
 every worker gets SUMFLOW_COORDINATOR, SUMFLOW_JOB_TOKEN_FILE (SUMFLOW_JOB_TOKEN over ssh),
 SUMFLOW_RANK, SUMFLOW_NUM_WORKERS, SUMFLOW_HOST_ID, SUMFLOW_WORKER_NAME and torchrun's
 RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT. Children do not
-inherit SUMFLOW_* variables from this environment; forward one with -x NAME. See
-docs/launcher.md.
+inherit SUMFLOW_* variables from this environment; forward one with -x NAME. Over ssh they
+get this environment's PATH, PYTHONPATH, LD_LIBRARY_PATH and VIRTUAL_ENV, the -x ones, and
+nothing else. See docs/launcher.md.
 """
 
 
@@ -48,8 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=PROG,
         usage=(
-            "%(prog)s -np N [--servers K] [--colocated | --no-colocated] [--local-size G] "
-            "[options] [--] command [args...]"
+            "%(prog)s -np N [--servers K] [--colocated | --no-colocated] "
+            "[--local-size G | --machine-per-worker] [options] [--] command [args...]"
         ),
         description=DESCRIPTION,
         epilog=EXAMPLES,
@@ -80,13 +89,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one summation server on each worker machine, sharing its host id "
         "[default: on]; --no-colocated needs --servers K >= 1",
     )
-    job.add_argument(
+    machines = job.add_mutually_exclusive_group()
+    machines.add_argument(
         "--local-size",
         type=int,
         metavar="G",
         help="one machine only: workers per emulated machine; ranks are grouped G per "
         "machine, machine m has host id local-m and (with --colocated) its own server; N "
-        "must be divisible by G [default: 1]",
+        "must be divisible by G [default: N, one machine, as horovodrun]",
+    )
+    machines.add_argument(
+        "--machine-per-worker",
+        action="store_true",
+        help="one machine only: every worker is an emulated machine of its own, with its "
+        "own colocated server (--local-size 1)",
     )
     job.add_argument(
         "--engine-threads",
@@ -190,9 +206,10 @@ def build_parser() -> argparse.ArgumentParser:
     life.add_argument(
         "--start-timeout",
         type=float,
-        default=30.0,
         metavar="SECS",
-        help="how long to wait for the coordinator to listen [default: 30]",
+        help="how long the job has to start, as horovodrun's: the coordinator to listen, and "
+        "every node to join (the join timeout, unless --join-timeout is given) [default: 30 "
+        "for the coordinator; the join timeout's own default]",
     )
     life.add_argument(
         "--shutdown-grace",
@@ -209,6 +226,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=5.0,
         metavar="SECS",
         help="how long a process gets after SIGTERM before SIGKILL [default: 5]",
+    )
+    life.add_argument(
+        "--output-filename",
+        metavar="DIR",
+        help="also write each process's output, unprefixed, to DIR/rank.N/stdout and "
+        "DIR/rank.N/stderr for worker N (DIR/server.M, DIR/cpu-server.K, DIR/coordinator for "
+        "the others), as horovodrun does",
     )
     life.add_argument(
         "-v",
@@ -229,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     hosts.add_argument(
         "--hostfile",
+        "-hostfile",
         metavar="FILE",
         help="worker hosts, one a line: 'host slots=N' or 'host:N' ('#' starts a comment)",
     )
@@ -237,11 +262,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="HOST,...",
         help="hosts that run the CPU-only servers, assigned round-robin",
     )
-    cl.add_argument(
+    bind = cl.add_mutually_exclusive_group()
+    bind.add_argument(
         "--coordinator-bind",
         metavar="HOST:PORT",
         help="address the coordinator (on this machine) listens on; required in the cluster "
-        "form, e.g. 10.0.0.1:29400 (port 0 picks a free port)",
+        "form unless --network-interface or a Slurm allocation gives it, e.g. "
+        "10.0.0.1:29400 (port 0 picks a free port)",
+    )
+    bind.add_argument(
+        "--network-interface",
+        metavar="NIC",
+        help="the coordinator listens on this machine's IPv4 address on NIC (e.g. eth0), on "
+        "a free port, and the other hosts dial that address: --coordinator-bind ADDR:0 "
+        "(horovodrun's flag)",
     )
     cl.add_argument(
         "--coordinator-addr",
@@ -271,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CMD",
         help="ssh command (shell words), e.g. 'ssh -o BatchMode=yes' [default: ssh]",
     )
+    p.add_argument("--version", action="version", version=f"sumflow {__version__}")
     p.add_argument(
         "command",
         nargs=argparse.REMAINDER,

@@ -1,10 +1,12 @@
-"""Where a cluster job runs: host lists (``-H``), host files (``--hostfile``) and
-``HOST:PORT`` addresses, IPv6 ones in brackets."""
+"""Where a cluster job runs: host lists (``-H``), host files (``--hostfile``), a Slurm
+allocation's nodes, and ``HOST:PORT`` addresses, IPv6 ones in brackets."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sumflow.jobenv.hostlist import expand_hostlist, expand_tasks_per_node
 from sumflow.launcher.errors import ConfigError
 
 
@@ -86,6 +88,37 @@ def parse_hostfile(text: str, path: str) -> list[Host]:
     if not hosts:
         raise ConfigError(f"--hostfile {path}: no hosts in it")
     return _no_duplicates(hosts, f"--hostfile {path}")
+
+
+def slurm_hosts(env: Mapping[str, str]) -> list[Host] | None:
+    """The nodes of the Slurm allocation this runs in (``salloc``, ``sbatch``), with its
+    tasks per node as slots: ``SLURM_JOB_NODELIST`` (else ``SLURM_NODELIST``) and
+    ``SLURM_TASKS_PER_NODE``. None outside an allocation, and in one of a single node when
+    this is that node (``SLURMD_NODENAME``): the job then runs on this machine alone."""
+    for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+        text = env.get(name, "").strip()
+        if text:
+            break
+    else:
+        return None
+    try:
+        nodes = expand_hostlist(text, name)
+        tasks = env.get("SLURM_TASKS_PER_NODE", "").strip()
+        if not tasks:
+            raise ValueError(
+                f"{name}={text} without SLURM_TASKS_PER_NODE: give the hosts with -H or --hostfile"
+            )
+        slots = expand_tasks_per_node(tasks, "SLURM_TASKS_PER_NODE")
+    except ValueError as e:
+        raise ConfigError(f"the Slurm allocation: {e}") from None
+    if len(slots) != len(nodes) or min(slots) < 1:
+        raise ConfigError(
+            f"the Slurm allocation: SLURM_TASKS_PER_NODE={tasks} does not give each of the "
+            f"{len(nodes)} nodes of {name}={text} one task or more"
+        )
+    if len(nodes) == 1 and env.get("SLURMD_NODENAME", "").strip() == nodes[0]:
+        return None
+    return _no_duplicates([Host(n, s) for n, s in zip(nodes, slots)], name)
 
 
 def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:

@@ -21,11 +21,17 @@ from sumflow.launcher.hosts import (
     join_host_port,
     parse_hostfile,
     parse_hosts,
+    slurm_hosts,
     split_host_port,
 )
+from sumflow.launcher.interfaces import ipv4_address
 
 #: Shortest job token the core accepts, in bytes.
 MIN_TOKEN_BYTES = 16
+#: How long the coordinator has to listen unless --start-timeout says.
+DEFAULT_START_TIMEOUT = 30.0
+#: Where the hosts came from when a Slurm allocation gave them, for messages.
+SLURM_ALLOCATION = "the Slurm allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NODE)"
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
@@ -57,6 +63,8 @@ class Plan:
     coordinator_args: list[str]
     rust_log: str
     start_timeout: float
+    #: Where each process's output is also written (--output-filename), or None.
+    output_dir: Path | None
     shutdown_grace: float
     kill_timeout: float
     verbose: bool
@@ -134,6 +142,62 @@ def _forwarded_env(items: list[str]) -> dict[str, str]:
     return env
 
 
+def _cluster_hosts(args: argparse.Namespace) -> tuple[list[Host], str] | None:
+    """The worker hosts of the cluster form and where they came from, for messages: -H,
+    --hostfile, or the nodes of the Slurm allocation this runs in; None on one machine."""
+    if args.hosts is not None:
+        return parse_hosts(args.hosts), "-H"
+    if args.hostfile is not None:
+        try:
+            text = Path(args.hostfile).read_text()
+        except OSError as e:
+            raise ConfigError(f"--hostfile {args.hostfile}: {e.strerror}") from None
+        return parse_hostfile(text, args.hostfile), f"--hostfile {args.hostfile}"
+    hosts = slurm_hosts(os.environ)
+    return None if hosts is None else (hosts, SLURM_ALLOCATION)
+
+
+def _coordinator_endpoints(args: argparse.Namespace, hosts_from: str) -> tuple[str, str | None]:
+    """Where the coordinator listens in the cluster form, and the address the other hosts
+    dial (None: the one it binds)."""
+    if args.network_interface is not None:
+        return f"{ipv4_address(args.network_interface)}:0", args.coordinator_addr
+    if args.coordinator_bind is None:
+        if hosts_from == SLURM_ALLOCATION:
+            # This runs on a node of the allocation (the batch script's) or a login node;
+            # either way its name is what the nodes reach it by.
+            here = os.environ.get("SLURMD_NODENAME", "").strip() or socket.gethostname()
+            return "0.0.0.0:0", args.coordinator_addr or here
+        raise ConfigError(
+            "the cluster form needs --coordinator-bind HOST:PORT, an address of this "
+            "machine the other hosts can reach (e.g. 10.0.0.1:29400), or "
+            "--network-interface NIC"
+        )
+    bind_host, _ = split_host_port(args.coordinator_bind, "--coordinator-bind")
+    if args.coordinator_addr is not None:
+        split_host_port(args.coordinator_addr, "--coordinator-addr", port_required=False)
+    elif bind_host in ("0.0.0.0", "::"):
+        raise ConfigError(
+            f"--coordinator-bind {args.coordinator_bind} listens on every interface; "
+            "give --coordinator-addr, the address the other hosts dial"
+        )
+    return args.coordinator_bind, args.coordinator_addr
+
+
+def _output_dir(path: str | None) -> Path | None:
+    """--output-filename's directory, created now so a bad one stops nothing half-started."""
+    if path is None:
+        return None
+    if not path:
+        raise ConfigError("--output-filename needs a directory")
+    directory = Path(path).absolute()
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output-filename {path}: {e.strerror or e}") from None
+    return directory
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Checks the parsed arguments and resolves them into a plan; raises ConfigError."""
     command = list(args.command)
@@ -182,23 +246,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 f"{MIN_TOKEN_BYTES} bytes, it has {len(token)}"
             )
 
-    hosts: list[Host] | None = None
-    if args.hosts is not None:
-        hosts = parse_hosts(args.hosts)
-    elif args.hostfile is not None:
-        try:
-            text = Path(args.hostfile).read_text()
-        except OSError as e:
-            raise ConfigError(f"--hostfile {args.hostfile}: {e.strerror}") from None
-        hosts = parse_hostfile(text, args.hostfile)
-
+    cluster = _cluster_hosts(args)
     machines: list[tuple[str, str | None, int]]
     cpu_server_hosts: list[str] | None = None
-    if hosts is None:
+    if cluster is None:
         for flag, value in (
             ("--server-hosts", args.server_hosts),
             ("--coordinator-bind", args.coordinator_bind),
             ("--coordinator-addr", args.coordinator_addr),
+            ("--network-interface", args.network_interface),
         ):
             if value is not None:
                 raise ConfigError(f"{flag} needs the cluster form (-H or --hostfile)")
@@ -207,7 +263,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         n = args.np
         if n < 1:
             raise ConfigError(f"-np must be at least 1, got {n}")
-        g = 1 if args.local_size is None else args.local_size
+        g = 1 if args.machine_per_worker else n if args.local_size is None else args.local_size
         if g < 1:
             raise ConfigError(f"--local-size must be at least 1, got {g}")
         if n % g:
@@ -222,14 +278,26 @@ def make_plan(args: argparse.Namespace) -> Plan:
         coordinator_addr = None
         _check_program(command[0])
     else:
-        if args.local_size is not None:
-            raise ConfigError(
-                "--local-size is for one machine; in the cluster form each host's slots are "
-                "its local size"
-            )
+        hosts, hosts_from = cluster
+        for flag, given in (
+            ("--local-size", args.local_size is not None),
+            ("--machine-per-worker", args.machine_per_worker),
+        ):
+            if given:
+                raise ConfigError(
+                    f"{flag} is for one machine; in the cluster form each host's slots are "
+                    "its local size"
+                )
         n = sum(h.slots for h in hosts)
         if args.np is not None and args.np != n:
-            raise ConfigError(f"-np {args.np} does not match the hosts' {n} slots in all")
+            hint = ""
+            if hosts_from == SLURM_ALLOCATION:
+                hint = (
+                    "; ask Slurm for the tasks (salloc/sbatch --ntasks-per-node) or leave -np out"
+                )
+            raise ConfigError(
+                f"-np {args.np} does not match the hosts' {n} slots in all ({hosts_from}){hint}"
+            )
         machines = [(h.address, h.name, h.slots) for h in hosts]
         server_hosts = []
         if args.server_hosts is not None:
@@ -246,21 +314,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ConfigError("--server-hosts given with --servers 0")
         cpu_server_hosts = [server_hosts[k % len(server_hosts)] for k in range(cpu_servers)]
         engine_threads = args.engine_threads
-        if args.coordinator_bind is None:
-            raise ConfigError(
-                "the cluster form needs --coordinator-bind HOST:PORT, an address of this "
-                "machine the other hosts can reach (e.g. 10.0.0.1:29400)"
-            )
-        bind_host, _ = split_host_port(args.coordinator_bind, "--coordinator-bind")
-        coordinator_bind = args.coordinator_bind
-        coordinator_addr = args.coordinator_addr
-        if coordinator_addr is not None:
-            split_host_port(coordinator_addr, "--coordinator-addr", port_required=False)
-        elif bind_host in ("0.0.0.0", "::"):
-            raise ConfigError(
-                f"--coordinator-bind {args.coordinator_bind} listens on every interface; "
-                "give --coordinator-addr, the address the other hosts dial"
-            )
+        coordinator_bind, coordinator_addr = _coordinator_endpoints(args, hosts_from)
         if not ssh:
             raise ConfigError("--ssh is empty")
         _check_program(ssh[0])
@@ -276,17 +330,19 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.heartbeat_timeout is not None:
         common[settings.HEARTBEAT_TIMEOUT.name] = repr(float(args.heartbeat_timeout))
         coordinator_args += ["--heartbeat-timeout", common[settings.HEARTBEAT_TIMEOUT.name]]
-    if args.join_timeout is not None:
-        common[settings.JOIN_TIMEOUT.name] = repr(float(args.join_timeout))
+    # horovodrun's --start-timeout is also how long its workers have to meet.
+    join_timeout = args.start_timeout if args.join_timeout is None else args.join_timeout
+    if join_timeout is not None:
+        common[settings.JOIN_TIMEOUT.name] = repr(float(join_timeout))
         coordinator_args += ["--join-timeout", common[settings.JOIN_TIMEOUT.name]]
     worker_env = dict(common)
     # torch.distributed's env:// rendezvous, so a worker can open gloo/nccl groups next to
     # sumflow (rank 0 of the first machine hosts the store, as under torchrun).
-    worker_env["MASTER_ADDR"] = "127.0.0.1" if hosts is None else machines[0][0]
+    worker_env["MASTER_ADDR"] = "127.0.0.1" if cluster is None else machines[0][0]
     if args.master_port is not None:
         worker_env["MASTER_PORT"] = str(args.master_port)
     else:
-        worker_env["MASTER_PORT"] = str(_free_port() if hosts is None else 29500)
+        worker_env["MASTER_PORT"] = str(_free_port() if cluster is None else 29500)
     if args.partition_bytes is not None:
         worker_env[settings.PARTITION_BYTES.name] = str(args.partition_bytes)
     if args.scheduler is not None:
@@ -297,7 +353,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         worker_env[settings.TIMEOUT.name] = repr(float(args.timeout))
     worker_env.update(_trace_env(args))
     # Local emulated machines all share this one.
-    per_host = n if hosts is None else max(size for _, _, size in machines)
+    per_host = n if cluster is None else max(size for _, _, size in machines)
     if per_host > 1 and "OMP_NUM_THREADS" not in os.environ:
         # As torchrun does: several workers on a machine would each start an OpenMP pool
         # as large as the machine, and threads spinning between parallel regions starve
@@ -333,7 +389,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         service_env=service_env,
         coordinator_args=coordinator_args,
         rust_log=rust_log,
-        start_timeout=args.start_timeout,
+        start_timeout=DEFAULT_START_TIMEOUT if args.start_timeout is None else args.start_timeout,
+        output_dir=_output_dir(args.output_filename),
         shutdown_grace=args.shutdown_grace,
         kill_timeout=args.kill_timeout,
         verbose=args.verbose,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shlex
+from collections.abc import Mapping
 
 from sumflow import settings
 from sumflow.launcher.errors import PROG
@@ -33,15 +34,29 @@ def remote_command(spec: ProcSpec, cwd: str) -> str:
     return shlex.join(["sh", "-c", REMOTE_WRAPPER, PROG, cwd, "env", *assignments, *spec.argv])
 
 
-def ssh_argv(plan: Plan, spec: ProcSpec, cwd: str) -> list[str]:
-    """The local command that runs ``spec`` on its host through ``plan``'s ssh, in ``cwd``.
-    The remote side gets nothing of this environment but the programs' log level, the
-    spec's variables and, with ``--token-file``, where the token file is."""
-    assert spec.host is not None, f"{spec.name} runs on this machine, not over ssh"
-    remote_env = {"RUST_LOG": plan.rust_log, **spec.env}
+#: The variables of this environment every remote process gets, as horovodrun forwards
+#: them: where programs and Python modules are found (an activated virtualenv included, by
+#: its PATH and VIRTUAL_ENV) and the libraries they load.
+FORWARDED = ("PATH", "PYTHONPATH", "LD_LIBRARY_PATH", "VIRTUAL_ENV")
+
+
+def remote_env(plan: Plan, spec: ProcSpec, local_env: Mapping[str, str]) -> dict[str, str]:
+    """The variables ``spec`` runs with on its host: :data:`FORWARDED` ones set in
+    ``local_env``, the programs' log level, the spec's own variables (``-x`` ones included,
+    which override the forwarded ones) and, with ``--token-file``, where the token file is.
+    Nothing else of ``local_env`` crosses."""
+    env = {name: local_env[name] for name in FORWARDED if name in local_env}
+    env.update({"RUST_LOG": plan.rust_log, **spec.env})
     if plan.token_file is not None:
-        remote_env[settings.JOB_TOKEN_FILE.name] = str(plan.token_file)
-    remote = ProcSpec(spec.name, spec.kind, spec.argv, remote_env, spec.host)
+        env[settings.JOB_TOKEN_FILE.name] = str(plan.token_file)
+    return env
+
+
+def ssh_argv(plan: Plan, spec: ProcSpec, cwd: str, local_env: Mapping[str, str]) -> list[str]:
+    """The local command that runs ``spec`` on its host through ``plan``'s ssh, in ``cwd``,
+    with :func:`remote_env`."""
+    assert spec.host is not None, f"{spec.name} runs on this machine, not over ssh"
+    remote = ProcSpec(spec.name, spec.kind, spec.argv, remote_env(plan, spec, local_env), spec.host)
     return [*plan.ssh, spec.host, remote_command(remote, cwd)]
 
 

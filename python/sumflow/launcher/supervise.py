@@ -18,12 +18,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
-from typing import IO
+from typing import IO, BinaryIO
 
 from sumflow import settings
 from sumflow._programs import program
 from sumflow.launcher.errors import PROG
 from sumflow.launcher.hosts import join_host_port, split_host_port
+from sumflow.launcher.logs import open_logs
 from sumflow.launcher.plan import Plan, ProcSpec, build_processes
 from sumflow.launcher.ssh import first_line, ssh_argv
 
@@ -80,9 +81,12 @@ class Output:
         """A message of the launcher itself, on stderr."""
         self.write(True, f"{PROG}: {text}\n".encode())
 
-    def pump(self, source: IO[bytes], to_stderr: bool, prefix: bytes) -> None:
-        """Copies ``source`` line by line, each prefixed, until end of file."""
-        with source:
+    def pump(
+        self, source: IO[bytes], to_stderr: bool, prefix: bytes, copy: BinaryIO | None
+    ) -> None:
+        """Copies ``source`` line by line, each prefixed, until end of file; also to
+        ``copy`` as it is (closed at the end), when given."""
+        with source, copy or contextlib.nullcontext():
             while True:
                 try:
                     line = source.readline(1 << 16)
@@ -90,13 +94,19 @@ class Output:
                     return
                 if not line:
                     return
+                if copy is not None:
+                    # A full disk must not stop the job, nor the output on the terminal.
+                    with contextlib.suppress(OSError):
+                        copy.write(line)
+                        copy.flush()
                 if not line.endswith(b"\n"):
                     line += b"\n"
                 self.write(to_stderr, prefix + line)
 
 
 class Child:
-    """A started process: its output is pumped, and its exit is reported on ``events``."""
+    """A started process: its output is pumped (also into ``logs``, its stdout and stderr
+    files, when given), and its exit is reported on ``events``."""
 
     def __init__(
         self,
@@ -104,6 +114,7 @@ class Child:
         proc: subprocess.Popen[bytes],
         output: Output,
         events: queue.Queue[Child],
+        logs: tuple[BinaryIO, BinaryIO] | None = None,
     ) -> None:
         self.spec = spec
         self.proc = proc
@@ -111,9 +122,14 @@ class Child:
         self.done = threading.Event()
         self._events = events
         prefix = f"[{spec.name}] ".encode()
+        out_log, err_log = logs or (None, None)
         self._threads = [
-            threading.Thread(target=output.pump, args=(proc.stdout, False, prefix), daemon=True),
-            threading.Thread(target=output.pump, args=(proc.stderr, True, prefix), daemon=True),
+            threading.Thread(
+                target=output.pump, args=(proc.stdout, False, prefix, out_log), daemon=True
+            ),
+            threading.Thread(
+                target=output.pump, args=(proc.stderr, True, prefix, err_log), daemon=True
+            ),
         ]
         waiter = threading.Thread(target=self._wait, daemon=True)
         for t in self._threads:
@@ -247,9 +263,16 @@ class Launcher:
                 env = {**self._service_env, **env}
             stdin: int = subprocess.DEVNULL
         else:
-            argv = ssh_argv(self.plan, spec, os.getcwd())
+            argv = ssh_argv(self.plan, spec, os.getcwd(), os.environ)
             env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
             stdin = subprocess.PIPE
+        logs = None
+        if self.plan.output_dir is not None:
+            try:
+                logs = open_logs(self.plan.output_dir, spec.name)
+            except OSError as e:
+                self.out.message(f"cannot open the output files of {spec.name}: {e}")
+                return None, 1
         try:
             proc = subprocess.Popen(
                 argv,
@@ -260,11 +283,13 @@ class Launcher:
                 start_new_session=True,
             )
         except OSError as e:
+            for f in logs or ():
+                f.close()
             self.out.message(f"cannot start {spec.name} ({shlex.join(argv[:1])}): {e}")
             if isinstance(e, FileNotFoundError):
                 return None, 127
             return None, 126 if isinstance(e, PermissionError) else 1
-        child = Child(spec, proc, self.out, self._events)
+        child = Child(spec, proc, self.out, self._events, logs)
         self.children.append(child)
         if proc.stdin is not None:
             try:

@@ -1,9 +1,10 @@
 """The process's one communication service: how it is found, started and stopped.
 
 A worker learns its job from the environment (``sumflow.settings``, docs/settings.md).
-``sumflow-run`` sets ``SUMFLOW_*`` variables; under ``torchrun`` (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``) rank 0 starts the
-coordinator and each machine's local rank 0 its colocated summation server; a process
+``sumflow-run`` sets ``SUMFLOW_*`` variables, ``SUMFLOW_COORDINATOR`` first. Under another
+launcher (torchrun, horovodrun, Open MPI's mpirun, MPICH's mpiexec, Slurm's srun; read by
+``sumflow.jobenv``) the process that ``sumflow.jobenv.coordinator`` names starts the
+coordinator and each machine's local rank 0 its colocated summation server. A process
 started alone is a job of one, with its own coordinator and server.
 """
 
@@ -11,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import hashlib
 import os
 import secrets
 import signal
@@ -28,6 +28,13 @@ from typing import TypedDict
 
 from sumflow import _core, settings
 from sumflow._programs import program
+from sumflow.jobenv import rendezvous
+from sumflow.jobenv.coordinator import Coordinator, derived_token, locate
+from sumflow.jobenv.environment import LaunchEnvironment
+from sumflow.jobenv.launchers import detect
+
+#: How long a coordinator this process starts has to listen.
+_START_TIMEOUT = 60.0
 
 
 class _Options(TypedDict, total=False):
@@ -93,17 +100,6 @@ def _trace_settings() -> _Options:
     return options
 
 
-def _torchrun_int(name: str) -> int | None:
-    """One of torchrun's integer variables (``RANK``, ``WORLD_SIZE``...), None when unset."""
-    raw = os.environ.get(name)
-    if not raw:
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None
-
-
 def report_trace(written: tuple[str, str] | None) -> None:
     """Says on stderr where a trace was written and which steps it holds."""
     if written is not None:
@@ -117,9 +113,12 @@ class Runtime:
 
     service: _core.CommunicationService
     timeout: float
-    #: Coordinator and servers this process started (torchrun and single-process jobs).
+    #: Coordinator and servers this process started (jobs of other launchers, and jobs of
+    #: one).
     children: list[subprocess.Popen[bytes]] = field(default_factory=list)
     tmpdir: tempfile.TemporaryDirectory[str] | None = None
+    #: The rendezvous file this process published (rank 0 of a one-machine job).
+    published: Path | None = None
 
 
 _runtime: Runtime | None = None
@@ -132,7 +131,8 @@ def current() -> Runtime:
     if rt is None:
         raise ValueError(
             "sumflow is not initialised: call sumflow.torch.init() first (inside a job "
-            "started by sumflow-run or torchrun, or alone for a job of one)"
+            "started by sumflow-run, torchrun, mpirun, horovodrun or srun, or alone for a "
+            "job of one)"
         )
     return rt
 
@@ -180,7 +180,9 @@ def _wait_for_file(path: Path, what: str, proc: subprocess.Popen[bytes], timeout
         time.sleep(0.01)
 
 
-def _job_token() -> str:
+def _given_token() -> str | None:
+    """The job token the environment gives: ``SUMFLOW_JOB_TOKEN_FILE``'s content, else
+    ``SUMFLOW_JOB_TOKEN``; None when neither is set."""
     path = settings.JOB_TOKEN_FILE.read()
     if path:
         try:
@@ -189,7 +191,11 @@ def _job_token() -> str:
             raise ValueError(
                 f"{settings.JOB_TOKEN_FILE.name}={path}: cannot read the job token: {e}"
             ) from None
-    token = settings.JOB_TOKEN.read()
+    return settings.JOB_TOKEN.read()
+
+
+def _job_token() -> str:
+    token = _given_token()
     if token:
         return token
     raise ValueError(
@@ -198,61 +204,116 @@ def _job_token() -> str:
     )
 
 
-def _torchrun_job(children: list[subprocess.Popen[bytes]]) -> tuple[str, str, str, int]:
-    """Coordinator address, token, machine id and rank for a torchrun worker, starting the
-    coordinator (rank 0) and this machine's colocated server (local rank 0)."""
-    rank = _torchrun_int("RANK") or 0
-    world = _torchrun_int("WORLD_SIZE") or 1
-    local_rank = _torchrun_int("LOCAL_RANK") or 0
-    local_world = _torchrun_int("LOCAL_WORLD_SIZE") or world
-    if world % local_world:
-        raise ValueError(
-            f"WORLD_SIZE={world} is not a multiple of LOCAL_WORLD_SIZE={local_world}: sumflow "
-            "under torchrun needs the same number of workers on every machine"
-        )
-    master = os.environ["MASTER_ADDR"]
-    port = (_torchrun_int("MASTER_PORT") or 29500) + 1
-    coordinator = f"{master}:{port}"
-    token = settings.JOB_TOKEN.read()
-    if not token:
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        token = hashlib.sha256(f"sumflow:{run_id}:{coordinator}:{world}".encode()).hexdigest()
-        if rank == 0:
-            warnings.warn(
-                f"sumflow under torchrun without {settings.JOB_TOKEN.name}: the job token is "
-                "derived from the rendezvous settings, so anyone who knows them can join; set "
-                f"{settings.JOB_TOKEN.name} to the same secret on every machine",
-                stacklevel=3,
-            )
-    host_id = settings.HOST_ID.read() or socket.gethostname()
+def _joined_job(coordinator: str) -> tuple[str, str, str, int | None]:
+    """Coordinator address, token, machine id and rank (None: the coordinator assigns one)
+    of a worker joining a running coordinator (``SUMFLOW_COORDINATOR``, as sumflow-run
+    sets it). Without ``SUMFLOW_RANK`` it asks for the rank its launcher gave it, if any."""
+    rank = settings.RANK.read()
+    launch = detect(os.environ) if rank is None else None
+    if launch is not None:
+        rank = launch.rank
+    host_id = settings.HOST_ID.read() or (launch and launch.host_id) or socket.gethostname()
+    return coordinator, _job_token(), host_id, rank
+
+
+def _program_env(token: str) -> dict[str, str]:
+    """The environment of a coordinator or server this process starts for its job."""
     env = {**os.environ, settings.JOB_TOKEN.name: token}
     env.pop(settings.JOB_TOKEN_FILE.name, None)
     env.setdefault("RUST_LOG", "warn")
-    machines = world // local_world
-    if rank == 0:
-        bind = "0.0.0.0" if master not in ("127.0.0.1", "localhost") else "127.0.0.1"
-        children.append(
-            _start(
-                "sumflow-coordinator",
-                [f"--bind={bind}:{port}", f"--workers={world}", f"--servers={machines}"],
-                env,
-            )
+    return env
+
+
+def _start_coordinator(
+    children: list[subprocess.Popen[bytes]],
+    launch: LaunchEnvironment,
+    where: Coordinator,
+    token: str,
+    tmp: str,
+) -> str:
+    """Starts the job's coordinator at ``where.bind`` and waits until it listens; the
+    address it reports."""
+    addr_file = Path(tmp) / "coordinator"
+    args = [
+        f"--bind={where.bind}",
+        f"--workers={launch.size}",
+        f"--servers={launch.machines}",
+        f"--addr-file={addr_file}",
+    ]
+    children.append(_start("sumflow-coordinator", args, _program_env(token)))
+    what = f"coordinator on {where.bind} ({where.how})"
+    return _wait_for_file(addr_file, what, children[-1], _START_TIMEOUT)
+
+
+def _launched_job(
+    launch: LaunchEnvironment, children: list[subprocess.Popen[bytes]], tmp: str
+) -> tuple[str, str, str, int, Path | None]:
+    """Coordinator address, token, machine id and rank of a process another launcher
+    started, and the rendezvous file it published, if any. The process
+    ``sumflow.jobenv.coordinator.locate`` names starts the coordinator; each machine's local
+    rank 0 starts the machine's colocated server."""
+    where = locate(
+        launch,
+        os.environ,
+        temp_dir=Path(tempfile.gettempdir()),
+        uid=os.getuid(),
+        parent_pid=os.getppid(),
+    )
+    host_id = settings.HOST_ID.read() or launch.host_id or socket.gethostname()
+    token = _given_token()
+    published = None
+    if where.rendezvous_file is None:
+        assert where.address is not None, "an address unless a rendezvous file carries it"
+        address = where.address
+        if not token:
+            token = derived_token(launch, address)
+            if where.starts_it:
+                warnings.warn(
+                    f"sumflow under {launch.launcher} without {settings.JOB_TOKEN.name}: the "
+                    "job token is derived from the launcher's job id and the coordinator's "
+                    "address, so anyone who knows them can join; set "
+                    f"{settings.JOB_TOKEN.name} to the same secret on every process",
+                    stacklevel=4,
+                )
+        if where.starts_it:
+            _start_coordinator(children, launch, where, token, tmp)
+    elif where.starts_it:
+        # Only this machine's processes can read the file, so a fresh secret can travel
+        # in it; no one needs to derive the token.
+        token = token or secrets.token_hex(32)
+        address = _start_coordinator(children, launch, where, token, tmp)
+        published = where.rendezvous_file
+    else:
+        hint = (
+            f"rank 0 of this {launch.launcher} job publishes it once its coordinator listens, "
+            "if it runs on this machine with the same job id; otherwise set MASTER_ADDR and "
+            "MASTER_PORT (rank 0 starts the coordinator on MASTER_PORT + 1) or "
+            "SUMFLOW_COORDINATOR on every process"
         )
-    if local_rank == 0:
-        advertise = "127.0.0.1" if master in ("127.0.0.1", "localhost") else socket.getfqdn()
+        address, token = rendezvous.await_published(
+            where.rendezvous_file, settings.JOIN_TIMEOUT.read(), hint
+        )
+    if launch.local_rank == 0:
+        if where.loopback:
+            bind, advertise = "127.0.0.1", "127.0.0.1"
+        else:
+            bind, advertise = "0.0.0.0", socket.getfqdn()
         children.append(
             _start(
                 "sumflow-server",
                 [
-                    f"--coordinator={coordinator}",
+                    f"--coordinator={address}",
                     f"--host-id={host_id}",
-                    f"--bind={'127.0.0.1' if advertise == '127.0.0.1' else '0.0.0.0'}:0",
+                    f"--bind={bind}:0",
                     f"--advertise={advertise}",
                 ],
-                env,
+                _program_env(token),
             )
         )
-    return coordinator, token, host_id, rank
+    if published is not None:
+        # Last: a start that failed before leaves no file behind.
+        rendezvous.publish(published, address, token)
+    return address, token, host_id, launch.rank, published
 
 
 def _single_process_job(
@@ -271,7 +332,7 @@ def _single_process_job(
             env,
         )
     )
-    coordinator = _wait_for_file(addr_file, "coordinator", children[-1], 60.0)
+    coordinator = _wait_for_file(addr_file, "coordinator", children[-1], _START_TIMEOUT)
     children.append(
         _start(
             "sumflow-server",
@@ -290,27 +351,32 @@ def init() -> Runtime:
             return _runtime
         children: list[subprocess.Popen[bytes]] = []
         tmpdir = tempfile.TemporaryDirectory(prefix="sumflow-")
+        published: Path | None = None
         try:
             timeout = settings.TIMEOUT.read()
             options = _service_options()
-            given_coordinator = settings.COORDINATOR.read()
-            if given_coordinator:
-                coordinator = given_coordinator
-                token = _job_token()
-                host_id = settings.HOST_ID.read() or socket.gethostname()
-                rank = settings.RANK.read()
-            elif os.environ.get("MASTER_ADDR") and os.environ.get("WORLD_SIZE"):
-                coordinator, token, host_id, rank = _torchrun_job(children)
+            rank: int | None
+            given = settings.COORDINATOR.read()
+            if given:
+                coordinator, token, host_id, rank = _joined_job(given)
             else:
-                coordinator, token, host_id, rank = _single_process_job(children, tmpdir.name)
+                launch = detect(os.environ)
+                if launch is not None and launch.size > 1:
+                    coordinator, token, host_id, rank, published = _launched_job(
+                        launch, children, tmpdir.name
+                    )
+                else:
+                    coordinator, token, host_id, rank = _single_process_job(children, tmpdir.name)
             service = _core.CommunicationService(
                 coordinator, token, host_id=host_id, rank=rank, **options
             )
         except BaseException:
             _stop_children(children)
+            if published is not None:
+                rendezvous.withdraw(published)
             tmpdir.cleanup()
             raise
-        _runtime = Runtime(service, timeout, children, tmpdir)
+        _runtime = Runtime(service, timeout, children, tmpdir, published)
         atexit.register(shutdown)
         return _runtime
 
@@ -345,6 +411,8 @@ def shutdown() -> None:
             warnings.warn(f"sumflow: {e}", stacklevel=2)
         rt.service.shutdown("worker finished")
     finally:
+        if rt.published is not None:
+            rendezvous.withdraw(rt.published)
         _stop_children(rt.children)
         if rt.tmpdir is not None:
             rt.tmpdir.cleanup()
