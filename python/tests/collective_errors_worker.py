@@ -22,7 +22,9 @@ def main() -> None:
     r, n = hvd.rank(), hvd.size()
     failures: list[str] = []
 
-    def fails(label: str, kind: type[BaseException], words: list[str], call: Callable[[], object]) -> None:
+    def fails(
+        label: str, kind: type[BaseException], words: list[str], call: Callable[[], object]
+    ) -> None:
         try:
             call()
         except kind as e:
@@ -39,27 +41,87 @@ def main() -> None:
             failures.append(f"after {label}: {got}")
 
     others = ", ".join(str(q) for q in range(1, n))
-    fails("shape", hvd.HorovodInternalError, ["allreduce.shape", "shape", "[3] on worker 0", f"[4] on workers {others}"],
-          lambda: hvd.allreduce(torch.ones(3 if r == 0 else 4), name="shape"))
-    fails("dtype", RuntimeError, ["dtype", "torch.int32", "torch.float32"],
-          lambda: hvd.allreduce(torch.ones(3, dtype=torch.int32 if r == 0 else torch.float32), name="dtype"))
-    fails("op", RuntimeError, ["op"],
-          lambda: hvd.allreduce(torch.ones(3), name="op", op=hvd.Sum if r == 0 else hvd.Max))
+    fails(
+        "shape",
+        hvd.HorovodInternalError,
+        ["allreduce.shape", "shape", "[3] on worker 0", f"[4] on workers {others}"],
+        lambda: hvd.allreduce(torch.ones(3 if r == 0 else 4), name="shape"),
+    )
+    fails(
+        "dtype",
+        RuntimeError,
+        ["dtype", "torch.int32", "torch.float32"],
+        lambda: hvd.allreduce(
+            torch.ones(3, dtype=torch.int32 if r == 0 else torch.float32), name="dtype"
+        ),
+    )
+    fails(
+        "op",
+        RuntimeError,
+        ["op"],
+        lambda: hvd.allreduce(torch.ones(3), name="op", op=hvd.Sum if r == 0 else hvd.Max),
+    )
     fails("root", RuntimeError, ["root"], lambda: hvd.broadcast(torch.ones(3), r % 2, name="root"))
-    fails("gather_rank", RuntimeError, ["allgather", "shape after the first dimension"],
-          lambda: hvd.allgather(torch.ones(2, 3 + (r == 0)), name="gather_rank"))
+    fails(
+        "gather_rank",
+        RuntimeError,
+        ["allgather", "shape after the first dimension"],
+        lambda: hvd.allgather(torch.ones(2, 3 + (r == 0)), name="gather_rank"),
+    )
     fails("root_range", ValueError, ["root_rank 7"], lambda: hvd.broadcast(torch.ones(1), 7))
-    fails("splits_sum", ValueError, ["add up to"],
-          lambda: hvd.alltoall(torch.ones(5), torch.ones(n, dtype=torch.int32)))
-    fails("splits_type", TypeError, ["int32 or int64"],
-          lambda: hvd.alltoall(torch.ones(n), torch.ones(n)))
-    fails("splits_len", ValueError, [f"for {n} workers"],
-          lambda: hvd.alltoall(torch.ones(n), torch.ones(n + 1, dtype=torch.int32)))
+    fails(
+        "splits_sum",
+        ValueError,
+        ["add up to"],
+        lambda: hvd.alltoall(torch.ones(5), torch.ones(n, dtype=torch.int32)),
+    )
+    fails(
+        "splits_type",
+        ValueError,
+        ["int32 or int64"],
+        lambda: hvd.alltoall(torch.ones(n), torch.ones(n)),
+    )
+    fails(
+        "splits_len",
+        ValueError,
+        [f"for {n} workers"],
+        lambda: hvd.alltoall(torch.ones(n), torch.ones(n + 1, dtype=torch.int32)),
+    )
     fails("scalar", ValueError, ["scalar"], lambda: hvd.reducescatter(torch.tensor(1.0)))
-    fails("complex", TypeError, ["torch.complex64"], lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)))
-    fails("adasum", NotImplementedError, ["Adasum"], lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum))
-    fails("subset", NotImplementedError, ["subset"],
-          lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])))
+    fails(
+        "complex",
+        TypeError,
+        ["torch.complex64"],
+        lambda: hvd.allreduce(torch.ones(2, dtype=torch.complex64)),
+    )
+    fails(
+        "adasum",
+        NotImplementedError,
+        ["Adasum"],
+        lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
+    )
+    fails(
+        "unregistered",
+        ValueError,
+        ["not registered", "add_process_set"],
+        lambda: hvd.allreduce(torch.ones(2), process_set=hvd.ProcessSet([0])),
+    )
+    evens = hvd.add_process_set(range(0, n, 2))
+    if r % 2:
+        fails(
+            "not_a_member",
+            ValueError,
+            [f"worker {r} is not a member"],
+            lambda: hvd.allreduce(torch.ones(2), process_set=evens),
+        )
+    else:
+        fails(
+            "root_outside_the_set",
+            ValueError,
+            ["root_rank 1 is not a member"],
+            lambda: hvd.broadcast(torch.ones(2), 1, process_set=evens),
+        )
+    fails("bad_rank", ValueError, [f"ranks [{n}]"], lambda: hvd.add_process_set([0, n]))
 
     def in_flight() -> None:
         h = hvd.allreduce_async(torch.ones(3), name="twice")

@@ -123,7 +123,11 @@ def test_horovod_collectives(tmp_path: Path) -> None:
         for label, kind, hint in [
             ("adasum", "NotImplementedError", "Sum or Average"),
             ("bool", "TypeError", "torch.bool"),
-            ("mismatch", "HorovodInternalError", "[1] on worker 0; [2] on worker 1; [3] on worker 2"),
+            (
+                "mismatch",
+                "HorovodInternalError",
+                "[1] on worker 0; [2] on worker 1; [3] on worker 2",
+            ),
         ]:
             assert errors[label].startswith(kind), errors[label]
             assert hint in errors[label], errors[label]

@@ -23,7 +23,7 @@ from sumflow import (
     SumflowError,
     SumflowTimeoutError,
 )
-from sumflow.torch import _runtime, _staging, elastic, ops
+from sumflow.torch import _runtime, _staging, elastic, ops, process_sets
 from sumflow.torch.autograd import allreduce, broadcast
 from sumflow.torch.collectives import (
     allgather,
@@ -115,6 +115,7 @@ def shutdown() -> None:
         _runtime.shutdown()
     finally:
         ops._reset()
+        process_sets.reset()
         timeline_stop_quietly()
         _staging.clear()
 

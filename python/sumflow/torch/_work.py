@@ -170,23 +170,15 @@ def register(work: Work) -> int:
 
 
 def check_not_in_flight(name: str) -> None:
-    """Horovod's rule: one operation per name at a time. A ValueError naming it."""
+    """Horovod's rule: one operation per name at a time, from its call until
+    ``synchronize`` returns (even if it has finished meanwhile). A ValueError naming it."""
     with _lock:
         handle = _in_flight.get(name)
-        work = None if handle is None else _works.get(handle)
-    if work is not None and not _finished(work):
+    if handle is not None:
         raise ValueError(
             f"an operation named '{name}' is already in flight (handle {handle}): "
             "synchronize it before reusing the name, or give this one another name"
         )
-
-
-def _finished(work: Work) -> bool:
-    """Whether `work` is over, failed included (a failure is for its waiter to see)."""
-    try:
-        return work.poll()
-    except Exception:  # failed is finished
-        return True
 
 
 def _get(handle: int, pop: bool) -> Work:

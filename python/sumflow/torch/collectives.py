@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _work, negotiate, ops
+from sumflow.torch import _work, negotiate, ops, process_sets
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.ops import Average, ReduceOp, Sum
 
@@ -64,9 +64,9 @@ def grouped_allgather_async(
 ) -> int:
     """Starts an allgather of each tensor of `tensors`, agreed once and carried in one
     buffer; ``synchronize`` gives the list of gathered tensors."""
-    ops._no_process_sets(process_set)
     kind = "allgather" if _single else "grouped_allgather"
-    full = ops._auto_name(kind, name)
+    group = process_sets.group_of(process_set, kind)
+    full = ops._auto_name(kind, name, group)
     tensors = list(tensors)
     if not tensors:
         raise ValueError(f"{kind} '{full}': no tensors given")
@@ -80,11 +80,10 @@ def grouped_allgather_async(
         extra=tuple(firsts),
         any_first_dim=_single,
     )
-    rt = _runtime.current()
-    rank = rt.service.rank
+    rank = group.rank
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        counts = [row.extra for row in rows]  # counts[r][i]: rows of tensor i from worker r
+        counts = [row.extra for row in rows]  # counts[r][i]: rows of tensor i from member r
         writes: list[tuple[int, torch.Tensor]] = []
         regions: list[tuple[int, int]] = []
         offset = 0
@@ -106,9 +105,9 @@ def grouped_allgather_async(
                 out.append(gathered.to(t.device))
             return out[0] if _single else out
 
-        return ops.gather_bytes_work(full, offset, writes, finish)
+        return ops.gather_bytes_work(full, offset, writes, finish, group)
 
-    return ops.negotiated(request, start)
+    return ops.negotiated(request, group, start)
 
 
 def grouped_allgather(
@@ -158,7 +157,8 @@ def _splits_list(tensor: torch.Tensor, splits: Any, size: int, what: str) -> lis
         return [first // size] * size
     if isinstance(splits, torch.Tensor):
         if splits.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{what}: splits must hold int32 or int64, not {splits.dtype}")
+            # Horovod raises ValueError here, and scripts catch it as such.
+            raise ValueError(f"{what}: splits must hold int32 or int64, not {splits.dtype}")
         values = [int(v) for v in splits.reshape(-1).tolist()]
     else:
         values = [int(v) for v in splits]
@@ -180,10 +180,9 @@ def alltoall_async(
     """Starts sending ``splits[j]`` rows of `tensor` (in order) to worker j, and receiving
     every worker's rows for this one; ``synchronize`` gives ``(received, received_splits)``.
     Without splits, the first dimension is divided equally."""
-    ops._no_process_sets(process_set)
-    rt = _runtime.current()
-    size, rank = rt.service.size, rt.service.rank
-    full = ops._auto_name("alltoall", name)
+    group = process_sets.group_of(process_set, "alltoall")
+    size, rank = group.size, group.rank
+    full = ops._auto_name("alltoall", name, group)
     values = _splits_list(tensor, splits, size, f"alltoall '{full}'")
     request = negotiate.Request(
         kind="alltoall",
@@ -219,9 +218,9 @@ def alltoall_async(
             out = ops.from_bytes(raw[mine : mine + nbytes], tensor.dtype, shape).to(tensor.device)
             return out, torch.tensor(received, dtype=torch.int32)
 
-        return ops.gather_bytes_work(full, column_start[size] * per_row, writes, finish)
+        return ops.gather_bytes_work(full, column_start[size] * per_row, writes, finish, group)
 
-    return ops.negotiated(request, start)
+    return ops.negotiated(request, group, start)
 
 
 def alltoall(
@@ -254,16 +253,15 @@ def grouped_reducescatter_async(
 ) -> int:
     """Starts reducing each tensor over the workers and giving each worker its rows of the
     result (``reducescatter_rows``); ``synchronize`` gives the list of slices."""
-    ops._no_process_sets(process_set)
     kind = "reducescatter" if _single else "grouped_reducescatter"
-    full = ops._auto_name(kind, name)
+    group = process_sets.group_of(process_set, kind)
+    full = ops._auto_name(kind, name, group)
     tensors = list(tensors)
     if op not in (Sum, Average):
         raise NotImplementedError(f"{kind} '{full}': op={op!r}; reducescatter sums or averages")
     for t in tensors:
         _first_dim(t, f"{kind} '{full}'")
-    rt = _runtime.current()
-    size, rank = rt.service.size, rt.service.rank
+    size, rank = group.size, group.rank
     request = negotiate.Request(
         kind=kind,
         name=full,
@@ -275,7 +273,7 @@ def grouped_reducescatter_async(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor)
+        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor, group)
         summed = work.finish
 
         def finish() -> Any:
@@ -288,7 +286,7 @@ def grouped_reducescatter_async(
         work.finish = finish
         return work
 
-    return ops.negotiated(request, start)
+    return ops.negotiated(request, group, start)
 
 
 def reducescatter_async(
@@ -346,6 +344,7 @@ def _fused_sum(
     op: ReduceOp,
     prescale_factor: float,
     postscale_factor: float,
+    group: process_sets.Group,
 ) -> _work.CoreWork:
     """One sum per dtype over copies of `tensors` laid end to end; the work's result is
     the list of reduced tensors, shaped as given."""
@@ -357,7 +356,7 @@ def _fused_sum(
         flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
         label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
         work = ops.allreduce_work(
-            label, flat, op, Compression.none, prescale_factor, postscale_factor
+            label, flat, op, Compression.none, prescale_factor, postscale_factor, group
         )
         works.append((members, flat, work))
 
@@ -416,8 +415,8 @@ def _grouped_allreduce(
     process_set: Any,
     in_place: bool,
 ) -> int:
-    ops._no_process_sets(process_set)
-    full = ops._auto_name("grouped_allreduce", name)
+    group = process_sets.group_of(process_set, "grouped_allreduce")
+    full = ops._auto_name("grouped_allreduce", name, group)
     reduce_op = ops._op_of(average, op)
     if not tensors:
         raise ValueError(f"grouped_allreduce '{full}': no tensors given")
@@ -434,7 +433,7 @@ def _grouped_allreduce(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        work = _fused_sum(full, tensors, reduce_op, prescale_factor, postscale_factor)
+        work = _fused_sum(full, tensors, reduce_op, prescale_factor, postscale_factor, group)
         if not in_place:
             return work
         reduced = work.finish
@@ -448,7 +447,7 @@ def _grouped_allreduce(
         work.finish = finish
         return work
 
-    return ops.negotiated(request, start)
+    return ops.negotiated(request, group, start)
 
 
 def grouped_allreduce(

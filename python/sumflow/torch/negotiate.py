@@ -121,10 +121,11 @@ def encode(request: Request, rank: int, size: int, width: int) -> torch.Tensor:
     return table
 
 
-def decode(table: torch.Tensor) -> list[Row | None]:
-    """Every worker's row (None where a worker wrote none: not a member)."""
+def decode(table: torch.Tensor, ranks: Sequence[int]) -> list[Row | None]:
+    """Every member's row, in member order (None where a member wrote none); ``ranks``
+    are the members' worker ranks, by which rows are named."""
     rows: list[Row | None] = []
-    for rank, words in enumerate(table.tolist()):
+    for rank, words in zip(ranks, table.tolist()):
         if words[0] != 1:
             rows.append(None)
             continue
@@ -170,14 +171,15 @@ def _spell(groups: dict[str, list[int]]) -> str:
     )
 
 
-def check(request: Request, rows: Sequence[Row | None], members: Sequence[int]) -> list[Row]:
+def check(request: Request, rows: Sequence[Row | None]) -> list[Row]:
     """The members' rows once they all agree with each other; otherwise a
     ``HorovodInternalError`` naming the operation, what differs, and on which workers."""
-    present = [rows[r] for r in members]
-    missing = [r for r, row in zip(members, present) if row is None]
+    present = list(rows)
+    missing = [i for i, row in enumerate(present) if row is None]
     if missing:
         raise HorovodInternalError(
-            f"{request.kind} '{request.name}': workers {missing} sent no request for it"
+            f"{request.kind} '{request.name}': the members at positions {missing} of the set "
+            "sent no request for it"
         )
     got = [row for row in present if row is not None]
     compared = ["kind", "dtype", "op", "root"]

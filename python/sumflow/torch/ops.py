@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _staging, _work, negotiate, timeline
+from sumflow.torch import _runtime, _staging, _work, negotiate, process_sets, timeline
 from sumflow.torch.compression import Compression, Compressor, CoreSpec, bind, core_spec
+from sumflow.torch.process_sets import Group
 
 
 class ReduceOp:
@@ -63,14 +64,18 @@ def _reset() -> None:
     _work.reset()
 
 
-def _auto_name(kind: str, name: str | None) -> str:
+def _auto_name(kind: str, name: str | None, group: Group | None = None) -> str:
+    """The tensor name of an operation: its kind, its process set's tag, and the user's
+    name or, for unnamed calls, a counter per kind and set (the same on every member as
+    long as they make the same calls in the same order)."""
+    prefix = f"{kind}.{group.tag if group is not None else ''}"
     if name is not None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a tensor name must be a non-empty string, not {name!r}")
-        return f"{kind}.{name}"
+        return f"{prefix}{name}"
     with _declared_lock:
-        counter = _unnamed.setdefault(kind, itertools.count())
-        return f"{kind}.noname.{next(counter)}"
+        counter = _unnamed.setdefault(prefix, itertools.count())
+        return f"{prefix}noname.{next(counter)}"
 
 
 def check_dtype(tensor: torch.Tensor, what: str) -> str:
@@ -99,19 +104,28 @@ def _core_name(name: str, layout: tuple[torch.dtype, int, CoreSpec | None]) -> s
     return f"{name}@{DTYPES[dtype]}x{numel}{spec}"
 
 
-def declare(name: str, tensor: torch.Tensor, compression: CoreSpec | None = None) -> int:
+def declare(
+    name: str,
+    tensor: torch.Tensor,
+    compression: CoreSpec | None = None,
+    members: list[int] | None = None,
+) -> int:
     """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
     first use. A name used with another layout gets keys of its own for it: each call
-    stands alone, as in Horovod."""
+    stands alone, as in Horovod. ``members``: the process set's workers, whose rounds
+    alone its keys count (None: every worker)."""
     dtype = check_dtype(tensor, name)
     layout = (tensor.dtype, tensor.numel(), compression)
     with _declared_lock:
         known = _declared.get(name, {}).get(layout)
     if known is not None:
         return known
-    tid = _runtime.current().service.declare(
-        _core_name(name, layout), dtype, layout[1], compression
-    )
+    core_name = _core_name(name, layout)
+    service = _runtime.current().service
+    if members is None:
+        tid = service.declare(core_name, dtype, layout[1], compression)
+    else:
+        tid = service.declare(core_name, dtype, layout[1], compression, members=members)
     with _declared_lock:
         _declared.setdefault(name, {})[layout] = tid
     return tid
@@ -120,6 +134,7 @@ def declare(name: str, tensor: torch.Tensor, compression: CoreSpec | None = None
 def declare_group(
     named: list[tuple[str, torch.Tensor]],
     compression: type[Compressor] | Compressor = Compression.none,
+    members: list[int] | None = None,
 ) -> list[int]:
     """Declares tensors together, so their partitions are placed as one group (BytePS
     Eq. 1 and 2 over the whole set), as `compression` will send them; names already
@@ -134,11 +149,15 @@ def declare_group(
             (_core_name(n, (w.dtype, w.numel(), c)), check_dtype(w, n), w.numel(), c)
             for n, w, c in fresh
         ]
-        ids = _runtime.current().service.declare_group(specs)
+        service = _runtime.current().service
+        if members is None:
+            ids = service.declare_group(specs)
+        else:
+            ids = service.declare_group([(*spec, members) for spec in specs])
         with _declared_lock:
             for (n, w, c), tid in zip(fresh, ids):
                 _declared.setdefault(n, {})[(w.dtype, w.numel(), c)] = tid
-    return [declare(n, w, c) for n, w, c in wires]
+    return [declare(n, w, c, members) for n, w, c in wires]
 
 
 def _wires(
@@ -181,11 +200,11 @@ def sum_work(
     compression: type[Compressor] | Compressor,
     prescale_factor: float,
     postscale_factor: float,
-    size: int,
+    group: Group,
 ) -> _work.CoreWork:
-    """Sums (``op`` Sum or Average) `output` across workers in place, after compression;
-    the work's result is `output`. Integers are averaged as Horovod does: the sum is
-    divided and truncated toward zero."""
+    """Sums (``op`` Sum or Average) `output` across the group's workers in place, after
+    compression; the work's result is `output`. Integers are averaged as Horovod does: the
+    sum is divided and truncated toward zero."""
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
@@ -195,7 +214,7 @@ def sum_work(
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
     host = _staging.to_host(name, wire)
-    tid = declare(name, host, core_spec(compressor, wire))
+    tid = declare(name, host, core_spec(compressor, wire), group.members)
     float_average = op is Average and wire.is_floating_point()
     core = rt.service.push_pull(
         tid, host, host.data_ptr(), host.numel() * host.element_size(), priority, float_average
@@ -207,7 +226,11 @@ def sum_work(
         result = compressor.decompress(wire, ctx)
         if result is not output:
             output.copy_(result)
-        post = postscale_factor / size if op is Average and not float_average else postscale_factor
+        post = (
+            postscale_factor / group.size
+            if op is Average and not float_average
+            else postscale_factor
+        )
         if post != 1.0:
             _scale(output, post)
         return output
@@ -232,36 +255,44 @@ def _issue(
     compression: type[Compressor] | Compressor,
     prescale_factor: float,
     postscale_factor: float,
+    group: Group | None = None,
 ) -> int:
-    """A sum of a tensor whose layout every worker already agrees on (a declared model's
-    gradients): no negotiation, the fast path. Returns a handle."""
+    """A sum of a tensor whose layout every worker (of `group`) already agrees on (a
+    declared model's gradients): no negotiation, the fast path. Returns a handle."""
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r}: gradients are summed or averaged")
-    size = _runtime.current().service.size
     work = sum_work(
-        name, output, op, priority, compression, prescale_factor, postscale_factor, size
+        name,
+        output,
+        op,
+        priority,
+        compression,
+        prescale_factor,
+        postscale_factor,
+        group if group is not None else process_sets.group_of(None, name),
     )
     return _work.register(work)
 
 
 def negotiated(
-    request: negotiate.Request, start: Callable[[list[negotiate.Row]], _work.Work]
+    request: negotiate.Request,
+    group: Group,
+    start: Callable[[list[negotiate.Row]], _work.Work],
 ) -> int:
-    """Issues an operation that starts with an agreement (``negotiate.py``): returns its
-    handle at once; ``start`` gets every worker's row and issues the data stage."""
+    """Issues an operation that starts with an agreement (``negotiate.py``) among the
+    group's workers: returns its handle at once; ``start`` gets every member's row, in
+    member order, and issues the data stage."""
     _work.check_not_in_flight(request.name)
     rt = _runtime.current()
-    size, rank = rt.service.size, rt.service.rank
     width = negotiate.WIDTH + len(request.extra)
-    table = negotiate.encode(request, rank, size, width)
-    tid = declare(f"agree.{request.name}", table)
+    table = negotiate.encode(request, group.rank, group.size, width)
+    tid = declare(f"agree.{request.name}", table, None, group.members)
     core = rt.service.push_pull(tid, table, table.data_ptr(), table.numel() * 8, 0, False)
-    members = list(range(size))
     timeline.phase(request.name, f"NEGOTIATE_{request.kind.upper()}")
 
     def begin() -> _work.Work:
         try:
-            rows = negotiate.check(request, negotiate.decode(table), members)
+            rows = negotiate.check(request, negotiate.decode(table, group.ranks))
         except BaseException:
             timeline.phase(request.name, None)
             raise
@@ -335,6 +366,7 @@ def gather_bytes_work(
     total: int,
     writes: Sequence[tuple[int, torch.Tensor]],
     finish: Callable[[torch.Tensor], Any],
+    group: Group,
 ) -> _work.CoreWork:
     """Every worker's bytes in one buffer of `total` bytes: this worker writes each tensor
     of `writes` at its byte offset, the others write theirs, and the buffer is summed as
@@ -348,32 +380,36 @@ def gather_bytes_work(
         data = as_bytes(tensor)
         raw[offset : offset + data.numel()].copy_(data)
     rt = _runtime.current()
-    tid = declare(name, buf)
+    tid = declare(name, buf, None, group.members)
     core = rt.service.push_pull(tid, buf, buf.data_ptr(), words * 4, 0, False)
     return _work.CoreWork(name, [core], lambda: finish(raw[:total]))
 
 
 def _reduce_locally(
-    name: str, output: torch.Tensor, op: ReduceOp, size: int, rank: int, post: float
+    name: str, output: torch.Tensor, op: ReduceOp, group: Group, post: float
 ) -> _work.CoreWork:
-    """Min, Max or Product: every worker's tensor gathered, then reduced here."""
+    """Min, Max or Product: every member's tensor gathered, then reduced here."""
+    size, rank = group.size, group.rank
     nbytes = output.numel() * output.element_size()
 
     def finish(raw: torch.Tensor) -> torch.Tensor:
         stacked = from_bytes(raw, output.dtype, (size, *output.shape))
+        if output.dtype in (torch.float16, torch.bfloat16):
+            # As the servers sum 16-bit floats: in f32, rounded once.
+            stacked = stacked.float()
         if op is Min:
             result = stacked.amin(0)
         elif op is Max:
             result = stacked.amax(0)
         else:
-            result = stacked.prod(0, dtype=output.dtype)
+            result = stacked.prod(0, dtype=stacked.dtype)
         with torch.no_grad():
             output.copy_(result)
         if post != 1.0:
             _scale(output, post)
         return output
 
-    return gather_bytes_work(name, size * nbytes, [(rank * nbytes, output)], finish)
+    return gather_bytes_work(name, size * nbytes, [(rank * nbytes, output)], finish, group)
 
 
 def _facts(tensor: torch.Tensor, *values: float, extra: str = "") -> str:
@@ -387,22 +423,20 @@ def allreduce_work(
     compression: type[Compressor] | Compressor,
     prescale_factor: float,
     postscale_factor: float,
+    group: Group,
     priority: int = 0,
 ) -> _work.CoreWork:
-    """The data stage of an agreed allreduce of `output`, in place."""
-    rt = _runtime.current()
-    size, rank = rt.service.size, rt.service.rank
+    """The data stage of an agreed allreduce of `output` over the group, in place."""
     if op in (Min, Max, Product):
         if prescale_factor != 1.0:
             _scale(output, prescale_factor)
-        return _reduce_locally(f"{name}.gather", output, op, size, rank, postscale_factor)
+        return _reduce_locally(f"{name}.gather", output, op, group, postscale_factor)
     carrier = _INT_CARRIERS.get(output.dtype)
+    scales = (prescale_factor, postscale_factor)
     if carrier is None:
-        return sum_work(
-            name, output, op, priority, compression, prescale_factor, postscale_factor, size
-        )
+        return sum_work(name, output, op, priority, compression, *scales, group)
     wide = output.to(carrier)
-    work = sum_work(name, wide, op, priority, compression, prescale_factor, postscale_factor, size)
+    work = sum_work(name, wide, op, priority, compression, *scales, group)
 
     def narrow() -> torch.Tensor:
         wide_result = inner()
@@ -443,8 +477,8 @@ def allreduce_async_(
     returns a handle for ``poll`` / ``synchronize``. Lower ``priority`` is sent first.
     Workers that disagree on the operation (shape, dtype, op, scaling) all get a
     ``HorovodInternalError`` for it, and the job goes on."""
-    _no_process_sets(process_set)
-    full = _auto_name("allreduce", name)
+    group = process_sets.group_of(process_set, "allreduce")
+    full = _auto_name("allreduce", name, group)
     reduce_op = _op_of(average, op)
     _check_reduce_op(full, tensor, reduce_op)
     if tensor.requires_grad and tensor.is_leaf:
@@ -460,8 +494,9 @@ def allreduce_async_(
     )
     return negotiated(
         request,
+        group,
         lambda rows: allreduce_work(
-            full, tensor, reduce_op, compression, prescale_factor, postscale_factor, priority
+            full, tensor, reduce_op, compression, prescale_factor, postscale_factor, group, priority
         ),
     )
 
@@ -542,13 +577,18 @@ def broadcast_async_(
     """Starts overwriting `tensor` with root_rank's on every worker; returns a handle.
     Every dtype is carried bit for bit (its bytes, summed with zeros from all but the
     root)."""
-    _no_process_sets(process_set)
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"broadcast needs a torch.Tensor, not {type(tensor).__name__}")
-    rt = _runtime.current()
-    size, rank = rt.service.size, rt.service.rank
-    full = _auto_name("broadcast", name)
-    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+    group = process_sets.group_of(process_set, "broadcast")
+    rank = _runtime.current().service.rank
+    full = _auto_name("broadcast", name, group)
+    if not isinstance(root_rank, int) or root_rank not in group.ranks:
+        if group.members is not None:
+            raise ValueError(
+                f"broadcast '{full}': root_rank {root_rank} is not a member of the process "
+                f"set {group.ranks}"
+            )
+        size = len(group.ranks)
         raise ValueError(
             f"broadcast '{full}': root_rank {root_rank} is not a worker rank (0 to {size - 1})"
         )
@@ -571,9 +611,9 @@ def broadcast_async_(
             return tensor
 
         writes = [(0, tensor)] if rank == root_rank else []
-        return gather_bytes_work(full, nbytes, writes, finish)
+        return gather_bytes_work(full, nbytes, writes, finish, group)
 
-    return negotiated(request, start)
+    return negotiated(request, group, start)
 
 
 def broadcast_async(
@@ -616,13 +656,11 @@ def broadcast_object(
 
 
 def barrier(process_set: Any = None) -> None:
-    """Waits until every worker reaches the barrier (at most the job's timeout)."""
-    _no_process_sets(process_set)
-    rt = _runtime.current()
-    rt.service.barrier(rt.timeout)
-
-
-def _no_process_sets(process_set: Any) -> None:
-    from sumflow.torch.process_sets import check_global
-
-    check_global(process_set)
+    """Waits until every worker (or every member of `process_set`) reaches the barrier,
+    at most the job's timeout. A set's barrier is an agreed sum among its members."""
+    group = process_sets.group_of(process_set, "barrier")
+    if group.members is None:
+        rt = _runtime.current()
+        rt.service.barrier(rt.timeout)
+        return
+    synchronize(allreduce_async_(torch.zeros(1), name="barrier", op=Sum, process_set=process_set))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from typing import Any, cast
@@ -23,11 +24,11 @@ from typing import Any, cast
 import torch
 
 from sumflow import settings
-from sumflow.torch import _runtime, _work, fusion, ops, per_parameter, trace
+from sumflow.torch import _runtime, _work, fusion, ops, per_parameter, process_sets, trace
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.fusion import GradientPool, Span
 from sumflow.torch.overlap import CrossBarrier, Update, once, zero_grad_of
-from sumflow.torch.sparse import sparse_allreduce_async
+from sumflow.torch.sparse import sparse_allreduce_handle
 from sumflow.tune import plugin as autotune
 
 
@@ -47,7 +48,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
     _sf_predivide: float
+    _parameter_names: dict[torch.Tensor, str]
     _sf_sparse_as_dense: bool
+    #: The workers gradients are averaged over (a process set, or every worker); None on a
+    #: worker outside the optimizer's process set, which sends nothing.
+    _sf_group: process_sets.Group | None
+    _sf_process_set: Any
     _sf_synchronized: bool
     _sf_skip: bool
     _sf_hooks: list[Any]
@@ -67,7 +73,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradient_predivide_factor: float,
         model: torch.nn.Module | None,
         fusion_threshold: int,
-        sparse_as_dense: bool = False,
+        sparse_as_dense: bool,
+        group: process_sets.Group | None,
+        process_set: Any,
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters:
@@ -95,7 +103,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if gradient_predivide_factor != 1.0 and op is not ops.Average:
             raise ValueError("gradient_predivide_factor needs op=Average")
         self._sf_param_names = {p: names[p] for p in params}
-        self._sf_names = {p: f"DistributedOptimizer.grad.{names[p]}" for p in params}
+        # Horovod's name for the same map, which scripts and Horovod's tests read.
+        self._parameter_names = self._sf_param_names
+        self._sf_group = group
+        self._sf_process_set = process_set
+        prefix = f"DistributedOptimizer.{group.tag if group is not None else ''}grad"
+        self._sf_names = {p: f"{prefix}.{names[p]}" for p in params}
         # The first parameter in model order belongs to the layer nearest the input.
         self._sf_priority = {p: i for i, p in enumerate(order)}
         self._sf_handles = {}
@@ -127,8 +140,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                 self._sf_param_names,
                 self._sf_priority,
                 fusion_threshold,
-                "DistributedOptimizer.grad",
+                prefix,
             )
+        if group is None:
+            self._sf_hooks = []
+            return
         self._sf_declare()
         self._sf_hooks = [
             p.register_post_accumulate_grad_hook(self._sf_grad_ready) for p in trainable
@@ -139,6 +155,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         ops.declare_group(
             [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()],
             self._sf_compression,
+            None if self._sf_group is None else self._sf_group.members,
         )
 
     def _sf_sent(self, by_gradient: bool = False) -> list[tuple[str, torch.dtype, int]]:
@@ -208,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             then = [handle]
         else:
             op = ops.Sum if self._sf_op is ops.Sum else ops.Average
-            then = [sparse_allreduce_async(p.grad, name, op=op)]
+            then = [sparse_allreduce_handle(p.grad, name, op, self._sf_process_set)]
 
         def replace(results: list[torch.Tensor]) -> None:
             p.grad = results[0].to_sparse() if self._sf_sparse_as_dense else results[0]
@@ -229,9 +246,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         prescale, postscale = 1.0, 1.0
         op = self._sf_op
         if self._sf_predivide != 1.0:
-            size = _runtime.current().service.size
+            assert self._sf_group is not None, "a worker outside the set sends nothing"
+            size = self._sf_group.size
             prescale, postscale, op = 1.0 / self._sf_predivide, self._sf_predivide / size, ops.Sum
-        return ops._issue(name, grad, op, priority, self._sf_compression, prescale, postscale)
+        return ops._issue(
+            name, grad, op, priority, self._sf_compression, prescale, postscale, self._sf_group
+        )
 
     def synchronize(self) -> None:
         """Waits until every gradient has been averaged across workers. Parameters whose
@@ -264,6 +284,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_push_missing(self) -> None:
         """Sends, as zeros if they have none, the gradients that did not arrive this step
         (parameters unused in the forward), so every worker takes part in every sum."""
+        if self._sf_group is None:
+            return
         if self._sf_pool is not None:
             for span in self._sf_pool.spans:
                 if span.params[0] not in self._sf_handles:
@@ -315,6 +337,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sf_overlap.wait_all("optimizer.step()")
         if not (self._sf_skip or self._sf_synchronized):
             self._sf_push_missing()
+        if self._sf_synchronized and not self._sf_skip:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(): the gradients are not sent twice, but wrap the "
+                "step in `with optimizer.skip_synchronize():` to say so",
+                stacklevel=2,
+            )
         # The backward pass is over: the scheduler closes its view of the iteration, and
         # the trace window counts the step.
         trace.mark_step()
@@ -470,7 +499,10 @@ def DistributedOptimizer(
             raise ValueError("model= is only used with cross_barrier=True")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
-    ops._no_process_sets(process_set)
+    # A worker outside the optimizer's process set steps on its own gradients, as in
+    # Horovod: nothing is sent for it.
+    outside = isinstance(process_set, process_sets.ProcessSet) and not process_set.included()
+    group = None if outside else process_sets.group_of(process_set, "DistributedOptimizer")
     del num_groups, groups
     # A subclass of the user's optimizer class with our methods: isinstance checks and the
     # class's own step keep working. type() cannot say that it is also ours, so cast.
@@ -504,6 +536,8 @@ def DistributedOptimizer(
         model,
         threshold,
         sparse_as_dense,
+        group,
+        process_set,
     )
     return wrapped
 
@@ -550,9 +584,29 @@ def broadcast_parameters(
         ops.synchronize(h)
 
 
+def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
+    """Gives an optimizer that has not stepped yet its per-parameter state (momentum
+    buffers and the like), as Horovod does, so that there is state to broadcast: one local
+    step on zero gradients, after which the parameters are put back as they were. Gradients
+    that were None stay zeros, as in Horovod."""
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    saved = [p.detach().clone() for p in params]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    base = getattr(optimizer, "_sf_base", None)
+    # The wrapped class's own step: no gradient is sent for this local step.
+    (base.step if base is not None else type(optimizer).step)(optimizer)
+    with torch.no_grad():
+        for p, s in zip(params, saved):
+            p.copy_(s)
+
+
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Makes every worker's optimizer state (hyper-parameters and per-parameter buffers
     such as momentum) root_rank's."""
+    if not optimizer.state_dict()["state"]:
+        _materialize_state(optimizer)
     state = ops.broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state")
     if _runtime.current().service.rank != root_rank:
         optimizer.load_state_dict(state)

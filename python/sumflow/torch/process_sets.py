@@ -1,24 +1,34 @@
 """Horovod's process sets: subsets of the workers an operation spans.
 
-Only the global set, every worker, is carried today: a summation server's round counts
-every worker of the job, so an operation over a subset needs rounds that count the
-set's members only (planned: docs/torch.md lists it). Asking for another set is a clear
-``NotImplementedError``, never an operation silently widened to every worker.
+``add_process_set(ranks)`` is called by every worker, in the same order, as in Horovod;
+each set gets the next id. An operation with ``process_set=`` is agreed and summed among
+the set's members only: its keys are declared with their member list, so a summation
+server's round counts the members alone. A worker outside the set that calls it gets a
+``ValueError``.
 """
 
 from __future__ import annotations
 
+import itertools
+import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from sumflow.torch import _runtime
 
 
 class ProcessSet:
-    """A set of worker ranks. ``ranks`` None means every worker (the global set)."""
+    """A set of worker ranks. ``ProcessSet(None)``, ``global_process_set``, is every worker."""
 
     def __init__(self, ranks: Sequence[int] | None = None) -> None:
-        self._ranks = None if ranks is None else sorted({int(r) for r in ranks})
+        if ranks is not None:
+            values = [int(r) for r in ranks]
+            if len(set(values)) != len(values):
+                raise ValueError(f"a process set lists each rank once, not {values}")
+            ranks = sorted(values)
+        self._ranks: list[int] | None = ranks
+        #: Set by ``add_process_set`` (0 for the global set); None until registered.
         self.process_set_id: int | None = 0 if ranks is None else None
 
     @property
@@ -43,39 +53,101 @@ class ProcessSet:
         return self.rank() >= 0
 
     def __repr__(self) -> str:
-        return "ProcessSet(global)" if self._ranks is None else f"ProcessSet({self._ranks})"
+        if self._ranks is None:
+            return "ProcessSet(global)"
+        return f"ProcessSet({self._ranks}, id={self.process_set_id})"
 
 
 global_process_set = ProcessSet()
+_registered: dict[int, ProcessSet] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
 
 
-def check_global(process_set: Any) -> None:
-    """Accepts None and the global set (or a set of every worker); anything else is a
-    NotImplementedError saying what sumflow does instead."""
+@dataclass(frozen=True)
+class Group:
+    """The workers one operation spans, as the operation needs them."""
+
+    #: Members' worker ranks, ascending.
+    ranks: list[int]
+    #: This worker's index among them.
+    rank: int
+    #: The member list keys are declared with; None for every worker.
+    members: list[int] | None
+    #: What the set adds to tensor names ("" for every worker).
+    tag: str
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+
+def group_of(process_set: Any, what: str) -> Group:
+    """The group `process_set` stands for (None: every worker); a ValueError when this
+    worker is not a member or the set is not registered, a TypeError for anything else."""
+    service = _runtime.current().service
     if process_set is None or process_set is global_process_set:
-        return
-    if isinstance(process_set, ProcessSet):
-        if process_set.ranks == list(range(_runtime.current().service.size)):
-            return
-        raise NotImplementedError(
-            f"{process_set!r}: operations over a subset of the workers are not supported by "
-            "sumflow yet (every summation round counts every worker); use the global set"
+        return Group(list(range(service.size)), service.rank, None, "")
+    if not isinstance(process_set, ProcessSet):
+        raise TypeError(
+            f"{what}: process_set must be a sumflow.torch.ProcessSet, not {process_set!r}"
         )
-    raise TypeError(f"process_set must be a sumflow.torch.ProcessSet, not {process_set!r}")
+    with _lock:
+        known = (
+            process_set.process_set_id is not None
+            and _registered.get(process_set.process_set_id) is process_set
+        )
+    if not known:
+        raise ValueError(
+            f"{what}: {process_set!r} is not registered: call add_process_set() on every worker "
+            "first (or pass it to init(process_sets=...))"
+        )
+    ranks = process_set.ranks
+    if service.rank not in ranks:
+        raise ValueError(
+            f"{what}: worker {service.rank} is not a member of {process_set!r}; only its "
+            "members may run its operations"
+        )
+    if ranks == list(range(service.size)):
+        return Group(ranks, service.rank, None, "")
+    return Group(ranks, ranks.index(service.rank), ranks, f"ps{process_set.process_set_id}.")
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
-    """Registers a process set. Only a set of every worker can be used today."""
+    """Registers a process set (every worker must call it, in the same order) and returns
+    it, with its id."""
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     size = _runtime.current().service.size
     bad = [r for r in ps.ranks if not 0 <= r < size]
-    if bad:
-        raise ValueError(f"process set {ps!r}: ranks {bad} are not worker ranks (0 to {size - 1})")
-    check_global(ps)
-    ps.process_set_id = 0
+    if bad or not ps.ranks:
+        raise ValueError(
+            f"process set {ps!r}: ranks {bad or '[]'} are not worker ranks (0 to {size - 1})"
+        )
+    if ps is global_process_set:
+        return ps
+    if ps.process_set_id is not None:
+        raise ValueError(f"{ps!r} is already registered")
+    with _lock:
+        ps.process_set_id = next(_ids)
+        _registered[ps.process_set_id] = ps
     return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Unregisters a process set; the global set cannot be removed (returns False)."""
-    return process_set is not global_process_set and process_set.process_set_id is not None
+    """Unregisters a process set; False for the global set or one not registered."""
+    if process_set is global_process_set or process_set.process_set_id is None:
+        return False
+    with _lock:
+        removed = _registered.pop(process_set.process_set_id, None) is not None
+    process_set.process_set_id = None
+    return removed
+
+
+def reset() -> None:
+    """Forgets every registered set (at shutdown)."""
+    global _ids
+    with _lock:
+        for ps in _registered.values():
+            ps.process_set_id = None
+        _registered.clear()
+        _ids = itertools.count(1)

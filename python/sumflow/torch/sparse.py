@@ -4,19 +4,32 @@ locally, so only the non-zero rows travel."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _work, collectives
+from sumflow.torch import _work, collectives, ops, process_sets
 from sumflow.torch.ops import Average, ReduceOp, Sum
 
 
 def sparse_allreduce_async(
     tensor: torch.Tensor, name: str, op: ReduceOp = Average, process_set: Any = None
-) -> int:
-    """Starts summing (or averaging) a sparse COO tensor across workers; ``synchronize``
-    gives the coalesced sparse result."""
+) -> Callable[[], torch.Tensor]:
+    """Starts summing (or averaging) a sparse COO tensor across workers; returns, as
+    Horovod does, a function that waits and gives the coalesced sparse result."""
+    handle = sparse_allreduce_handle(tensor, name, op, process_set)
+
+    def wait() -> torch.Tensor:
+        result = ops.synchronize(handle)
+        assert isinstance(result, torch.Tensor)
+        return result
+
+    return wait
+
+
+def sparse_allreduce_handle(tensor: torch.Tensor, name: str, op: ReduceOp, process_set: Any) -> int:
+    """``sparse_allreduce_async`` as a handle for ``synchronize``."""
     if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
         raise TypeError("sparse_allreduce_async needs a sparse COO torch.Tensor")
     if op not in (Sum, Average):
@@ -29,7 +42,7 @@ def sparse_allreduce_async(
         collectives.allgather_async(indices, f"{base}.indices", process_set),
         collectives.allgather_async(values, f"{base}.values", process_set),
     ]
-    size = _runtime.current().service.size
+    size = process_sets.group_of(process_set, "sparse_allreduce").size
 
     def finish(results: list[torch.Tensor]) -> torch.Tensor:
         all_indices, all_values = results

@@ -30,7 +30,8 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         self._check_input_dim(input)
         if not self.training or _runtime.current().service.size == 1:
-            return super().forward(input)
+            plain: torch.Tensor = super().forward(input)
+            return plain
         channels = input.shape[1]
         # Channels first, everything else flattened: (C, N * ...).
         flat = input.transpose(0, 1).reshape(channels, -1)
@@ -55,7 +56,7 @@ class SyncBatchNorm(_BatchNorm):
                 self.running_mean.mul_(1 - momentum).add_(mean.detach(), alpha=momentum)
                 self.running_var.mul_(1 - momentum).add_(unbiased.detach(), alpha=momentum)
         shape = [1, channels] + [1] * (input.dim() - 2)
-        out = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        out: torch.Tensor = (input - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
         if self.affine:
             out = out * self.weight.view(shape) + self.bias.view(shape)
         return out
