@@ -16,7 +16,7 @@ use sumflow_plan::scheduler::SchedulerKind;
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };
-use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, Message, PushMode};
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, KeyInit, Message, PushMode};
 
 fn token() -> JobToken {
     JobToken::new("service-test-token-abcdefgh").unwrap()
@@ -505,7 +505,7 @@ fn wire_accounting_counts_every_frame_per_key() {
             key,
             dtype: Dtype::F32,
             byte_len: 0,
-            has_init: false,
+            init: KeyInit::Zeros,
             codec: KeyCodec::RAW,
         },
         0,
