@@ -137,7 +137,7 @@ pub enum Message {
         map: ClusterMap,
     },
     /// A worker declares a tensor before its first push. Every worker must declare each
-    /// name with the same dtype and element count; the coordinator checks that.
+    /// name with the same dtype, element count and description; the coordinator checks that.
     Declare {
         /// The tensor's name, e.g. "layer1.0.conv1.weight"; never empty.
         name: String,
@@ -145,8 +145,9 @@ pub enum Message {
         /// Number of elements; positive, and small enough that the tensor's byte length
         /// fits in a `u64`.
         elements: u64,
-        /// How the tensor travels, described for people (e.g. "topk (ratio 0.01) with
-        /// error feedback"); empty for raw elements. Compared like dtype and size.
+        /// How the tensor travels, described for people (e.g. "compressed by topk (ratio
+        /// 0.01) with error feedback", "summed over workers [0, 2]"); empty for raw
+        /// elements summed over every worker. Compared as text, like dtype and size.
         compression: String,
     },
     /// The coordinator's answer to a `Declare`: the job-wide id of the named tensor,
