@@ -228,20 +228,33 @@ class CommunicationService:
         dtype_name: str,
         elements: int,
         compression: tuple[str, float, bool] | None = None,
+        members: Sequence[int] | None = None,
     ) -> int:
         """Declares a tensor by name and returns its id. Every worker must declare it with
-        the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64"), number of elements
-        and compression, or every worker gets ``DeclarationMismatchError`` naming it.
-        ``compression`` is ``(compressor, parameter, error_feedback)``: ``("topk", ratio,
-        ...)``, ``("randomk", ratio, ...)``, ``("sign", 0, ...)`` or ``("dithering",
-        levels, ...)``, for f32 tensors; each partition is compressed on the way out and
-        its sum decoded in place."""
+        the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64"), number of elements,
+        compression and members, or every worker gets ``DeclarationMismatchError`` naming
+        it. ``compression`` is ``(compressor, parameter, error_feedback)``: ``("topk",
+        ratio, ...)``, ``("randomk", ratio, ...)``, ``("sign", 0, ...)`` or
+        ``("dithering", levels, ...)``, for f32 tensors; each partition is compressed on
+        the way out and its sum decoded in place.
+
+        ``members`` (a Horovod process set) are the ranks, in any order, of the workers
+        whose tensors are summed; ``None``: every worker. Only members may push the tensor
+        (``push_pull`` refuses the others with ``ValueError``), and every member must push
+        it each time. Members are for uncompressed tensors; ``ValueError`` names the
+        tensor for an empty list, a rank listed twice, or a rank that is not below
+        ``size``."""
     def declare_group(
-        self, tensors: Sequence[tuple[str, str, int, tuple[str, float, bool] | None]]
+        self,
+        tensors: Sequence[
+            tuple[str, str, int, tuple[str, float, bool] | None]
+            | tuple[str, str, int, tuple[str, float, bool] | None, Sequence[int] | None]
+        ],
     ) -> list[int]:
-        """Declares tensors ``(name, dtype, elements, compression)`` together and places
-        their partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker
-        must declare the same group."""
+        """Declares tensors ``(name, dtype, elements, compression)`` or ``(name, dtype,
+        elements, compression, members)`` (see ``declare``) together and places their
+        partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker must
+        declare the same group."""
     def push_pull(
         self,
         tensor_id: int,
@@ -253,8 +266,9 @@ class CommunicationService:
     ) -> int:
         """Starts summing tensor ``tensor_id`` across workers, in place in the ``nbytes``
         bytes at host address ``ptr``, which ``owner`` must own. Returns a handle at once.
-        Lower ``priority`` is sent first; ``average`` divides the sum by the size. The
-        memory must not be read or written until ``wait`` has returned."""
+        Lower ``priority`` is sent first; ``average`` divides the sum by the number of
+        workers summed: the tensor's members, or the size. The memory must not be read or
+        written until ``wait`` has returned."""
     def poll(self, handle: int) -> bool:
         """True once the operation has finished; raises its error if it failed."""
     def wait(self, handle: int, timeout: float) -> None:

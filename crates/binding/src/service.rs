@@ -41,6 +41,7 @@ fn kind_of(e: &CommError) -> ErrorKind {
             | ErrorCode::UnknownOp
             | ErrorCode::FrameTooLarge
             | ErrorCode::UnexpectedOp
+            | ErrorCode::BadRank
             | ErrorCode::UnknownKey
             | ErrorCode::RoundOutOfSequence
             | ErrorCode::DuplicatePush
@@ -68,12 +69,29 @@ fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
 /// A compression as Python gives it: (compressor, parameter, error feedback).
 type CompressionSpec = (String, f64, bool);
 
+/// A tensor of `declare_group` as Python gives it: `(name, dtype, elements, compression)`,
+/// or with its members after them.
+#[derive(FromPyObject)]
+enum TensorSpec {
+    WithMembers(
+        String,
+        String,
+        u64,
+        Option<CompressionSpec>,
+        Option<Vec<i64>>,
+    ),
+    Plain(String, String, u64, Option<CompressionSpec>),
+}
+
+/// A declaration whose members (`members`, already checked by [`member_ranks`]) are
+/// borrowed from the caller.
 fn declaration<'a>(
     py: Python<'_>,
     name: &'a str,
     dtype_name: &str,
     elements: u64,
     compression: Option<CompressionSpec>,
+    members: Option<&'a [u32]>,
 ) -> PyResult<Declaration<'a>> {
     let compression = compression
         .map(|(c, param, feedback)| Compression::parse(&c, param, feedback))
@@ -84,7 +102,29 @@ fn declaration<'a>(
         dtype: dtype(dtype_name)?,
         elements,
         compression,
+        members,
     })
+}
+
+/// A tensor's members as the core takes them: ranks in ascending order. Python may list
+/// them in any order; the core refuses an empty list, duplicates and ranks beyond the job
+/// (ValueErrors naming the tensor), and this a rank no worker can have.
+fn member_ranks(name: &str, members: Option<Vec<i64>>) -> PyResult<Option<Vec<u32>>> {
+    let Some(members) = members else {
+        return Ok(None);
+    };
+    let mut ranks = members
+        .iter()
+        .map(|&r| {
+            u32::try_from(r).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "tensor '{name}' names {r} among its members, which is not a worker rank"
+                ))
+            })
+        })
+        .collect::<PyResult<Vec<u32>>>()?;
+    ranks.sort_unstable();
+    Ok(Some(ranks))
 }
 
 fn dtype(name: &str) -> PyResult<Dtype> {
@@ -266,9 +306,10 @@ impl PyCommunicationService {
     }
 
     /// Declares a tensor by name; returns its id. Every worker must declare it with the
-    /// same dtype, number of elements and compression: `(compressor, parameter,
-    /// error_feedback)` or `None`.
-    #[pyo3(signature = (name, dtype_name, elements, compression = None))]
+    /// same dtype, number of elements, compression (`(compressor, parameter,
+    /// error_feedback)` or `None`) and members (the ranks of the workers that sum it, or
+    /// `None` for every worker).
+    #[pyo3(signature = (name, dtype_name, elements, compression = None, members = None))]
     fn declare(
         &self,
         py: Python<'_>,
@@ -276,23 +317,39 @@ impl PyCommunicationService {
         dtype_name: &str,
         elements: u64,
         compression: Option<CompressionSpec>,
+        members: Option<Vec<i64>>,
     ) -> PyResult<u32> {
-        let decl = declaration(py, name, dtype_name, elements, compression)?;
+        let members = member_ranks(name, members)?;
+        let decl = declaration(
+            py,
+            name,
+            dtype_name,
+            elements,
+            compression,
+            members.as_deref(),
+        )?;
         let svc = Arc::clone(&self.svc);
         py.detach(|| svc.declare_one(&decl))
             .map_err(|e| py_err(py, e))
     }
 
-    /// Declares tensors `(name, dtype, elements, compression)` together and places their
-    /// partitions by BytePS's Eq. 1 and 2; returns their ids in order.
-    fn declare_group(
-        &self,
-        py: Python<'_>,
-        tensors: Vec<(String, String, u64, Option<CompressionSpec>)>,
-    ) -> PyResult<Vec<u32>> {
+    /// Declares tensors `(name, dtype, elements, compression[, members])` together and
+    /// places their partitions by BytePS's Eq. 1 and 2; returns their ids in order.
+    fn declare_group(&self, py: Python<'_>, tensors: Vec<TensorSpec>) -> PyResult<Vec<u32>> {
+        let tensors = tensors
+            .into_iter()
+            .map(|t| {
+                let (n, d, e, c, m) = match t {
+                    TensorSpec::WithMembers(n, d, e, c, m) => (n, d, e, c, m),
+                    TensorSpec::Plain(n, d, e, c) => (n, d, e, c, None),
+                };
+                let m = member_ranks(&n, m)?;
+                Ok((n, d, e, c, m))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let decls = tensors
             .iter()
-            .map(|(n, d, e, c)| declaration(py, n, d, *e, c.clone()))
+            .map(|(n, d, e, c, m)| declaration(py, n, d, *e, c.clone(), m.as_deref()))
             .collect::<PyResult<Vec<_>>>()?;
         let svc = Arc::clone(&self.svc);
         py.detach(|| svc.declare_groups(&decls))
@@ -301,7 +358,8 @@ impl PyCommunicationService {
 
     /// Starts summing tensor `tensor_id` across workers in place, in the `nbytes` bytes
     /// at address `ptr`, which `owner` must own (kept alive until `wait`). Returns a
-    /// handle at once. Lower `priority` is sent first; `average` divides by the size.
+    /// handle at once. Lower `priority` is sent first; `average` divides by the number of
+    /// workers summed: the tensor's members, or the size.
     #[pyo3(signature = (tensor_id, owner, ptr, nbytes, priority = 0, average = false))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull(

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, Dtype, JobToken, KeyCodec, Message, Peer, PushMode, Role, Service, WireError,
+    Codec, Dtype, JobToken, KeyCodec, KeyInit, Message, Peer, PushMode, Role, Service, WireError,
 };
 
 use crate::dial::connect_retrying;
@@ -141,6 +141,19 @@ impl ServerClient {
         self.init_acknowledged(key)
     }
 
+    /// Declares a raw key whose rounds count only the workers `members` (distinct ranks,
+    /// ascending) and waits for the server to accept it.
+    pub fn init_member_key(
+        &mut self,
+        key: u64,
+        dtype: Dtype,
+        byte_len: u64,
+        members: &[u32],
+    ) -> Result<()> {
+        self.tx.init_member_key(key, dtype, byte_len, members)?;
+        self.init_acknowledged(key)
+    }
+
     /// Declares a compressed f32 key of `byte_len` uncompressed bytes and waits for the
     /// server to accept it.
     pub fn init_compressed_key(&mut self, key: u64, byte_len: u64, codec: KeyCodec) -> Result<()> {
@@ -203,11 +216,34 @@ impl ServerSender {
             key,
             dtype,
             byte_len,
-            has_init: initial.is_some(),
+            init: if initial.is_some() {
+                KeyInit::Value
+            } else {
+                KeyInit::Zeros
+            },
             codec: KeyCodec::RAW,
         };
         io::write_data(&mut self.stream, &msg, initial.unwrap_or_default())
             .map_err(|e| wire(&self.peer, e))
+    }
+
+    /// Declares a raw key whose rounds count only the workers `members` (distinct ranks,
+    /// ascending); it starts at zeros.
+    pub fn init_member_key(
+        &mut self,
+        key: u64,
+        dtype: Dtype,
+        byte_len: u64,
+        members: &[u32],
+    ) -> Result<()> {
+        let msg = Message::InitKey {
+            key,
+            dtype,
+            byte_len,
+            init: KeyInit::Members(members.to_vec()),
+            codec: KeyCodec::RAW,
+        };
+        io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e))
     }
 
     /// Declares a compressed f32 key of `byte_len` uncompressed bytes.
@@ -216,7 +252,7 @@ impl ServerSender {
             key,
             dtype: Dtype::F32,
             byte_len,
-            has_init: false,
+            init: KeyInit::Zeros,
             codec,
         };
         io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e))

@@ -141,6 +141,8 @@ struct Tensor {
     elements: u64,
     /// How its partitions travel; `None`: raw elements.
     compression: Option<Compression>,
+    /// The workers that sum it, ascending; `None`: every worker.
+    members: Option<Arc<[u32]>>,
     /// The group it was declared and placed with, if any.
     group: Option<usize>,
     /// Its partitions, each with its server, in the tensor's order.
@@ -158,6 +160,7 @@ impl Tensor {
             dtype: decl.dtype,
             elements: decl.elements,
             compression: decl.compression,
+            members: decl.members.map(Arc::from),
             group,
             parts,
             rounds: Vec::new(),
@@ -170,26 +173,45 @@ impl Tensor {
             dtype: self.dtype,
             elements: self.elements,
             compression: self.compression,
+            members: self.members.as_deref(),
         }
     }
 
-    /// Refuses a declaration of the same tensor with another compression.
+    /// Refuses a declaration of the same tensor with another compression or other members.
     fn check_same(&self, decl: &Declaration<'_>) -> Result<(), CommError> {
-        if self.compression == decl.compression {
-            return Ok(());
+        if self.compression != decl.compression {
+            let show = |c: Option<Compression>| c.map_or("uncompressed".into(), |c| c.to_string());
+            return Err(CommError::Invalid(format!(
+                "tensor '{}' was declared {} and now {}: a tensor keeps the compression it \
+                 was first declared with",
+                self.name,
+                show(self.compression),
+                show(decl.compression)
+            )));
         }
-        let show = |c: Option<Compression>| c.map_or("uncompressed".into(), |c| c.to_string());
-        Err(CommError::Invalid(format!(
-            "tensor '{}' was declared {} and now {}: a tensor keeps the compression it was \
-             first declared with",
-            self.name,
-            show(self.compression),
-            show(decl.compression)
-        )))
+        if self.members.as_deref() != decl.members {
+            return Err(CommError::Invalid(format!(
+                "tensor '{}' was declared {} and now {}: a tensor keeps the members it was \
+                 first declared with",
+                self.name,
+                members_text(self.members.as_deref()),
+                members_text(decl.members)
+            )));
+        }
+        Ok(())
     }
 }
 
-/// A tensor to declare: its name, element type and count, and how it is compressed.
+/// A tensor's members, for messages: "for workers [0, 2]", or "for every worker".
+fn members_text(members: Option<&[u32]>) -> String {
+    match members {
+        Some(m) => format!("for workers {m:?}"),
+        None => "for every worker".into(),
+    }
+}
+
+/// A tensor to declare: its name, element type and count, how it is compressed, and which
+/// workers sum it.
 #[derive(Clone, Copy, Debug)]
 pub struct Declaration<'a> {
     pub name: &'a str,
@@ -197,6 +219,11 @@ pub struct Declaration<'a> {
     pub elements: u64,
     /// `None` sends raw elements; compressors take f32 tensors only.
     pub compression: Option<Compression>,
+    /// The workers whose tensors are summed (a Horovod process set): distinct ranks of the
+    /// job in ascending order, every one of which must declare the tensor the same way and
+    /// push it every time; the others must not push it. `None`: every worker. Uncompressed
+    /// tensors only.
+    pub members: Option<&'a [u32]>,
 }
 
 impl<'a> Declaration<'a> {
@@ -207,6 +234,7 @@ impl<'a> Declaration<'a> {
             dtype,
             elements,
             compression: None,
+            members: None,
         }
     }
 
@@ -219,14 +247,58 @@ impl<'a> Declaration<'a> {
         }
     }
 
-    fn check(&self) -> Result<(), CommError> {
-        match (self.compression, self.dtype) {
-            (Some(c), dtype) if dtype != Dtype::F32 => Err(CommError::Invalid(format!(
-                "tensor '{}' holds {dtype}: {c} compresses f32 tensors only (cast it, or \
-                 leave it uncompressed)",
-                self.name
-            ))),
-            _ => Ok(()),
+    /// Checks what can be checked before asking the coordinator, in a job of `workers`.
+    fn check(&self, workers: u32) -> Result<(), CommError> {
+        let invalid =
+            |why: String| Err(CommError::Invalid(format!("tensor '{}' {why}", self.name)));
+        if let (Some(c), dtype) = (self.compression, self.dtype) {
+            if dtype != Dtype::F32 {
+                return invalid(format!(
+                    "holds {dtype}: {c} compresses f32 tensors only (cast it, or leave it \
+                     uncompressed)"
+                ));
+            }
+        }
+        let Some(members) = self.members else {
+            return Ok(());
+        };
+        if let Some(c) = self.compression {
+            // Servers re-encode compressed sums for every worker alike; process sets sum
+            // raw tensors.
+            return invalid(format!(
+                "is compressed by {c}: a tensor of some workers only must be uncompressed"
+            ));
+        }
+        if members.is_empty() {
+            return invalid("has an empty member list: name at least one worker".into());
+        }
+        for pair in members.windows(2) {
+            if pair[0] == pair[1] {
+                return invalid(format!("lists worker {} twice among its members", pair[0]));
+            }
+            if pair[0] > pair[1] {
+                return invalid(format!(
+                    "lists its members {members:?} out of order: ranks must be ascending"
+                ));
+            }
+        }
+        match members.iter().find(|&&r| r >= workers) {
+            Some(rank) => invalid(format!(
+                "names worker {rank} among its members, but this job has workers 0..{workers}"
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// How it travels, for people and for the coordinator, which compares it as text
+    /// across workers like dtype and size: "compressed by topk (ratio 0.01) with error
+    /// feedback", "summed over workers [0, 2]" (never both: see `check`), or empty for raw
+    /// tensors of every worker.
+    fn travel(&self) -> String {
+        match (self.compression, self.members) {
+            (Some(c), _) => format!("compressed by {c}"),
+            (None, Some(m)) => format!("summed over workers {m:?}"),
+            (None, None) => String::new(),
         }
     }
 }
@@ -447,7 +519,7 @@ impl CommunicationService {
     /// Declares one tensor, compressed or not (see [`Self::declare`]); every worker must
     /// declare it with the same compression too.
     pub fn declare_one(&self, decl: &Declaration<'_>) -> Result<u32, CommError> {
-        decl.check()?;
+        decl.check(self.size())?;
         let id = self.declare_id(decl)?;
         let mut table = self.table.lock().expect("table lock");
         match table.tensors.get(&id) {
@@ -475,7 +547,7 @@ impl CommunicationService {
     pub fn declare_groups(&self, decls: &[Declaration<'_>]) -> Result<Vec<u32>, CommError> {
         let mut ids = Vec::with_capacity(decls.len());
         for decl in decls {
-            decl.check()?;
+            decl.check(self.size())?;
             ids.push(self.declare_id(decl)?);
         }
         let mut table = self.table.lock().expect("table lock");
@@ -509,12 +581,11 @@ impl CommunicationService {
             elements,
             ..
         } = *decl;
-        let compression = decl.compression.map(|c| c.to_string()).unwrap_or_default();
         let id = self.job.declare_compressed(
             name,
             dtype,
             elements,
-            &compression,
+            &decl.travel(),
             self.declare_timeout,
         )?;
         if id > MAX_TENSOR_ID {
@@ -674,6 +745,17 @@ impl CommunicationService {
                 t.name, t.dtype, t.elements
             )));
         }
+        if let Some(members) = t.members.as_deref() {
+            // The server would refuse the push and count this worker gone for the job.
+            if members.binary_search(&self.rank()).is_err() {
+                return Err(CommError::Invalid(format!(
+                    "tensor '{}' is summed over workers {members:?}: worker {} is not one \
+                     of them and must not push it",
+                    t.name,
+                    self.rank()
+                )));
+            }
+        }
         let divisor = match (op, t.dtype) {
             (ReduceOp::Sum, _) => None,
             (ReduceOp::Average, Dtype::I32 | Dtype::I64) => {
@@ -682,7 +764,10 @@ impl CommunicationService {
                     t.name, t.dtype
                 )))
             }
-            (ReduceOp::Average, _) => Some(self.size()),
+            // The mean over the workers whose tensors were summed.
+            (ReduceOp::Average, _) => {
+                Some(t.members.as_ref().map_or(self.size(), |m| m.len() as u32))
+            }
         };
         // SAFETY: the caller's contract is exactly HostSlice::new's.
         let whole = unsafe { HostSlice::new(ptr, len) }
@@ -709,6 +794,7 @@ impl CommunicationService {
                 codec: t.compression.map_or(KeyCodec::RAW, |c| {
                     c.key_codec(partition.bytes / t.dtype.size() as u64)
                 }),
+                members: t.members.clone(),
                 divisor,
             })
             .collect();

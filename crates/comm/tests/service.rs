@@ -16,7 +16,7 @@ use sumflow_plan::scheduler::SchedulerKind;
 use sumflow_summation::{
     CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
 };
-use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, Message, PushMode};
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, KeyInit, Message, PushMode};
 
 fn token() -> JobToken {
     JobToken::new("service-test-token-abcdefgh").unwrap()
@@ -234,7 +234,138 @@ fn compressed<'a>(name: &'a str, elements: u64, how: (&str, f64, bool)) -> Decla
         dtype: Dtype::F32,
         elements,
         compression: Some(Compression::parse(how.0, how.1, how.2).unwrap()),
+        members: None,
     }
+}
+
+fn of_members<'a>(name: &'a str, elements: u64, members: &'a [u32]) -> Declaration<'a> {
+    Declaration {
+        members: Some(members),
+        ..Declaration::raw(name, Dtype::F32, elements)
+    }
+}
+
+#[test]
+fn a_tensor_of_some_workers_is_summed_and_averaged_over_them_alone() {
+    // n = 3, k = 1: the member tensor's partitions spread over every server and lane.
+    run_job(3, 1, move |w, addr| {
+        let c = worker(addr, w);
+        // Refused before the coordinator hears of them.
+        for (members, says) in [
+            (&[][..], "has an empty member list"),
+            (&[0, 2, 2], "lists worker 2 twice"),
+            (&[2, 0], "out of order"),
+            (
+                &[0, 3],
+                "names worker 3 among its members, but this job has workers 0..3",
+            ),
+        ] {
+            let e = c.declare_one(&of_members("bad", 10, members)).unwrap_err();
+            assert!(matches!(e, CommError::Invalid(_)), "{e}");
+            assert!(
+                e.to_string().contains("tensor 'bad'") && e.to_string().contains(says),
+                "{e}"
+            );
+        }
+        let e = c
+            .declare_one(&Declaration {
+                members: Some(&[0]),
+                ..compressed("bad", 10, ("sign", 0.0, false))
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("must be uncompressed"), "{e}");
+
+        let elements = 3000; // three partitions of 4 KiB
+        let ids = c
+            .declare_groups(&[
+                of_members("pair", elements, &[0, 2]),
+                Declaration::raw("all", Dtype::F32, elements),
+            ])
+            .unwrap();
+        let value = |i: usize| (w as usize * 10 + i % 7) as f32;
+        let mut data: Vec<Vec<f32>> = (0..2).map(|_| (0..3000).map(value).collect()).collect();
+        if w == 1 {
+            // Not a member: refused here, before the server would count it gone.
+            // SAFETY: refused, the call keeps no pointer to `data`.
+            let e = unsafe {
+                c.push_pull(
+                    ids[0],
+                    data[0].as_mut_ptr().cast(),
+                    3000 * 4,
+                    0,
+                    ReduceOp::Sum,
+                )
+            }
+            .unwrap_err();
+            assert!(
+                e.to_string()
+                    .contains("summed over workers [0, 2]: worker 1 is not one"),
+                "{e}"
+            );
+            sum_all(&c, &ids[1..], &mut data[1..], ReduceOp::Average);
+        } else {
+            sum_all(&c, &ids, &mut data, ReduceOp::Average);
+            for (i, v) in data[0].iter().enumerate() {
+                // The mean of workers 0 and 2: (i % 7 + 20 + i % 7) / 2.
+                assert_eq!(*v, (i % 7) as f32 + 10.0, "pair element {i}");
+            }
+            // A second round of the member tensor alone.
+            let mut again = vec![w as f32; 3000];
+            sum_all(
+                &c,
+                &ids[..1],
+                std::slice::from_mut(&mut again),
+                ReduceOp::Sum,
+            );
+            assert!(again.iter().all(|&v| v == 2.0));
+        }
+        for (i, v) in data[1].iter().enumerate() {
+            assert_eq!(*v, (i % 7) as f32 + 10.0, "all element {i}");
+        }
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
+fn workers_naming_different_members_are_stopped_with_both_lists_named() {
+    run_job(2, 0, move |w, addr| {
+        let c = worker(addr, w);
+        c.barrier(Duration::from_secs(10)).unwrap();
+        let members: &[u32] = if w == 0 { &[0, 1] } else { &[1] };
+        let mut data = vec![1f32; 100];
+        let err = match c.declare_one(&of_members("ps.weight", 100, members)) {
+            Err(e) => e,
+            Ok(id) => {
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                loop {
+                    // SAFETY: waited on below before `data` is dropped.
+                    match unsafe {
+                        c.push_pull(id, data.as_mut_ptr().cast(), 400, 0, ReduceOp::Sum)
+                    } {
+                        Err(e) => break e,
+                        Ok(h) => {
+                            let _ = c.wait(h, Duration::from_millis(200));
+                        }
+                    }
+                    assert!(
+                        std::time::Instant::now() < deadline,
+                        "mismatch never reported"
+                    );
+                }
+            }
+        };
+        assert_eq!(err.code(), ErrorCode::KeyMismatch, "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("'ps.weight' declared as f32 x 100 summed over workers [")
+                && msg.contains("summed over workers [0, 1] by worker 0")
+                && msg.contains("summed over workers [1] by worker 1")
+                && msg.contains("same dtype, size, compression and members"),
+            "{msg}"
+        );
+        drop(c);
+    });
 }
 
 #[test]
@@ -505,7 +636,7 @@ fn wire_accounting_counts_every_frame_per_key() {
             key,
             dtype: Dtype::F32,
             byte_len: 0,
-            has_init: false,
+            init: KeyInit::Zeros,
             codec: KeyCodec::RAW,
         },
         0,

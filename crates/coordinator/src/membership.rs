@@ -87,7 +87,8 @@ struct Tensor {
     id: u32,
     dtype: Dtype,
     elements: u64,
-    /// How it travels, as described by its first declaration; empty: raw elements.
+    /// How it travels, as described by its first declaration; empty: raw elements summed
+    /// over every worker.
     compression: String,
     /// Rank of the worker whose declaration came first; mismatch messages name it first.
     first: u32,
@@ -122,8 +123,9 @@ impl Form {
 impl std::fmt::Display for Form {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{} x {}", self.dtype, self.elements)?;
+        // The worker's own words, e.g. "compressed by sign" or "summed over workers [0, 2]".
         if !self.compression.is_empty() {
-            write!(f, " compressed by {}", self.compression)?;
+            write!(f, " {}", self.compression)?;
         }
         Ok(())
     }
@@ -592,7 +594,7 @@ impl Membership {
         let what = if form.compression.is_empty() && t.compression.is_empty() {
             "dtype and size"
         } else {
-            "dtype, size and compression"
+            "dtype, size, compression and members"
         };
         format!(
             "tensor '{name}' declared as {form} by {}, but as {} by {}: every worker must \

@@ -19,7 +19,8 @@ use crossbeam_channel::{unbounded, Receiver};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, ErrorCode, ErrorReply, KeyCodec, Message, Peer, PushMode, Role, Service, WireError,
+    Codec, ErrorCode, ErrorReply, KeyCodec, KeyInit, Message, Peer, PushMode, Role, Service,
+    WireError,
 };
 use tracing::{debug, info, warn};
 
@@ -205,9 +206,9 @@ impl Connection<'_> {
                     key,
                     dtype,
                     byte_len,
-                    has_init,
+                    init,
                     codec,
-                } => self.init_key(key, dtype, byte_len, codec, has_init),
+                } => self.init_key(key, dtype, byte_len, codec, init),
                 Message::Push {
                     key,
                     round,
@@ -256,7 +257,7 @@ impl Connection<'_> {
         dtype: sumflow_wire::Dtype,
         byte_len: u64,
         codec: KeyCodec,
-        has_init: bool,
+        init: KeyInit,
     ) -> Result<(), Interrupted> {
         let max_payload = u64::from(self.shared.settings.max_body) - DATA_META_LEN as u64;
         let payload_len = codec.payload_len(dtype, byte_len / dtype.size() as u64);
@@ -271,16 +272,33 @@ impl Connection<'_> {
                 ),
             )));
         }
-        let initial = if has_init {
-            let mut buf = AlignedBuf::zeroed(byte_len as usize);
-            self.reader.read_payload(&mut buf)?;
-            Some(buf)
-        } else {
-            None
+        let (initial, members) = match init {
+            KeyInit::Zeros => (None, None),
+            KeyInit::Value => {
+                let mut buf = AlignedBuf::zeroed(byte_len as usize);
+                self.reader.read_payload(&mut buf)?;
+                (Some(buf), None)
+            }
+            KeyInit::Members(members) => {
+                // The wire checked the list's form; only the server knows the job's size.
+                let workers = self.shared.workers;
+                if let Some(rank) = members.iter().find(|&&r| r >= workers) {
+                    return Err(Interrupted::Refused(Message::error(
+                        ErrorCode::BadRank,
+                        Some(key),
+                        format!(
+                            "key {key} names worker {rank} among its members {members:?}, but \
+                             this job has workers 0..{workers}"
+                        ),
+                    )));
+                }
+                (None, Some(members))
+            }
         };
         let declared = {
             let mut dir = self.shared.directory.write().expect("directory lock");
-            let declared = dir.declare(key, dtype, byte_len, codec, self.worker);
+            let declared =
+                dir.declare(key, dtype, byte_len, codec, members.as_deref(), self.worker);
             if let Ok(Declared::New(meta)) = &declared {
                 // Queued under the lock: no other connection can reach the engine with
                 // this key before the engine has created it.
@@ -288,7 +306,7 @@ impl Connection<'_> {
                     meta.engine,
                     Command::Init {
                         key,
-                        meta: *meta,
+                        meta: meta.clone(),
                         initial,
                     },
                 );
@@ -303,7 +321,9 @@ impl Connection<'_> {
             }
             Err(e) => {
                 let code = match e {
-                    DeclareError::Mismatch { .. } => ErrorCode::KeyMismatch,
+                    DeclareError::Mismatch { .. } | DeclareError::MembersMismatch { .. } => {
+                        ErrorCode::KeyMismatch
+                    }
                     DeclareError::MemoryLimit { .. } => ErrorCode::ResourceExhausted,
                 };
                 Err(Interrupted::Refused(Message::error(

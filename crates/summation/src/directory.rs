@@ -5,17 +5,21 @@
 //! memory traffic.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use sumflow_compress::Compressor;
 use sumflow_wire::{Dtype, KeyCodec};
 use thiserror::Error;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct KeyMeta {
     pub dtype: Dtype,
     /// Uncompressed length.
     pub byte_len: u64,
     pub codec: KeyCodec,
+    /// The workers whose pushes make up each round, ascending; `None`: every worker.
+    /// Shared, not copied, by each lookup of the key.
+    pub members: Option<Arc<[u32]>>,
     pub engine: usize,
     /// The worker whose declaration created the key, for mismatch messages.
     pub declared_by: u32,
@@ -88,6 +92,19 @@ pub enum DeclareError {
         first_codec: KeyCodec,
     },
     #[error(
+        "key {key} declared by worker {worker} {}, but worker {first_worker} declared it {}: \
+         every worker must declare a key with the same members",
+        members_text(.members.as_deref()),
+        members_text(.first_members.as_deref())
+    )]
+    MembersMismatch {
+        key: u64,
+        worker: u32,
+        members: Option<Vec<u32>>,
+        first_worker: u32,
+        first_members: Option<Vec<u32>>,
+    },
+    #[error(
         "key {key} needs {need} bytes but the server's key memory limit of {limit} bytes has \
          {used} in use; raise --max-key-memory or add servers"
     )]
@@ -105,6 +122,14 @@ fn form(dtype: Dtype, elements: u64, codec: &KeyCodec) -> String {
         format!("{dtype} x {elements}")
     } else {
         format!("{dtype} x {elements} compressed by {codec}")
+    }
+}
+
+/// A key's members, for messages: "with members [0, 2]", or "for every worker".
+fn members_text(members: Option<&[u32]>) -> String {
+    match members {
+        Some(m) => format!("with members {m:?}"),
+        None => "for every worker".into(),
     }
 }
 
@@ -135,19 +160,23 @@ impl KeyDirectory {
     }
 
     pub fn get(&self, key: u64) -> Option<KeyMeta> {
-        self.keys.get(&key).copied()
+        self.keys.get(&key).cloned()
     }
 
     pub fn engine_bytes(&self) -> &[u64] {
         &self.engine_bytes
     }
 
+    /// Declares `key` for `worker`: creates it, or checks a later declaration against the
+    /// first. `members` are ascending ranks of the job (the caller checks them against its
+    /// size); `None` counts every worker.
     pub fn declare(
         &mut self,
         key: u64,
         dtype: Dtype,
         byte_len: u64,
         codec: KeyCodec,
+        members: Option<&[u32]>,
         worker: u32,
     ) -> Result<Declared, DeclareError> {
         if let Some(first) = self.keys.get(&key) {
@@ -164,7 +193,16 @@ impl KeyDirectory {
                     first_codec: first.codec,
                 });
             }
-            return Ok(Declared::Existing(*first));
+            if first.members.as_deref() != members {
+                return Err(DeclareError::MembersMismatch {
+                    key,
+                    worker,
+                    members: members.map(<[u32]>::to_vec),
+                    first_worker: first.declared_by,
+                    first_members: first.members.as_deref().map(<[u32]>::to_vec),
+                });
+            }
+            return Ok(Declared::Existing(first.clone()));
         }
         let (engine, _) = self
             .engine_bytes
@@ -176,6 +214,7 @@ impl KeyDirectory {
             dtype,
             byte_len,
             codec,
+            members: members.map(Arc::from),
             engine,
             declared_by: worker,
         };
@@ -191,7 +230,7 @@ impl KeyDirectory {
             }
         }
         self.engine_bytes[engine] += meta.footprint();
-        self.keys.insert(key, meta);
+        self.keys.insert(key, meta.clone());
         Ok(Declared::New(meta))
     }
 }
@@ -205,7 +244,7 @@ mod tests {
         let mut d = KeyDirectory::new(3, None);
         let sizes = [4096u64, 64, 64, 1024, 2048, 4096, 16, 512, 2048, 1024];
         for (k, s) in sizes.iter().enumerate() {
-            d.declare(k as u64, Dtype::F32, s * 4, KeyCodec::RAW, 0)
+            d.declare(k as u64, Dtype::F32, s * 4, KeyCodec::RAW, None, 0)
                 .unwrap();
         }
         let b = d.engine_bytes();
@@ -219,27 +258,34 @@ mod tests {
     fn redeclaration_must_match() {
         let mut d = KeyDirectory::new(1, None);
         assert!(matches!(
-            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, 0),
+            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, None, 0),
             Ok(Declared::New(_))
         ));
         assert!(matches!(
-            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, 1),
+            d.declare(7, Dtype::F16, 20, KeyCodec::RAW, None, 1),
             Ok(Declared::Existing(_))
         ));
-        let e = d.declare(7, Dtype::F32, 20, KeyCodec::RAW, 2).unwrap_err();
+        let e = d
+            .declare(7, Dtype::F32, 20, KeyCodec::RAW, None, 2)
+            .unwrap_err();
         let msg = e.to_string();
         assert!(
             msg.contains("worker 2 as f32 x 5,") && msg.contains("same dtype and size"),
             "{msg}"
         );
-        assert!(d.declare(7, Dtype::F16, 22, KeyCodec::RAW, 1).is_err());
+        assert!(d
+            .declare(7, Dtype::F16, 22, KeyCodec::RAW, None, 1)
+            .is_err());
     }
 
     #[test]
     fn memory_limit_is_enforced_and_explained() {
         let mut d = KeyDirectory::new(2, Some(1000));
-        d.declare(1, Dtype::I32, 400, KeyCodec::RAW, 0).unwrap(); // 800 bytes held
-        let e = d.declare(2, Dtype::I32, 200, KeyCodec::RAW, 0).unwrap_err();
+        d.declare(1, Dtype::I32, 400, KeyCodec::RAW, None, 0)
+            .unwrap(); // 800 bytes held
+        let e = d
+            .declare(2, Dtype::I32, 200, KeyCodec::RAW, None, 0)
+            .unwrap_err();
         assert!(e.to_string().contains("--max-key-memory"), "{e}");
         assert_eq!(d.get(2), None);
     }
@@ -247,7 +293,10 @@ mod tests {
     #[test]
     fn sixteen_bit_keys_count_their_f32_accumulator() {
         let mut d = KeyDirectory::new(1, None);
-        let Declared::New(m) = d.declare(1, Dtype::Bf16, 100, KeyCodec::RAW, 0).unwrap() else {
+        let Declared::New(m) = d
+            .declare(1, Dtype::Bf16, 100, KeyCodec::RAW, None, 0)
+            .unwrap()
+        else {
             panic!()
         };
         assert_eq!(m.footprint(), 50 * 4 + 100);
@@ -262,13 +311,16 @@ mod tests {
             feedback,
         };
         let mut d = KeyDirectory::new(1, None);
-        let Declared::New(m) = d.declare(1, Dtype::F32, 4000, topk(10, true), 0).unwrap() else {
+        let Declared::New(m) = d
+            .declare(1, Dtype::F32, 4000, topk(10, true), None, 0)
+            .unwrap()
+        else {
             panic!()
         };
         // f32 accumulator, a top-10 sum, the server's residual.
         assert_eq!(m.footprint(), 4000 + 80 + 4000);
         let e = d
-            .declare(1, Dtype::F32, 4000, topk(20, true), 3)
+            .declare(1, Dtype::F32, 4000, topk(20, true), None, 3)
             .unwrap_err();
         let msg = e.to_string();
         assert!(
@@ -281,10 +333,48 @@ mod tests {
             param: 10,
             feedback: false,
         };
-        let Declared::New(m) = d.declare(2, Dtype::F32, 4000, randomk, 0).unwrap() else {
+        let Declared::New(m) = d.declare(2, Dtype::F32, 4000, randomk, None, 0).unwrap() else {
             panic!()
         };
         // Summed as 10 values: accumulator and sum of 10 f32 each.
         assert_eq!(m.footprint(), 80);
+    }
+
+    #[test]
+    fn redeclaration_must_name_the_same_members() {
+        let mut d = KeyDirectory::new(1, None);
+        let Declared::New(m) = d
+            .declare(1, Dtype::F32, 8, KeyCodec::RAW, Some(&[0, 2]), 0)
+            .unwrap()
+        else {
+            panic!()
+        };
+        assert_eq!(m.members.as_deref(), Some(&[0, 2][..]));
+        // Members change nothing of what the key holds.
+        assert_eq!(m.footprint(), 16);
+        assert!(matches!(
+            d.declare(1, Dtype::F32, 8, KeyCodec::RAW, Some(&[0, 2]), 2),
+            Ok(Declared::Existing(_))
+        ));
+        let e = d
+            .declare(1, Dtype::F32, 8, KeyCodec::RAW, Some(&[0, 1, 2]), 1)
+            .unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "key 1 declared by worker 1 with members [0, 1, 2], but worker 0 declared it with \
+             members [0, 2]: every worker must declare a key with the same members"
+        );
+        let e = d
+            .declare(1, Dtype::F32, 8, KeyCodec::RAW, None, 1)
+            .unwrap_err();
+        assert!(
+            e.to_string().contains("worker 1 for every worker, but"),
+            "{e}"
+        );
+        d.declare(2, Dtype::F32, 8, KeyCodec::RAW, None, 0).unwrap();
+        let e = d
+            .declare(2, Dtype::F32, 8, KeyCodec::RAW, Some(&[1]), 1)
+            .unwrap_err();
+        assert!(matches!(e, DeclareError::MembersMismatch { .. }), "{e}");
     }
 }

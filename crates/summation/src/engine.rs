@@ -124,13 +124,14 @@ impl Engine {
             Some(_) if meta.codec.feedback => vec![0.0; meta.elements() as usize],
             _ => Vec::new(),
         };
+        let rounds = RoundTracker::new(self.workers, meta.members.clone());
         self.keys.insert(
             key,
             KeyState {
                 meta,
                 decoder,
                 residual,
-                rounds: RoundTracker::new(self.workers),
+                rounds,
                 acc,
                 acc_live: false,
                 staged: Vec::new(),
@@ -144,6 +145,10 @@ impl Engine {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, reply);
         };
+        // A non-member's push is wrong whatever became of the members: refused first.
+        if let Err(e) = k.rounds.admit(worker, "push", round) {
+            return refuse(key, e, reply);
+        }
         if let Some(why) = blocker(&self.gone, &k.rounds, round) {
             return fail_pull(key, round, &why, reply);
         }
@@ -167,6 +172,9 @@ impl Engine {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, &reply);
         };
+        if let Err(e) = k.rounds.admit(worker, "pull", round) {
+            return refuse(key, e, &reply);
+        }
         // A round that can no longer complete is reported as such, whatever else is
         // wrong with the pull: the departed worker is the news.
         if let Some(why) = blocker(&self.gone, &k.rounds, round) {
@@ -297,14 +305,15 @@ fn f32s_mut(buf: &mut [u8]) -> &mut [f32] {
     bytemuck::cast_slice_mut(buf)
 }
 
-/// Names the departed workers that keep `round` from ever completing, if any.
+/// Names the departed workers that keep `round` from ever completing, if any: members of
+/// the key that had not pushed it (a worker that is not a member blocks nothing).
 fn blocker(gone: &BTreeMap<u32, Arc<str>>, rounds: &RoundTracker, round: u64) -> Option<String> {
     if round <= rounds.completed() {
         return None;
     }
     let missing: Vec<String> = gone
         .iter()
-        .filter(|(w, _)| !rounds.has_pushed(**w, round))
+        .filter(|(w, _)| rounds.counts(**w) && !rounds.has_pushed(**w, round))
         .map(|(_, reason)| reason.to_string())
         .collect();
     (!missing.is_empty()).then(|| missing.join("; "))
@@ -324,6 +333,8 @@ fn refuse(key: u64, e: RoundError, reply: &Replier) {
         RoundError::DuplicatePush { .. } => ErrorCode::DuplicatePush,
         RoundError::DuplicatePull { .. } => ErrorCode::DuplicatePull,
         RoundError::OutOfSequence { .. } => ErrorCode::RoundOutOfSequence,
+        // A rank outside the key's members, as BadRank is one outside the job's.
+        RoundError::NotMember { .. } => ErrorCode::BadRank,
     };
     let _ = reply.send(Outgoing::Fatal(Message::error(
         code,
@@ -355,6 +366,7 @@ mod tests {
             dtype,
             byte_len: elements * dtype.size() as u64,
             codec: sumflow_wire::KeyCodec::RAW,
+            members: None,
             engine: 0,
             declared_by: 0,
         }
@@ -497,7 +509,7 @@ mod tests {
         let (tx, rx) = unbounded();
         let m = compressed(sumflow_wire::Codec::TopK, 2, true, 4);
         let mut e = Engine::new(Reducer::detect(), 2);
-        e.init(1, m, None);
+        e.init(1, m.clone(), None);
         e.pull(1, 0, 0, tx.clone());
         assert_eq!(decoded_sum(&rx, &m), [0.0; 4], "round 0 is zeros");
         e.push(1, 1, 0, encoded(&pool, &m, &[5.0, 0.0, 0.0, 1.0]), &tx);
@@ -521,7 +533,7 @@ mod tests {
         let (tx, rx) = unbounded();
         let m = compressed(sumflow_wire::Codec::Sign, 0, false, 4);
         let mut e = Engine::new(Reducer::detect(), 2);
-        e.init(1, m, None);
+        e.init(1, m.clone(), None);
         // Decoded: [1, -1, 1, -1] and [3, 3, -3, -3]; sum [4, 2, -2, -4], mean magnitude 3.
         e.push(1, 1, 0, encoded(&pool, &m, &[1.0, -1.0, 1.0, -1.0]), &tx);
         e.push(1, 1, 1, encoded(&pool, &m, &[3.0, 3.0, -3.0, -3.0]), &tx);
@@ -536,7 +548,7 @@ mod tests {
         let m = compressed(sumflow_wire::Codec::RandomK, 3, false, 100);
         assert!(m.decoder().is_none());
         let mut e = Engine::new(Reducer::detect(), 2);
-        e.init(1, m, None);
+        e.init(1, m.clone(), None);
         let values = |v: [f32; 3]| {
             let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
             pooled(&pool, &bytes)
@@ -602,6 +614,95 @@ mod tests {
         assert_eq!(
             half::f16::from_le_bytes([data[0], data[1]]).to_f32(),
             2050.0
+        );
+    }
+
+    /// An engine of 3 workers with key 1 of every worker and key 2 of workers 0 and 2.
+    fn member_engine() -> Engine {
+        let mut e = engine(3);
+        let members = KeyMeta {
+            members: Some(Arc::from([0, 2])),
+            ..meta(Dtype::I32, 3)
+        };
+        e.init(2, members, None);
+        e
+    }
+
+    fn error(rx: &Receiver<Outgoing>) -> (bool, sumflow_wire::ErrorReply) {
+        match rx.try_recv() {
+            Ok(Outgoing::Fatal(Message::Error(err))) => (true, err),
+            Ok(Outgoing::Message(Message::Error(err))) => (false, err),
+            _ => panic!("expected an error"),
+        }
+    }
+
+    #[test]
+    fn a_member_key_sums_its_members_and_refuses_the_others() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = member_engine();
+        e.push(2, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(2, 1, 0, tx.clone());
+        assert!(rx.try_recv().is_err(), "worker 2 has not pushed yet");
+        e.push(2, 1, 2, data(&pool, &[10, 20, 30]), &tx);
+        assert_eq!(sum_of(&rx), vec![11, 22, 33]);
+        e.pull(2, 1, 2, tx.clone());
+        assert_eq!(sum_of(&rx), vec![11, 22, 33]);
+        // Worker 1's push is refused and summed nowhere.
+        e.push(2, 2, 1, data(&pool, &[100, 100, 100]), &tx);
+        let (fatal, err) = error(&rx);
+        assert!(fatal);
+        assert_eq!(err.code, ErrorCode::BadRank);
+        assert!(
+            err.message.contains("worker 1") && err.message.contains("workers [0, 2]"),
+            "{}",
+            err.message
+        );
+        e.pull(2, 0, 1, tx.clone());
+        assert_eq!(error(&rx).1.code, ErrorCode::BadRank);
+        for w in [0, 2] {
+            e.push(2, 2, w, data(&pool, &[w as i32, 1, 1]), &tx);
+        }
+        e.pull(2, 2, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![2, 2, 2]);
+        // Key 1 still needs all three.
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 1, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        assert!(rx.try_recv().is_err(), "worker 1 has not pushed key 1");
+        e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
+        assert_eq!(sum_of(&rx), vec![3, 3, 3]);
+    }
+
+    #[test]
+    fn a_departed_worker_blocks_only_the_keys_it_is_a_member_of() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = member_engine();
+        e.push(2, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(2, 1, 0, tx.clone());
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        // Worker 1 is no member of key 2: only key 1's pull fails.
+        e.worker_gone(1, "worker 1 (w1) lost its connection".into());
+        let (fatal, err) = error(&rx);
+        assert!(!fatal);
+        assert_eq!((err.code, err.key), (ErrorCode::NodeFailed, Some(1)));
+        assert!(rx.try_recv().is_err(), "key 2's pull still waits");
+        e.push(2, 1, 2, data(&pool, &[2, 2, 2]), &tx);
+        assert_eq!(sum_of(&rx), vec![3, 3, 3]);
+        // Worker 2, a member, leaving fails key 2's next round.
+        e.pull(2, 1, 2, tx.clone());
+        assert_eq!(sum_of(&rx), vec![3, 3, 3]);
+        e.push(2, 2, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(2, 2, 0, tx.clone());
+        e.worker_gone(2, "worker 2 (w2) left".into());
+        let (_, err) = error(&rx);
+        assert_eq!((err.code, err.key), (ErrorCode::NodeFailed, Some(2)));
+        assert!(
+            err.message.contains("worker 2 (w2) left"),
+            "{}",
+            err.message
         );
     }
 }

@@ -4,6 +4,12 @@
 //! round r + 1. So at most one round per key is accumulating while the previous round's
 //! sum waits for its last pulls, which is what bounds a key's memory to two buffers. The
 //! optional round 0 pull returns the key's initial value before the worker's first push.
+//!
+//! A key may count only some of the job's workers, its members (a Horovod process set):
+//! a round is complete once every member has pushed it, and other workers may neither
+//! push nor pull it.
+
+use std::sync::Arc;
 
 use thiserror::Error;
 
@@ -21,6 +27,16 @@ pub enum RoundError {
         round: u64,
         why: String,
     },
+    #[error(
+        "worker {worker} sent {op} of round {round}, but the key's rounds count only its \
+         members, workers {members:?}"
+    )]
+    NotMember {
+        worker: u32,
+        op: &'static str,
+        round: u64,
+        members: Arc<[u32]>,
+    },
 }
 
 /// What a valid pull leads to.
@@ -36,28 +52,62 @@ pub enum PullOutcome {
 pub struct RoundTracker {
     completed: u64,
     pushes_in_round: u32,
+    /// The workers whose pushes make up a round, ascending; `None`: every worker.
+    members: Option<Arc<[u32]>>,
+    /// Indexed by worker rank, members or not: a few bytes per worker buys indexing
+    /// without a lookup on every push.
     last_pushed: Vec<u64>,
     last_pulled: Vec<u64>,
     pulled_initial: Vec<bool>,
 }
 
 impl RoundTracker {
-    pub fn new(workers: u32) -> Self {
+    /// A key of a job of `workers` workers whose rounds count `members` (ranks below
+    /// `workers`, ascending), or every worker.
+    pub fn new(workers: u32, members: Option<Arc<[u32]>>) -> Self {
         let n = workers as usize;
+        debug_assert!(members
+            .as_deref()
+            .is_none_or(|m| m.windows(2).all(|w| w[0] < w[1]) && m.iter().all(|&r| r < workers)));
         RoundTracker {
             completed: 0,
             pushes_in_round: 0,
+            members,
             last_pushed: vec![0; n],
             last_pulled: vec![0; n],
             pulled_initial: vec![false; n],
         }
     }
 
-    pub fn workers(&self) -> u32 {
-        self.last_pushed.len() as u32
+    /// How many pushes complete a round.
+    fn quorum(&self) -> u32 {
+        match &self.members {
+            Some(m) => m.len() as u32,
+            None => self.last_pushed.len() as u32,
+        }
     }
 
-    /// The last round every worker has pushed (0 before the first).
+    /// Whether `worker`'s pushes count towards this key's rounds.
+    pub fn counts(&self, worker: u32) -> bool {
+        self.members
+            .as_deref()
+            .is_none_or(|m| m.binary_search(&worker).is_ok())
+    }
+
+    /// Refuses a push or pull of `round` by a worker that is not one of the key's members.
+    pub fn admit(&self, worker: u32, op: &'static str, round: u64) -> Result<(), RoundError> {
+        match &self.members {
+            Some(members) if !self.counts(worker) => Err(RoundError::NotMember {
+                worker,
+                op,
+                round,
+                members: Arc::clone(members),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The last round every member has pushed (0 before the first).
     pub fn completed(&self) -> u64 {
         self.completed
     }
@@ -74,6 +124,7 @@ impl RoundTracker {
 
     /// Accepts a push; returns true when it is the last push of its round.
     pub fn push(&mut self, worker: u32, round: u64) -> Result<bool, RoundError> {
+        self.admit(worker, "push", round)?;
         let w = worker as usize;
         let expected = self.last_pushed[w] + 1;
         if round == self.last_pushed[w] && round > 0 {
@@ -97,7 +148,7 @@ impl RoundTracker {
         debug_assert_eq!(round, self.current());
         self.last_pushed[w] = round;
         self.pushes_in_round += 1;
-        if self.pushes_in_round == self.workers() {
+        if self.pushes_in_round == self.quorum() {
             self.pushes_in_round = 0;
             self.completed = round;
             return Ok(true);
@@ -107,6 +158,7 @@ impl RoundTracker {
 
     /// Accepts a pull and says whether it can be answered now.
     pub fn pull(&mut self, worker: u32, round: u64) -> Result<PullOutcome, RoundError> {
+        self.admit(worker, "pull", round)?;
         let w = worker as usize;
         let out_of_sequence = |why: String| RoundError::OutOfSequence {
             worker,
@@ -155,7 +207,7 @@ mod tests {
 
     #[test]
     fn a_round_completes_when_every_worker_pushed() {
-        let mut t = RoundTracker::new(3);
+        let mut t = RoundTracker::new(3, None);
         assert_eq!(t.push(0, 1), Ok(false));
         assert_eq!(t.pull(0, 1), Ok(PullOutcome::Wait));
         assert_eq!(t.push(2, 1), Ok(false));
@@ -173,7 +225,7 @@ mod tests {
 
     #[test]
     fn duplicates_and_gaps_are_refused() {
-        let mut t = RoundTracker::new(2);
+        let mut t = RoundTracker::new(2, None);
         t.push(0, 1).unwrap();
         assert_eq!(
             t.push(0, 1),
@@ -210,13 +262,13 @@ mod tests {
 
     #[test]
     fn initial_value_is_pulled_once_before_the_first_push() {
-        let mut t = RoundTracker::new(1);
+        let mut t = RoundTracker::new(1, None);
         assert_eq!(t.pull(0, 0), Ok(PullOutcome::Ready));
         assert!(matches!(
             t.pull(0, 0),
             Err(RoundError::DuplicatePull { .. })
         ));
-        let mut t = RoundTracker::new(2);
+        let mut t = RoundTracker::new(2, None);
         t.push(0, 1).unwrap();
         assert!(matches!(
             t.pull(0, 0),
@@ -226,7 +278,7 @@ mod tests {
 
     #[test]
     fn many_rounds_in_lockstep() {
-        let mut t = RoundTracker::new(4);
+        let mut t = RoundTracker::new(4, None);
         for r in 1..=50 {
             for w in 0..4 {
                 assert_eq!(t.push(w, r).unwrap(), w == 3);
@@ -237,5 +289,44 @@ mod tests {
             }
         }
         assert_eq!(t.completed(), 50);
+    }
+
+    #[test]
+    fn a_member_key_completes_when_its_members_pushed() {
+        let members: Arc<[u32]> = Arc::from([0, 2]);
+        let mut t = RoundTracker::new(3, Some(Arc::clone(&members)));
+        assert!(t.counts(2) && !t.counts(1));
+        for r in 1..=3 {
+            assert_eq!(t.push(2, r), Ok(false));
+            assert_eq!(t.pull(2, r), Ok(PullOutcome::Wait));
+            assert_eq!(t.push(0, r), Ok(true), "round {r}: both members pushed");
+            assert_eq!(t.completed(), r);
+            assert_eq!(t.pull(0, r), Ok(PullOutcome::Ready));
+        }
+        // Worker 1 is not a member: its push is refused and counts for nothing.
+        assert_eq!(
+            t.push(1, 4),
+            Err(RoundError::NotMember {
+                worker: 1,
+                op: "push",
+                round: 4,
+                members: Arc::clone(&members)
+            })
+        );
+        let e = t.pull(1, 0).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "worker 1 sent pull of round 0, but the key's rounds count only its members, \
+             workers [0, 2]"
+        );
+        assert_eq!(t.push(0, 4), Ok(false));
+        assert_eq!(t.push(2, 4), Ok(true));
+    }
+
+    #[test]
+    fn a_key_of_every_worker_admits_everyone() {
+        let t = RoundTracker::new(2, None);
+        assert!(t.counts(0) && t.counts(1));
+        assert_eq!(t.admit(1, "push", 1), Ok(()));
     }
 }

@@ -68,6 +68,11 @@ impl<'a> Dec<'a> {
         String::from_utf8(raw.to_vec()).map_err(|_| self.bad(field, "not valid UTF-8"))
     }
 
+    /// Bytes not yet decoded.
+    pub fn remaining(&self) -> usize {
+        self.buf.len()
+    }
+
     pub fn finish(self) -> Result<(), WireError> {
         if self.buf.is_empty() {
             Ok(())

@@ -9,7 +9,7 @@ use crate::auth::{random_bytes, Handshake, JobToken};
 use crate::cluster::Role;
 use crate::error::WireError;
 use crate::frame::{Header, HEADER_LEN};
-use crate::message::{ErrorReply, Message, Service, DATA_META_LEN};
+use crate::message::{self, ErrorReply, Message, Service, DATA_META_LEN};
 
 /// Payloads up to this size are copied behind the header so a small frame is one write.
 const COALESCE_LIMIT: usize = 64 << 10;
@@ -67,7 +67,14 @@ impl<R: Read> FrameReader<R> {
         };
         let mut meta = vec![0u8; meta_len];
         self.inner.read_exact(&mut meta)?;
-        let payload_len = body_len - meta_len;
+        let mut payload_len = body_len - meta_len;
+        // An InitKey's member list is decoded with its meta block (see `inline_len`).
+        let inline = message::inline_len(header.op, &meta, payload_len)?;
+        if inline > 0 {
+            meta.resize(meta_len + inline, 0);
+            self.inner.read_exact(&mut meta[meta_len..])?;
+            payload_len -= inline;
+        }
         let message = Message::decode(header.op, &meta, payload_len)?;
         self.pending_payload = payload_len;
         Ok(Frame {

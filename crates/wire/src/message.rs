@@ -53,6 +53,37 @@ pub enum PushMode {
     Delta = 1,
 }
 
+/// What follows an `InitKey`'s meta block, its `has_init` byte.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum KeyInit {
+    /// 0: nothing; the key starts at zeros.
+    Zeros,
+    /// 1: the key's initial value, `byte_len` bytes (raw keys only), streamed into the
+    /// receiver's buffer like any payload.
+    Value,
+    /// 2: the key's members, the workers whose pushes make up each of its rounds: at least
+    /// one rank, distinct and strictly ascending (raw keys only; no initial value). A few
+    /// bytes of control data, so they are decoded with the meta block, not streamed.
+    Members(Vec<u32>),
+}
+
+impl KeyInit {
+    fn code(&self) -> u8 {
+        match self {
+            KeyInit::Zeros => 0,
+            KeyInit::Value => 1,
+            KeyInit::Members(_) => INIT_MEMBERS,
+        }
+    }
+}
+
+/// Offset of `has_init` in InitKey's meta block (after `key u64`, `byte_len u64`, `dtype u8`).
+const HAS_INIT_AT: usize = 17;
+/// The `has_init` value of a member list.
+const INIT_MEMBERS: u8 = 2;
+/// The longest member list: a count and [`MAX_NODES`] ranks.
+const MAX_MEMBERS_BYTES: usize = 4 + 4 * MAX_NODES;
+
 /// Which nodes a barrier waits for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
@@ -106,7 +137,7 @@ pub enum Message {
         map: ClusterMap,
     },
     /// A worker declares a tensor before its first push. Every worker must declare each
-    /// name with the same dtype and element count; the coordinator checks that.
+    /// name with the same dtype, element count and description; the coordinator checks that.
     Declare {
         /// The tensor's name, e.g. "layer1.0.conv1.weight"; never empty.
         name: String,
@@ -114,8 +145,9 @@ pub enum Message {
         /// Number of elements; positive, and small enough that the tensor's byte length
         /// fits in a `u64`.
         elements: u64,
-        /// How the tensor travels, described for people (e.g. "topk (ratio 0.01) with
-        /// error feedback"); empty for raw elements. Compared like dtype and size.
+        /// How the tensor travels, described for people (e.g. "compressed by topk (ratio
+        /// 0.01) with error feedback", "summed over workers [0, 2]"); empty for raw
+        /// elements summed over every worker. Compared as text, like dtype and size.
         compression: String,
     },
     /// The coordinator's answer to a `Declare`: the job-wide id of the named tensor,
@@ -125,14 +157,16 @@ pub enum Message {
         name: String,
         tensor_id: u32,
     },
-    /// Payload: the initial value (`byte_len` bytes) when `has_init`, else empty.
-    /// `byte_len` is the key's uncompressed length; `codec` fixes how every payload of the
-    /// key is encoded (a compressed key has no initial value).
+    /// Payload: the initial value (`byte_len` bytes) when `init` is [`KeyInit::Value`], the
+    /// member list (part of the decoded message, not a streamed payload) when it is
+    /// [`KeyInit::Members`], else empty. `byte_len` is the key's uncompressed length;
+    /// `codec` fixes how every payload of the key is encoded (a compressed key has neither
+    /// an initial value nor members).
     InitKey {
         key: u64,
         dtype: Dtype,
         byte_len: u64,
-        has_init: bool,
+        init: KeyInit,
         codec: KeyCodec,
     },
     InitAck {
@@ -306,16 +340,22 @@ impl Message {
                 key,
                 dtype,
                 byte_len,
-                has_init,
+                init,
                 codec,
             } => {
                 e.u64(*key)
                     .u64(*byte_len)
                     .u8(*dtype as u8)
-                    .u8(*has_init as u8)
+                    .u8(init.code())
                     .u8(codec.codec as u8)
                     .u8(codec.feedback as u8)
                     .u32(codec.param);
+                if let KeyInit::Members(ranks) = init {
+                    e.u32(ranks.len() as u32);
+                    for r in ranks {
+                        e.u32(*r);
+                    }
+                }
             }
             Message::InitAck { key } => {
                 e.u64(*key);
@@ -376,9 +416,10 @@ impl Message {
         }
     }
 
-    /// Decodes a body. For data ops `body` is the 24-byte meta block and `payload_len` the
-    /// number of payload bytes that follow it on the wire; for other ops `body` is the whole
-    /// body and `payload_len` must be 0.
+    /// Decodes a body. For data ops `body` is the 24-byte meta block (with, for an `InitKey`
+    /// with members, its member list: see [`inline_len`]) and `payload_len` the number of
+    /// payload bytes that follow it on the wire; for other ops `body` is the whole body and
+    /// `payload_len` must be 0.
     pub fn decode(op: Op, body: &[u8], payload_len: usize) -> Result<Message, WireError> {
         let mut d = Dec::new(op, body);
         let msg = match op {
@@ -440,7 +481,10 @@ impl Message {
                 let key = d.u64("key")?;
                 let byte_len = d.u64("byte_len")?;
                 let dtype = dtype(&mut d)?;
-                let has_init = flag(&mut d, "has_init")?;
+                let has_init = d.u8("has_init")?;
+                if has_init > INIT_MEMBERS {
+                    return Err(d.bad("has_init", format!("{has_init} is not 0, 1 or 2")));
+                }
                 let codec = KeyCodec {
                     codec: codec(&mut d)?,
                     feedback: flag(&mut d, "feedback")?,
@@ -458,10 +502,20 @@ impl Message {
                 codec
                     .check(dtype, byte_len / dtype.size() as u64)
                     .map_err(|why| d.bad("codec", why.to_string()))?;
-                if has_init && !codec.is_raw() {
-                    return Err(d.bad("has_init", "a compressed key has no initial value"));
-                }
-                let expected = if has_init { byte_len } else { 0 };
+                let init = match has_init {
+                    0 => KeyInit::Zeros,
+                    1 if !codec.is_raw() => {
+                        return Err(d.bad("has_init", "a compressed key has no initial value"))
+                    }
+                    1 => KeyInit::Value,
+                    // Compressed sums are re-encoded for every worker alike; members are
+                    // for raw keys only, which is all process sets need.
+                    _ if !codec.is_raw() => {
+                        return Err(d.bad("codec", "a key with members must be raw (codec 0)"))
+                    }
+                    _ => KeyInit::Members(members(&mut d)?),
+                };
+                let expected = if init == KeyInit::Value { byte_len } else { 0 };
                 if payload_len as u64 != expected {
                     return Err(d.bad(
                         "payload",
@@ -472,7 +526,7 @@ impl Message {
                     key,
                     dtype,
                     byte_len,
-                    has_init,
+                    init,
                     codec,
                 }
             }
@@ -599,6 +653,60 @@ fn flag(d: &mut Dec<'_>, field: &'static str) -> Result<bool, WireError> {
     }
 }
 
+/// An `InitKey`'s member list: a count, then that many distinct ranks in ascending order,
+/// and nothing after them. Whether each rank is in the job is the server's to check: only
+/// it knows the job's size.
+fn members(d: &mut Dec<'_>) -> Result<Vec<u32>, WireError> {
+    let count = d.u32("members")? as usize;
+    if count == 0 {
+        return Err(d.bad("members", "a key's member list needs at least one rank"));
+    }
+    if count > MAX_NODES {
+        return Err(d.bad("members", format!("{count} members exceeds {MAX_NODES}")));
+    }
+    if d.remaining() != 4 * count {
+        return Err(d.bad(
+            "members",
+            format!(
+                "the count says {count} ranks but {} bytes follow it, not {}",
+                d.remaining(),
+                4 * count
+            ),
+        ));
+    }
+    let mut ranks: Vec<u32> = Vec::with_capacity(count);
+    for _ in 0..count {
+        let rank = d.u32("members")?;
+        if let Some(&last) = ranks.last() {
+            if rank <= last {
+                return Err(d.bad(
+                    "members",
+                    format!("rank {rank} after {last}: ranks must be distinct and ascending"),
+                ));
+            }
+        }
+        ranks.push(rank);
+    }
+    Ok(ranks)
+}
+
+/// How many of the `payload_len` bytes after a data frame's meta block belong to the
+/// decoded message rather than a streamed payload: an `InitKey`'s member list, all of them;
+/// otherwise none. Refuses a member list longer than any valid one before it is read.
+pub(crate) fn inline_len(op: Op, meta: &[u8], payload_len: usize) -> Result<usize, WireError> {
+    if op != Op::InitKey || meta.get(HAS_INIT_AT) != Some(&INIT_MEMBERS) {
+        return Ok(0);
+    }
+    if payload_len > MAX_MEMBERS_BYTES {
+        return Err(WireError::BadField {
+            op,
+            field: "members",
+            why: format!("{payload_len} bytes is longer than a list of {MAX_NODES} ranks"),
+        });
+    }
+    Ok(payload_len)
+}
+
 fn tensor_name(d: &mut Dec<'_>) -> Result<String, WireError> {
     let name = d.string("name")?;
     if name.is_empty() {
@@ -707,5 +815,6 @@ fn split_body(op: Op, body: &[u8]) -> Result<(&[u8], &[u8]), WireError> {
             need: DATA_META_LEN - body.len(),
         });
     }
-    Ok(body.split_at(DATA_META_LEN))
+    let inline = inline_len(op, &body[..DATA_META_LEN], body.len() - DATA_META_LEN)?;
+    Ok(body.split_at(DATA_META_LEN + inline))
 }

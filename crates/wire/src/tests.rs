@@ -118,7 +118,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 key: 5,
                 dtype: Dtype::F16,
                 byte_len: 6,
-                has_init: true,
+                init: KeyInit::Value,
                 codec: KeyCodec::RAW,
             },
             vec![1, 2, 3, 4, 5, 6],
@@ -128,7 +128,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 key: u64::MAX,
                 dtype: Dtype::I64,
                 byte_len: 800,
-                has_init: false,
+                init: KeyInit::Zeros,
                 codec: KeyCodec::RAW,
             },
             vec![],
@@ -138,12 +138,32 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 key: 6,
                 dtype: Dtype::F32,
                 byte_len: 4000,
-                has_init: false,
+                init: KeyInit::Zeros,
                 codec: KeyCodec {
                     codec: Codec::TopK,
                     param: 10,
                     feedback: true,
                 },
+            },
+            vec![],
+        ),
+        (
+            Message::InitKey {
+                key: 7,
+                dtype: Dtype::Bf16,
+                byte_len: 64,
+                init: KeyInit::Members(vec![0, 2, 65_535]),
+                codec: KeyCodec::RAW,
+            },
+            vec![],
+        ),
+        (
+            Message::InitKey {
+                key: 8,
+                dtype: Dtype::F32,
+                byte_len: 4,
+                init: KeyInit::Members(vec![3]),
+                codec: KeyCodec::RAW,
             },
             vec![],
         ),
@@ -338,7 +358,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         key: 1,
         dtype: Dtype::F32,
         byte_len: 8,
-        has_init: true,
+        init: KeyInit::Value,
         codec: KeyCodec::RAW,
     };
     let bytes = init.encode_with_payload(&[0; 4]);
@@ -350,29 +370,37 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         key: 1,
         dtype: Dtype::F32,
         byte_len: 6,
-        has_init: false,
+        init: KeyInit::Zeros,
         codec: KeyCodec::RAW,
     };
     let e = decode_frame(&init.encode(0), 1 << 20).unwrap_err();
     assert!(e.to_string().contains("byte_len"), "{e}");
     // A codec that cannot apply to the key, or a compressed key with an initial value.
-    let compressed = |dtype, param, has_init| Message::InitKey {
+    let compressed = |dtype, param, init| Message::InitKey {
         key: 1,
         dtype,
         byte_len: 40,
-        has_init,
+        init,
         codec: KeyCodec {
             codec: Codec::TopK,
             param,
             feedback: false,
         },
     };
-    let e = decode_frame(&compressed(Dtype::F32, 11, false).encode(0), 1 << 20).unwrap_err();
+    let e = decode_frame(
+        &compressed(Dtype::F32, 11, KeyInit::Zeros).encode(0),
+        1 << 20,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("k must be 1 to 10"), "{e}");
-    let e = decode_frame(&compressed(Dtype::F16, 5, false).encode(0), 1 << 20).unwrap_err();
+    let e = decode_frame(
+        &compressed(Dtype::F16, 5, KeyInit::Zeros).encode(0),
+        1 << 20,
+    )
+    .unwrap_err();
     assert!(e.to_string().contains("not f16"), "{e}");
     let e = decode_frame(
-        &compressed(Dtype::F32, 5, true).encode_with_payload(&[0; 40]),
+        &compressed(Dtype::F32, 5, KeyInit::Value).encode_with_payload(&[0; 40]),
         1 << 20,
     )
     .unwrap_err();
@@ -380,6 +408,136 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
     // Oversized frame, caught from the header alone.
     let e = decode_frame(&good, 16).unwrap_err();
     assert_eq!(e.code(), ErrorCode::FrameTooLarge);
+}
+
+/// An InitKey with members, as bytes: its meta block, then `list` after it.
+fn members_frame(codec: KeyCodec, list: &[u8]) -> Vec<u8> {
+    let head = Message::InitKey {
+        key: 1,
+        dtype: Dtype::F32,
+        byte_len: 8,
+        init: KeyInit::Members(vec![0]),
+        codec,
+    }
+    .encode(0);
+    body_frame(&[&head[HEADER_LEN..HEADER_LEN + DATA_META_LEN], list].concat())
+}
+
+fn body_frame(body: &[u8]) -> Vec<u8> {
+    let mut bytes = crate::frame::Header {
+        op: Op::InitKey,
+        body_len: body.len() as u32,
+    }
+    .encode()
+    .to_vec();
+    bytes.extend_from_slice(body);
+    bytes
+}
+
+fn ranks(count: u32, ranks: &[u32]) -> Vec<u8> {
+    std::iter::once(count)
+        .chain(ranks.iter().copied())
+        .flat_map(u32::to_le_bytes)
+        .collect()
+}
+
+/// Both decoders refuse `bytes` alike; returns the error.
+fn refused_by_both(bytes: &[u8]) -> WireError {
+    let whole = decode_frame(bytes, 1 << 20).unwrap_err();
+    let streamed = FrameReader::new(Cursor::new(bytes), 1 << 20)
+        .read()
+        .unwrap_err();
+    assert_eq!(whole.to_string(), streamed.to_string());
+    assert_eq!(whole.code(), ErrorCode::BadFrame);
+    whole
+}
+
+#[test]
+fn member_lists_are_checked_when_decoded_and_field_named() {
+    let raw = KeyCodec::RAW;
+    // The list as it is encoded: decoded alike by both readers, nothing left to stream.
+    let good = members_frame(raw, &ranks(2, &[0, 2]));
+    let frame = decode_frame(&good, 1 << 20).unwrap().unwrap();
+    assert!(frame.payload.is_empty());
+    let Message::InitKey { init, .. } = frame.message else {
+        panic!("an InitKey")
+    };
+    assert_eq!(init, KeyInit::Members(vec![0, 2]));
+    let f = FrameReader::new(Cursor::new(&good), 1 << 20)
+        .read()
+        .unwrap();
+    assert_eq!(f.payload_len, 0);
+
+    for (list, says) in [
+        (ranks(0, &[]), "at least one rank"),
+        (vec![], "truncated"),
+        (
+            ranks(2, &[0]),
+            "the count says 2 ranks but 4 bytes follow it, not 8",
+        ),
+        (
+            ranks(1, &[0, 1]),
+            "the count says 1 ranks but 8 bytes follow it",
+        ),
+        ([ranks(1, &[0]), vec![0]].concat(), "5 bytes follow it"),
+        (
+            ranks(3, &[0, 2, 1]),
+            "rank 1 after 2: ranks must be distinct and ascending",
+        ),
+        (ranks(2, &[4, 4]), "rank 4 after 4"),
+        (ranks(70_000, &[]), "70000 members exceeds 65536"),
+    ] {
+        let e = refused_by_both(&members_frame(raw, &list));
+        let msg = e.to_string();
+        assert!(msg.contains(says), "{says}: {msg}");
+        if !list.is_empty() {
+            assert!(msg.contains("field members"), "{msg}");
+        }
+    }
+    // Longer than any list: refused before it is read.
+    let e = refused_by_both(&members_frame(raw, &vec![0; 4 + 4 * 65_537]));
+    assert!(
+        e.to_string().contains("longer than a list of 65536 ranks"),
+        "{e}"
+    );
+    // Members are for raw keys.
+    let topk = KeyCodec {
+        codec: Codec::TopK,
+        param: 1,
+        feedback: false,
+    };
+    let e = refused_by_both(&members_frame(topk, &ranks(1, &[0])));
+    assert!(e.to_string().contains("field codec"), "{e}");
+    assert!(e.to_string().contains("must be raw"), "{e}");
+    // A has_init beyond 2.
+    let mut bad = members_frame(raw, &[]);
+    bad[HEADER_LEN + 17] = 3;
+    let e = refused_by_both(&bad);
+    assert!(e.to_string().contains("3 is not 0, 1 or 2"), "{e}");
+}
+
+#[test]
+fn keys_without_members_encode_as_before() {
+    // has_init 0 and 1, byte for byte as version 1 always sent them.
+    let init = |init| Message::InitKey {
+        key: 0x0102,
+        dtype: Dtype::I32,
+        byte_len: 8,
+        init,
+        codec: KeyCodec::RAW,
+    };
+    let meta = |has_init: u8| {
+        let mut m = vec![2, 1, 0, 0, 0, 0, 0, 0, 8, 0, 0, 0, 0, 0, 0, 0, 5, has_init];
+        m.extend([0; 6]);
+        m
+    };
+    assert_eq!(init(KeyInit::Zeros).encode(0)[HEADER_LEN..], meta(0)[..]);
+    assert_eq!(init(KeyInit::Value).encode(8)[HEADER_LEN..], meta(1)[..]);
+    let with = init(KeyInit::Members(vec![1, 5])).encode(0);
+    assert_eq!(
+        with[HEADER_LEN..],
+        [meta(2), ranks(2, &[1, 5])].concat()[..]
+    );
 }
 
 #[test]

@@ -61,6 +61,7 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
             task.handle,
             task.codec,
         );
+        let members = task.members.clone();
         let data = task.data;
         let tensor_name = Arc::clone(&task.name);
         let label = sh
@@ -86,10 +87,11 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
                 // Before a key's first frames go: the server's replies may be read (and
                 // counted) before this thread counts what it wrote.
                 sh.wire.open(key, &tensor_name);
-                if codec.is_raw() {
-                    tx.init_key(key, dtype, len as u64, None)
-                } else {
-                    tx.init_compressed_key(key, len as u64, codec)
+                match members.as_deref() {
+                    // Members are for raw keys only (the service refuses the rest).
+                    Some(members) => tx.init_member_key(key, dtype, len as u64, members),
+                    None if codec.is_raw() => tx.init_key(key, dtype, len as u64, None),
+                    None => tx.init_compressed_key(key, len as u64, codec),
                 }
             } else {
                 Ok(())

@@ -27,8 +27,9 @@ enum ReceiveError {
     NotAsked {
         key: u64,
         round: u64,
-        /// What this worker had in flight under that key.
-        asked: Option<PartTask>,
+        /// What this worker had in flight under that key (boxed: a rare error should
+        /// not make every result of `receive_sum` as large as a task).
+        asked: Option<Box<PartTask>>,
     },
     #[error("sum of key {key}: {source}")]
     Sum { key: u64, source: SumError },
@@ -126,7 +127,7 @@ fn receive_sum(
             return Err(ReceiveError::NotAsked {
                 key: head.key,
                 round: head.round,
-                asked: other.map(|f| f.task),
+                asked: other.map(|f| Box::new(f.task)),
             })
         }
     };

@@ -66,6 +66,9 @@ pub struct PartTask {
     pub data: HostSlice,
     /// How its push and sum are encoded on the wire.
     pub codec: KeyCodec,
+    /// The workers whose pushes its key sums (raw keys only), ascending; `None`: every
+    /// worker. Sent with the key's `InitKey`.
+    pub members: Option<Arc<[u32]>>,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
     /// The tensor's name and the partition's index in it, for the trace.

@@ -121,6 +121,7 @@ impl Worker {
                 data: whole.sub(partition.offset as usize, partition.bytes as usize),
                 codec: KeyCodec::RAW,
                 divisor,
+                members: None,
                 name: Arc::from(format!("tensor{tensor}")),
                 index: i as u32,
             })
