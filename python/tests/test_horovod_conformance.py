@@ -1,7 +1,11 @@
 """Horovod's own PyTorch test suite against sumflow.torch (../shared/conformance/
 horovod-torch/run.sh, only its import line changed): every test that passes today must
 keep passing. The tests that pass are listed in horovod_conformance_passing.txt; the ones
-still failing, with the reason, in docs/torch.md."""
+still failing, with the reason, in docs/torch.md.
+
+Horovod's three join tests are left out of the run: sumflow has no join() yet, and in
+them one worker calls join() while the other waits in an allreduce for it until its
+timeout, which would set the two workers' later tests apart in time."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ PASSING = Path(__file__).with_name("horovod_conformance_passing.txt")
 def test_no_horovod_test_that_passed_fails_now() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO / "bench")])}
     done = subprocess.run(
-        ["bash", str(RUN), "--launcher-flags", "--timeout 60"],
+        ["bash", str(RUN), "--launcher-flags", "--timeout 60", "--", "-k", "not join"],
         capture_output=True,
         text=True,
         timeout=900,
