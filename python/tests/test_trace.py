@@ -121,8 +121,10 @@ def test_a_traced_job_writes_each_workers_window_and_merges(tmp_path: Path) -> N
         assert all(e["args"]["partitions"] == 1 for e in ready), ready
         pushes = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("push → server")]
         sums = [e for e in by_phase(trace, "X") if names[e["tid"]].startswith("receive ← server")]
-        assert [e["name"] for e in pushes] == ["allreduce.x [0]"] * 3, pushes
-        assert [e["name"] for e in sums] == ["allreduce.x [0]"] * 3, sums
+        # Each allreduce is agreed first: a push of its request table, then the data.
+        want = ["agree.allreduce.x [0]", "allreduce.x [0]"] * 3
+        assert [e["name"] for e in pushes] == want, pushes
+        assert [e["name"] for e in sums] == want, sums
         assert all(e["args"]["started to sum ms"] >= 0 for e in sums), sums
 
     # The workers' windows overlap on the common clock.

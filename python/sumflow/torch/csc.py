@@ -29,6 +29,11 @@ from typing import Any
 import torch
 
 from sumflow.torch import _runtime, ops
+from sumflow.torch.compression import Compression
+
+#: How the optimizer's sums are issued: summed (not averaged), priority 0, uncompressed,
+#: unscaled.
+_SUM = (ops.Sum, 0, Compression.none, 1.0, 1.0)
 
 #: Chunk size of GradientFlow's evaluation.
 DEFAULT_CHUNK_ELEMENTS = 32 * 1024
@@ -189,7 +194,9 @@ class CoarseSparseSGD(torch.optim.Optimizer):
             self.important = torch.arange(self.chunks)
             return
         norms = chunk_l1_norms(self._pool, sent, workers)
-        ops.allreduce_(norms, name=f"{self.name}.norms", op=ops.Sum)
+        # Every worker sums the same tensors by construction: the declared path, with no
+        # agreement step.
+        ops.synchronize(ops.issue_declared(f"allreduce.{self.name}.norms", norms, *_SUM))
         self.important = select_chunks(norms, count)
 
     def _exchange(self, chunks: torch.Tensor) -> None:
@@ -201,7 +208,7 @@ class CoarseSparseSGD(torch.optim.Optimizer):
             buffer = self._pool[part].reshape(-1)
             full = len(part) == self.group_chunks
             tag = f"group{start // self.group_chunks}" if full else f"tail{len(part)}"
-            handle = ops.allreduce_async_(buffer, name=f"{self.name}.{tag}", op=ops.Sum)
+            handle = ops.issue_declared(f"allreduce.{self.name}.{tag}", buffer, *_SUM)
             handles.append((part, buffer, handle))
         for part, buffer, handle in handles:
             ops.synchronize(handle)

@@ -107,7 +107,9 @@ def ddp_hook(
         # place in its own span.
         span = buffer.narrow(0, offset, p.numel())
         offset += p.numel()
-        handles.append(ops._issue(name, span, ops.Average, priority, state.compression, 1.0, 1.0))
+        handles.append(
+            ops.issue_declared(name, span, ops.Average, priority, state.compression, 1.0, 1.0)
+        )
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     _start_completer()
     _completions.put((handles, fut, buffer))

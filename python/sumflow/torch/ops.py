@@ -247,7 +247,7 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
             tensor.copy_(tensor.double().mul_(factor).trunc_())
 
 
-def _issue(
+def issue_declared(
     name: str,
     output: torch.Tensor,
     op: ReduceOp,
@@ -557,7 +557,9 @@ def push_pull_async(
     del version  # BytePS's argument; sumflow counts rounds itself.
     full = _auto_name("push_pull", name)
     _work.check_not_in_flight(full)
-    return _issue(full, tensor, Average if average else Sum, priority, Compression.none, 1.0, 1.0)
+    return issue_declared(
+        full, tensor, Average if average else Sum, priority, Compression.none, 1.0, 1.0
+    )
 
 
 def push_pull(

@@ -249,7 +249,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             assert self._sf_group is not None, "a worker outside the set sends nothing"
             size = self._sf_group.size
             prescale, postscale, op = 1.0 / self._sf_predivide, self._sf_predivide / size, ops.Sum
-        return ops._issue(
+        return ops.issue_declared(
             name, grad, op, priority, self._sf_compression, prescale, postscale, self._sf_group
         )
 
@@ -584,29 +584,22 @@ def broadcast_parameters(
         ops.synchronize(h)
 
 
-def _materialize_state(optimizer: torch.optim.Optimizer) -> None:
-    """Gives an optimizer that has not stepped yet its per-parameter state (momentum
-    buffers and the like), as Horovod does, so that there is state to broadcast: one local
-    step on zero gradients, after which the parameters are put back as they were. Gradients
-    that were None stay zeros, as in Horovod."""
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    saved = [p.detach().clone() for p in params]
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    base = getattr(optimizer, "_sf_base", None)
-    # The wrapped class's own step: no gradient is sent for this local step.
-    (base.step if base is not None else type(optimizer).step)(optimizer)
-    with torch.no_grad():
-        for p, s in zip(params, saved):
-            p.copy_(s)
+def _zero_missing_grads(optimizer: torch.optim.Optimizer) -> None:
+    """As Horovod does before broadcasting the state of an optimizer that has not stepped:
+    every parameter that requires a gradient and has none gets a zero one (Horovod's
+    scripts read them afterwards). No step is taken, so no state is made up: a state
+    empty on every worker is already the same on every worker."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int) -> None:
     """Makes every worker's optimizer state (hyper-parameters and per-parameter buffers
     such as momentum) root_rank's."""
     if not optimizer.state_dict()["state"]:
-        _materialize_state(optimizer)
+        _zero_missing_grads(optimizer)
     state = ops.broadcast_object(optimizer.state_dict(), root_rank, name="optimizer_state")
     if _runtime.current().service.rank != root_rank:
         optimizer.load_state_dict(state)
