@@ -26,6 +26,8 @@ class _Timeline:
         self.start_us = time.time_ns() // 1000
         self.events: list[dict[str, Any]] = []
         self.tracks: dict[str, int] = {}
+        #: Tracks with a phase begun and not yet ended.
+        self.open: set[int] = set()
 
     def _now(self) -> int:
         return time.time_ns() // 1000 - self.start_us
@@ -42,23 +44,14 @@ class _Timeline:
     def phase(self, name: str, event: str | None) -> None:
         pid = self._track(name)
         ts = self._now()
-        if any(e.get("pid") == pid and e.get("ph") == "B" for e in self._open(pid)):
+        if pid in self.open:
+            self.open.discard(pid)
             self.events.append({"ph": "E", "pid": pid, "ts": ts})
         if event is not None:
             if self.mark_cycles and not event.startswith("NEGOTIATE_"):
                 self.events.append({"name": "CYCLE_START", "ph": "i", "s": "g", "ts": ts, "pid": 0})
             self.events.append({"name": event, "ph": "B", "pid": pid, "ts": ts})
-
-    def _open(self, pid: int) -> list[dict[str, Any]]:
-        depth: list[dict[str, Any]] = []
-        for e in self.events:
-            if e.get("pid") != pid:
-                continue
-            if e["ph"] == "B":
-                depth.append(e)
-            elif e["ph"] == "E" and depth:
-                depth.pop()
-        return depth
+            self.open.add(pid)
 
     def write(self) -> None:
         doc = {
