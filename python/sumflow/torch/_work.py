@@ -46,16 +46,14 @@ class CoreWork(Work):
 
     def wait(self) -> Any:
         rt = _runtime.current()
-        errors: list[BaseException] = []
-        for core in self.cores:
-            # Every handle is waited for, so none is left holding a buffer.
-            try:
-                rt.service.wait(core, rt.timeout)
-            except BaseException as e:  # the first is raised below
-                errors.append(e)
-        if errors:
-            raise errors[0]
+        _wait_every(self.cores, lambda core: rt.service.wait(core, rt.timeout))
         return self.finish()
+
+    def then(self, after: Callable[[Any], Any]) -> CoreWork:
+        """This work with `after` applied to its result."""
+        before = self.finish
+        self.finish = lambda: after(before())
+        return self
 
 
 class NegotiatedWork(Work):
@@ -115,15 +113,21 @@ class Chain(Work):
         return all(poll(h) for h in self.handles)
 
     def wait(self) -> Any:
-        results, errors = [], []
-        for h in self.handles:
-            try:
-                results.append(wait(h))
-            except BaseException as e:  # every handle is waited for; the first is raised
-                errors.append(e)
-        if errors:
-            raise errors[0]
-        return self.finish(results)
+        return self.finish(_wait_every(self.handles, wait))
+
+
+def _wait_every(handles: list[int], wait_one: Callable[[int], Any]) -> list[Any]:
+    """Every handle's result. Each is waited for even after one fails, so none is left
+    holding a buffer; then the first failure is raised."""
+    results, errors = [], []
+    for h in handles:
+        try:
+            results.append(wait_one(h))
+        except BaseException as e:  # raised below, once every handle is done
+            errors.append(e)
+    if errors:
+        raise errors[0]
+    return results
 
 
 class _Driver:

@@ -25,10 +25,6 @@ def _grad_name(name: str | None) -> str | None:
     return None if name is None else f"{name}.grad"
 
 
-def _tensor(handle: int) -> torch.Tensor:
-    return collectives.synchronize_tensor(handle)
-
-
 class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(
@@ -41,7 +37,7 @@ class _Allreduce(torch.autograd.Function):
         process_set: Any,
     ) -> torch.Tensor:
         ctx.args = (name, op, scales, process_set)
-        return _tensor(
+        return collectives.synchronize_tensor(
             ops.allreduce_async(
                 tensor, None, name, op, scales[0], scales[1], process_set, compression=compression
             )
@@ -53,7 +49,7 @@ class _Allreduce(torch.autograd.Function):
         out = ops.allreduce_async(
             grad.contiguous(), None, _grad_name(name), op, scales[0], scales[1], process_set
         )
-        return _tensor(out), None, None, None, None, None
+        return collectives.synchronize_tensor(out), None, None, None, None, None
 
 
 def allreduce(
@@ -81,12 +77,12 @@ def allreduce(
 
 def _own_rows(grad: torch.Tensor, rows: int, name: str | None, process_set: Any) -> torch.Tensor:
     """This worker's rows of the average of `grad` over the members."""
-    averaged = _tensor(
+    averaged = collectives.synchronize_tensor(
         ops.allreduce_async(
             grad.contiguous(), None, _grad_name(name), Average, process_set=process_set
         )
     )
-    counts = _tensor(
+    counts = collectives.synchronize_tensor(
         collectives.allgather_async(
             torch.tensor([rows], dtype=torch.int64),
             None if name is None else f"{name}.grad.rows",
@@ -105,7 +101,9 @@ class _GroupedAllgather(torch.autograd.Function):
         ctx.name, ctx.process_set = name, process_set
         ctx.rows = [t.shape[0] if t.dim() else 0 for t in tensors]
         if single:
-            return _tensor(collectives.allgather_async(tensors[0], name, process_set))
+            return collectives.synchronize_tensor(
+                collectives.allgather_async(tensors[0], name, process_set)
+            )
         result = ops.synchronize(
             collectives.grouped_allgather_async(list(tensors), name, process_set)
         )
@@ -141,11 +139,11 @@ class _Broadcast(torch.autograd.Function):
         ctx: Any, tensor: torch.Tensor, root: int, name: str | None, process_set: Any
     ) -> torch.Tensor:
         ctx.root, ctx.name, ctx.process_set = root, name, process_set
-        return _tensor(ops.broadcast_async(tensor, root, name, process_set))
+        return collectives.synchronize_tensor(ops.broadcast_async(tensor, root, name, process_set))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        averaged = _tensor(
+        averaged = collectives.synchronize_tensor(
             ops.allreduce_async(
                 grad.contiguous(),
                 None,

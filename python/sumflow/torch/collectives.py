@@ -273,18 +273,15 @@ def grouped_reducescatter_async(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor, group)
-        summed = work.finish
-
-        def finish() -> Any:
+        def own_rows(summed: list[torch.Tensor]) -> Any:
             out = []
-            for t in summed():
+            for t in summed:
                 counts = reducescatter_rows(t.shape[0], size)
                 out.append(t.narrow(0, sum(counts[:rank]), counts[rank]).clone())
             return out[0] if _single else out
 
-        work.finish = finish
-        return work
+        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor, group)
+        return work.then(own_rows)
 
     return ops.negotiated(request, group, start)
 
@@ -436,16 +433,14 @@ def _grouped_allreduce(
         work = _fused_sum(full, tensors, reduce_op, prescale_factor, postscale_factor, group)
         if not in_place:
             return work
-        reduced = work.finish
 
-        def finish() -> list[torch.Tensor]:
+        def write_back(reduced: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
-                for t, r in zip(tensors, reduced()):
+                for t, r in zip(tensors, reduced):
                     t.copy_(r)
             return tensors
 
-        work.finish = finish
-        return work
+        return work.then(write_back)
 
     return ops.negotiated(request, group, start)
 

@@ -435,18 +435,14 @@ def allreduce_work(
     scales = (prescale_factor, postscale_factor)
     if carrier is None:
         return sum_work(name, output, op, priority, compression, *scales, group)
-    wide = output.to(carrier)
-    work = sum_work(name, wide, op, priority, compression, *scales, group)
 
-    def narrow() -> torch.Tensor:
-        wide_result = inner()
+    def narrow(wide_result: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             output.copy_(wide_result)
         return output
 
-    inner = work.finish
-    work.finish = narrow
-    return work
+    wide = output.to(carrier)
+    return sum_work(name, wide, op, priority, compression, *scales, group).then(narrow)
 
 
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
