@@ -148,7 +148,7 @@ fn run() -> Result<(), String> {
                     for &(k, n) in &send_keys {
                         let data: Vec<u8> = (0..n).flat_map(|i| value(k, round, rank, i).to_le_bytes()).collect();
                         tx.push(k as u64, round, Dtype::I32, &data)?;
-                        tx.pull(k as u64, round)?;
+                        tx.pull(k as u64, round, true)?;
                     }
                     Ok(tx)
                 });

@@ -10,7 +10,8 @@ use std::time::{Duration, Instant};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, Dtype, JobToken, KeyCodec, KeyInit, Message, Peer, PushMode, Role, Service, WireError,
+    Codec, Dtype, JobToken, KeyCodec, KeyInit, Message, Peer, PushMode, ReduceOp, Role, Service,
+    WireError,
 };
 
 use crate::dial::connect_retrying;
@@ -176,7 +177,7 @@ impl ServerClient {
 
     /// Asks for a round's sum and waits for it.
     pub fn pull(&mut self, key: u64, round: u64) -> Result<Pulled> {
-        self.tx.pull(key, round)?;
+        self.tx.pull(key, round, true)?;
         match self.rx.recv()? {
             Reply::Sum(p) if p.key == key && p.round == round => Ok(p),
             other => Err(self.rx.unexpected(&other)),
@@ -259,7 +260,25 @@ impl ServerSender {
     }
 
     pub fn push(&mut self, key: u64, round: u64, dtype: Dtype, data: &[u8]) -> Result<()> {
-        self.push_encoded(key, round, dtype, Codec::Raw, data)
+        self.push_reduced(key, round, dtype, ReduceOp::Sum, data)
+    }
+
+    /// Pushes raw elements that the round combines by `op` (every push of the round must
+    /// name the same op).
+    pub fn push_reduced(
+        &mut self,
+        key: u64,
+        round: u64,
+        dtype: Dtype,
+        op: ReduceOp,
+        data: &[u8],
+    ) -> Result<()> {
+        self.push_encoded(key, round, dtype, Codec::Raw, (PushMode::Sum, op), data)
+    }
+
+    /// Takes part in a round of a raw key without contributing to it: no payload.
+    pub fn push_skip(&mut self, key: u64, round: u64, dtype: Dtype, op: ReduceOp) -> Result<()> {
+        self.push_encoded(key, round, dtype, Codec::Raw, (PushMode::Skip, op), &[])
     }
 
     /// Pushes a payload of a compressed f32 key, encoded by its codec.
@@ -270,7 +289,8 @@ impl ServerSender {
         codec: Codec,
         payload: &[u8],
     ) -> Result<()> {
-        self.push_encoded(key, round, Dtype::F32, codec, payload)
+        let how = (PushMode::Sum, ReduceOp::Sum);
+        self.push_encoded(key, round, Dtype::F32, codec, how, payload)
     }
 
     fn push_encoded(
@@ -279,6 +299,7 @@ impl ServerSender {
         round: u64,
         dtype: Dtype,
         codec: Codec,
+        (mode, op): (PushMode, ReduceOp),
         payload: &[u8],
     ) -> Result<()> {
         let msg = Message::Push {
@@ -286,14 +307,21 @@ impl ServerSender {
             round,
             dtype,
             codec,
-            mode: PushMode::Sum,
+            mode,
+            op,
         };
         io::write_data(&mut self.stream, &msg, payload).map_err(|e| wire(&self.peer, e))
     }
 
-    pub fn pull(&mut self, key: u64, round: u64) -> Result<()> {
-        io::write_message(&mut self.stream, &Message::Pull { key, round })
-            .map_err(|e| wire(&self.peer, e))
+    /// Asks for round `round`'s result (`wants_sum`), or only for the notice that it is
+    /// complete: a reply without payload.
+    pub fn pull(&mut self, key: u64, round: u64, wants_sum: bool) -> Result<()> {
+        let msg = Message::Pull {
+            key,
+            round,
+            wants_sum,
+        };
+        io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e))
     }
 
     /// Sends any frame as is (tests use it to send what a correct client would not).

@@ -212,7 +212,7 @@ fn a_hung_worker_is_named_to_the_others_within_the_heartbeat_timeout() {
             thread::spawn(move || {
                 c.init_key(1, Dtype::F32, 4, None).unwrap();
                 c.tx.push(1, 1, Dtype::F32, &1f32.to_le_bytes()).unwrap();
-                c.tx.pull(1, 1).unwrap();
+                c.tx.pull(1, 1, true).unwrap();
                 c.rx.recv()
             })
         })

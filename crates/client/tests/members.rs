@@ -83,7 +83,7 @@ fn a_member_key_sums_its_members_only_and_refuses_the_others() {
         assert_eq!(b.data, a.data);
     }
     let mut w0 = w.remove(0);
-    w0.tx.pull(EVERYONE, 1).unwrap();
+    w0.tx.pull(EVERYONE, 1, true).unwrap();
     let waiting = thread::spawn(move || (w0.rx.recv(), w0));
     thread::sleep(Duration::from_millis(200));
     assert!(

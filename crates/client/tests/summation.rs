@@ -117,7 +117,7 @@ fn workers_keys_rounds_sum_exactly_in_every_dtype() {
                             c.tx.push(k, r, d, &data).unwrap();
                         }
                         for &(k, _, _) in &keys {
-                            c.tx.pull(k, r).unwrap();
+                            c.tx.pull(k, r, true).unwrap();
                         }
                         let mut got = Vec::new();
                         for _ in &keys {
@@ -199,7 +199,7 @@ fn an_early_pull_waits_for_the_last_push() {
     a.init_key(1, Dtype::I32, 4, None).unwrap();
     b.init_key(1, Dtype::I32, 4, None).unwrap();
     a.tx.push(1, 1, Dtype::I32, &3i32.to_le_bytes()).unwrap();
-    a.tx.pull(1, 1).unwrap();
+    a.tx.pull(1, 1, true).unwrap();
     let waiting = thread::spawn(move || (a.rx.recv(), a));
     thread::sleep(Duration::from_millis(200));
     assert!(!waiting.is_finished(), "the pull must wait for worker 1");
@@ -219,7 +219,7 @@ fn sums_are_read_in_place_skipped_or_refused_when_their_length_is_wrong() {
     for round in 1..=3u64 {
         let pushed = encode(Dtype::I32, [round as i64, -1].into_iter());
         a.tx.push(1, round, Dtype::I32, &pushed).unwrap();
-        a.tx.pull(1, round).unwrap();
+        a.tx.pull(1, round, true).unwrap();
         assert_eq!(
             a.rx.recv_header().unwrap(),
             Reply::PushAck { key: 1, round },
@@ -300,6 +300,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
                 dtype: Dtype::I32,
                 codec: Codec::Raw,
                 mode: PushMode::Sum,
+                op: sumflow_wire::ReduceOp::Sum,
             }
             .encode_with_payload(&[0; 4]);
             f[12 + 16] = 77;
@@ -346,7 +347,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
             ErrorCode::RoundOutOfSequence,
             "has not pushed round 1",
             |c| {
-                c.tx.pull(1, 1).unwrap();
+                c.tx.pull(1, 1, true).unwrap();
             },
         ),
         (
@@ -365,6 +366,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
                     dtype: Dtype::I32,
                     codec: Codec::Raw,
                     mode: PushMode::Delta,
+                    op: sumflow_wire::ReduceOp::Sum,
                 },
                 &[0; 16],
             )
@@ -394,7 +396,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
         good.init_key(1, Dtype::I32, 16, None).unwrap();
         // The other worker is waiting for a round the culprit will never finish.
         good.tx.push(1, 1, Dtype::I32, &[1; 16]).unwrap();
-        good.tx.pull(1, 1).unwrap();
+        good.tx.pull(1, 1, true).unwrap();
         misbehave(&mut bad);
         let err = bad.rx.recv().expect_err(name);
         expect_refused(err, code, needle);
@@ -446,7 +448,7 @@ fn a_worker_that_disappears_is_named_to_the_others() {
     }
     for c in &mut ws[..2] {
         c.tx.push(5, 1, Dtype::F32, &[0; 8]).unwrap();
-        c.tx.pull(5, 1).unwrap();
+        c.tx.pull(5, 1, true).unwrap();
     }
     drop(ws.pop()); // worker 2 vanishes mid-round, without a shutdown
     for c in &mut ws {
@@ -477,7 +479,7 @@ fn a_worker_may_split_its_keys_over_several_connections() {
         for (key, c) in [1u64, 2].into_iter().zip(a.iter_mut()) {
             c.tx.push(key, round, Dtype::I32, &(key as i32).to_le_bytes())
                 .unwrap();
-            c.tx.pull(key, round).unwrap();
+            c.tx.pull(key, round, true).unwrap();
             let mine = b
                 .push_pull(key, round, Dtype::I32, &10i32.to_le_bytes())
                 .unwrap();
@@ -497,7 +499,7 @@ fn a_worker_may_split_its_keys_over_several_connections() {
         .tx
         .push(2, 4, Dtype::I32, &2i32.to_le_bytes())
         .unwrap();
-    second.tx.pull(2, 4).unwrap();
+    second.tx.pull(2, 4, true).unwrap();
     let sum = b.push_pull(2, 4, Dtype::I32, &10i32.to_le_bytes()).unwrap();
     assert_eq!(sum.data, 12i32.to_le_bytes());
     assert!(matches!(second.rx.recv().unwrap(), Reply::Sum(p) if p.data == sum.data));
@@ -513,7 +515,7 @@ fn losing_one_of_a_workers_connections_fails_the_worker() {
         c.init_key(1, Dtype::I32, 4, None).unwrap();
     }
     b.tx.push(1, 1, Dtype::I32, &[0; 4]).unwrap();
-    b.tx.pull(1, 1).unwrap();
+    b.tx.pull(1, 1, true).unwrap();
     drop(a.pop()); // one of worker 0's connections vanishes without a shutdown
     let err = b.rx.recv().unwrap_err();
     assert_eq!(err.code(), ErrorCode::NodeFailed, "{err}");
@@ -566,7 +568,7 @@ fn shutdown_interrupts_waiting_workers() {
     let mut a = worker(&addr, 0);
     a.init_key(1, Dtype::I32, 4, None).unwrap();
     a.tx.push(1, 1, Dtype::I32, &[0; 4]).unwrap();
-    a.tx.pull(1, 1).unwrap();
+    a.tx.pull(1, 1, true).unwrap();
     let t = thread::spawn(move || a.rx.recv());
     thread::sleep(Duration::from_millis(100));
     stop(h);

@@ -33,4 +33,4 @@ pub mod trace;
 pub use accounting::{KeyBytes, WireBytes};
 pub use compression::{Compression, CompressorKind};
 pub use error::CommError;
-pub use service::{CommConfig, CommunicationService, Declaration, ReduceOp, Scheduling};
+pub use service::{CommConfig, CommunicationService, Declaration, Exchange, ReduceOp, Scheduling};

@@ -2,6 +2,7 @@
 //! push_pull operations through the pipeline.
 
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -15,7 +16,8 @@ use sumflow_plan::scheduler::prophet::ProphetConfig;
 use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
-    BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Registration, Role,
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, ReduceOp as WireOp,
+    Registration, Role,
 };
 use tracing::{info, warn};
 
@@ -124,12 +126,72 @@ pub struct Scheduling {
     pub credit_bytes: u64,
 }
 
-/// How the sum of a push_pull is returned.
+/// How a push_pull combines the workers' tensors.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReduceOp {
     Sum,
     /// The sum divided by the number of workers.
     Average,
+    /// Element-wise minimum, maximum or product, by the servers' kernels.
+    Min,
+    Max,
+    Product,
+}
+
+impl ReduceOp {
+    /// What the servers do with the round's pushes.
+    fn on_servers(self) -> WireOp {
+        match self {
+            ReduceOp::Sum | ReduceOp::Average => WireOp::Sum,
+            ReduceOp::Min => WireOp::Min,
+            ReduceOp::Max => WireOp::Max,
+            ReduceOp::Product => WireOp::Product,
+        }
+    }
+}
+
+/// Which bytes of a push_pull's tensor this worker contributes and which it takes back.
+/// The servers work by partition: a partition that meets a range is pushed (or taken)
+/// whole, so ranges need not fall on partition boundaries, but the bytes of a pushed
+/// partition outside this worker's ranges must hold the op's identity (zeros for a sum).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Exchange {
+    /// Byte ranges this worker contributes; `None`: all of the tensor. For a partition
+    /// that meets none, the worker takes part in its round with an empty push: nothing
+    /// but a frame header crosses the wire.
+    pub pushes: Option<Vec<Range<u64>>>,
+    /// Byte ranges this worker takes back; `None`: all of the tensor. A partition that
+    /// meets none is left as it is; only the notice that its round is complete comes back.
+    pub pulls: Option<Vec<Range<u64>>>,
+}
+
+impl Exchange {
+    /// The whole tensor both ways: an allreduce.
+    pub const ALL: Exchange = Exchange {
+        pushes: None,
+        pulls: None,
+    };
+
+    fn meets(ranges: &Option<Vec<Range<u64>>>, part: &Partition) -> bool {
+        let end = part.offset + part.bytes;
+        ranges
+            .as_deref()
+            .is_none_or(|rs| rs.iter().any(|r| r.start < end && part.offset < r.end))
+    }
+
+    fn check(&self, name: &str, len: u64) -> Result<(), CommError> {
+        for (what, ranges) in [("pushes", &self.pushes), ("pulls", &self.pulls)] {
+            for r in ranges.iter().flatten() {
+                if r.start >= r.end || r.end > len {
+                    return Err(CommError::Invalid(format!(
+                        "tensor '{name}': the byte range {r:?} this worker {what} is empty or \
+                         outside the tensor's {len} bytes"
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// A declared tensor: its partitions and where each goes.
@@ -729,6 +791,24 @@ impl CommunicationService {
         priority: i64,
         op: ReduceOp,
     ) -> Result<u64, CommError> {
+        // SAFETY: the caller's contract is exactly push_exchange's.
+        unsafe { self.push_exchange(id, (ptr, len), priority, op, &Exchange::ALL) }
+    }
+
+    /// Like [`push_pull`](Self::push_pull), pushing and taking back only the partitions
+    /// of `exchange`'s ranges: an allgather pushes this worker's rows and takes the
+    /// others', a reduce-scatter pushes everything and takes its own share.
+    ///
+    /// # Safety
+    /// As for [`push_pull`](Self::push_pull).
+    pub unsafe fn push_exchange(
+        &self,
+        id: u32,
+        (ptr, len): (*mut u8, usize),
+        priority: i64,
+        op: ReduceOp,
+        exchange: &Exchange,
+    ) -> Result<u64, CommError> {
         if let Some(e) = self.job_error() {
             return Err(e);
         }
@@ -745,6 +825,7 @@ impl CommunicationService {
                 t.name, t.dtype, t.elements
             )));
         }
+        exchange.check(&t.name, want as u64)?;
         if let Some(members) = t.members.as_deref() {
             // The server would refuse the push and count this worker gone for the job.
             if members.binary_search(&self.rank()).is_err() {
@@ -756,8 +837,14 @@ impl CommunicationService {
                 )));
             }
         }
+        if op.on_servers() != WireOp::Sum && t.compression.is_some() {
+            return Err(CommError::Invalid(format!(
+                "tensor '{}' is compressed: it can be summed or averaged, not reduced by {op:?}",
+                t.name
+            )));
+        }
         let divisor = match (op, t.dtype) {
-            (ReduceOp::Sum, _) => None,
+            (ReduceOp::Sum | ReduceOp::Min | ReduceOp::Max | ReduceOp::Product, _) => None,
             (ReduceOp::Average, Dtype::I32 | Dtype::I64) => {
                 return Err(CommError::Invalid(format!(
                     "tensor '{}' holds {}: averaging integers would truncate; use Sum",
@@ -796,6 +883,9 @@ impl CommunicationService {
                 }),
                 members: t.members.clone(),
                 divisor,
+                op: op.on_servers(),
+                pushes: Exchange::meets(&exchange.pushes, &partition),
+                wants_sum: Exchange::meets(&exchange.pulls, &partition),
             })
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);

@@ -648,10 +648,18 @@ fn wire_accounting_counts_every_frame_per_key() {
             dtype: Dtype::F32,
             codec: Codec::Raw,
             mode: PushMode::Sum,
+            op: sumflow_wire::ReduceOp::Sum,
         },
         0,
     );
-    let pull = frame(Message::Pull { key, round }, 0);
+    let pull = frame(
+        Message::Pull {
+            key,
+            round,
+            wants_sum: true,
+        },
+        0,
+    );
     let init_ack = frame(Message::InitAck { key }, 0);
     let push_ack = frame(Message::PushAck { key, round }, 0);
     let reply = frame(

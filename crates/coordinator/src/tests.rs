@@ -578,6 +578,7 @@ fn undecodable_or_foreign_frames_are_answered_then_closed_and_reported() {
         dtype: Dtype::F32,
         codec: sumflow_wire::Codec::Raw,
         mode: sumflow_wire::PushMode::Sum,
+        op: sumflow_wire::ReduceOp::Sum,
     };
     let a = h.send(2, push, 10);
     let e = errors(&a, 2);

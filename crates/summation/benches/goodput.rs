@@ -132,7 +132,7 @@ fn sumflow(shape: &Shape, rounds: u64) -> Vec<Duration> {
         });
         for key in 0..n as u64 {
             tx.push(key, round, Dtype::F32, &data).unwrap();
-            tx.pull(key, round).unwrap();
+            tx.pull(key, round, true).unwrap();
         }
         (rx, sums) = receiver.join().unwrap();
         times.push(start.elapsed());

@@ -19,8 +19,8 @@ use crossbeam_channel::{unbounded, Receiver};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, ErrorCode, ErrorReply, KeyCodec, KeyInit, Message, Peer, PushMode, Role, Service,
-    WireError,
+    Codec, ErrorCode, ErrorReply, KeyCodec, KeyInit, Message, Peer, PushMode, ReduceOp, Role,
+    Service, WireError,
 };
 use tracing::{debug, info, warn};
 
@@ -215,8 +215,13 @@ impl Connection<'_> {
                     dtype,
                     codec,
                     mode,
-                } => self.push(key, round, (dtype, codec), mode, frame.payload_len),
-                Message::Pull { key, round } => self.pull(key, round),
+                    op,
+                } => self.push(key, round, (dtype, codec), (mode, op), frame.payload_len),
+                Message::Pull {
+                    key,
+                    round,
+                    wants_sum,
+                } => self.pull(key, round, wants_sum),
                 Message::Heartbeat { seq } => {
                     let _ = self
                         .tx
@@ -340,10 +345,10 @@ impl Connection<'_> {
         key: u64,
         round: u64,
         (dtype, codec): (sumflow_wire::Dtype, Codec),
-        mode: PushMode,
+        (mode, op): (PushMode, ReduceOp),
         payload_len: usize,
     ) -> Result<(), Interrupted> {
-        if mode != PushMode::Sum {
+        if mode == PushMode::Delta {
             return Err(Interrupted::Refused(Message::error(
                 ErrorCode::Unsupported,
                 Some(key),
@@ -361,6 +366,23 @@ impl Connection<'_> {
                     meta.dtype, meta.codec
                 ),
             )));
+        }
+        if mode == PushMode::Skip {
+            let _ = self
+                .tx
+                .send(Outgoing::Message(Message::PushAck { key, round }));
+            self.shared.engine(
+                meta.engine,
+                Command::Push {
+                    key,
+                    round,
+                    worker: self.worker,
+                    op,
+                    data: None,
+                    reply: self.tx.clone(),
+                },
+            );
+            return Ok(());
         }
         if payload_len as u64 != meta.payload_len() {
             let what = |bytes: u64| match codec {
@@ -405,14 +427,15 @@ impl Connection<'_> {
                 key,
                 round,
                 worker: self.worker,
-                data,
+                op,
+                data: Some(data),
                 reply: self.tx.clone(),
             },
         );
         Ok(())
     }
 
-    fn pull(&mut self, key: u64, round: u64) -> Result<(), Interrupted> {
+    fn pull(&mut self, key: u64, round: u64, wants_sum: bool) -> Result<(), Interrupted> {
         let meta = self.meta(key, "pull")?;
         self.shared.engine(
             meta.engine,
@@ -420,6 +443,7 @@ impl Connection<'_> {
                 key,
                 round,
                 worker: self.worker,
+                wants_sum,
                 reply: self.tx.clone(),
             },
         );

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
 use sumflow_compress::{Compressor, Scratch, Seed};
-use sumflow_wire::{ErrorCode, Message};
+use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
 use crate::buffer::AlignedBuf;
 use crate::directory::KeyMeta;
@@ -45,9 +45,13 @@ struct KeyState {
     /// Whether `acc` holds a partial sum of the current round.
     acc_live: bool,
     staged: Vec<PooledBuf>,
+    /// How the round now accumulating combines its pushes: set by its first push.
+    round_op: Option<ReduceOp>,
     /// The last completed round's sum (round 0: the initial value).
     sum: Arc<AlignedBuf>,
-    waiting: Vec<(u32, Replier)>,
+    /// Pulls of the round now accumulating: the worker, and whether it wants the sum or
+    /// only the notice that the round is complete.
+    waiting: Vec<(u32, bool, Replier)>,
 }
 
 pub struct Engine {
@@ -95,15 +99,17 @@ impl Engine {
                 key,
                 round,
                 worker,
+                op,
                 data,
                 reply,
-            } => self.push(key, round, worker, data, &reply),
+            } => self.on_push(key, round, (worker, op), data, &reply),
             Command::Pull {
                 key,
                 round,
                 worker,
+                wants_sum,
                 reply,
-            } => self.pull(key, round, worker, reply),
+            } => self.on_pull(key, round, worker, wants_sum, reply),
             Command::WorkerGone { worker, reason } => self.worker_gone(worker, reason),
         }
     }
@@ -135,13 +141,23 @@ impl Engine {
                 acc,
                 acc_live: false,
                 staged: Vec::new(),
+                round_op: None,
                 sum: Arc::new(sum),
                 waiting: Vec::new(),
             },
         );
     }
 
-    fn push(&mut self, key: u64, round: u64, worker: u32, data: PooledBuf, reply: &Replier) {
+    /// A push of `worker`'s contribution to `round`, combined by `op`; `data` None: the
+    /// worker skips the round, contributing nothing.
+    fn on_push(
+        &mut self,
+        key: u64,
+        round: u64,
+        (worker, op): (u32, ReduceOp),
+        data: Option<PooledBuf>,
+        reply: &Replier,
+    ) {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, reply);
         };
@@ -152,14 +168,31 @@ impl Engine {
         if let Some(why) = blocker(&self.gone, &k.rounds, round) {
             return fail_pull(key, round, &why, reply);
         }
+        if op != ReduceOp::Sum {
+            return refuse_op(
+                key,
+                format!("this server only sums, it cannot reduce by {op}"),
+                reply,
+            );
+        }
+        if let Some(first) = k.round_op.filter(|&first| first != op) {
+            let why = format!(
+                "worker {worker}'s push of round {round} reduces by {op}, but the round's \
+                 earlier pushes by {first}"
+            );
+            return refuse_op(key, why, reply);
+        }
         match k.rounds.push(worker, round) {
             // The payload is dropped unsummed: a refused push leaves no partial sum.
             Err(e) => refuse(key, e, reply),
             Ok(true) => {
-                k.staged.push(data);
+                k.staged.extend(data);
+                k.round_op = Some(op);
                 complete_round(&self.reducer, &mut self.scratch, key, k);
             }
             Ok(false) => {
+                k.round_op = Some(op);
+                let Some(data) = data else { return };
                 if k.staged.is_empty() {
                     self.dirty.push(key);
                 }
@@ -168,7 +201,7 @@ impl Engine {
         }
     }
 
-    fn pull(&mut self, key: u64, round: u64, worker: u32, reply: Replier) {
+    fn on_pull(&mut self, key: u64, round: u64, worker: u32, wants_sum: bool, reply: Replier) {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, &reply);
         };
@@ -182,20 +215,20 @@ impl Engine {
         }
         match k.rounds.pull(worker, round) {
             Err(e) => refuse(key, e, &reply),
-            Ok(PullOutcome::Ready) => send_sum(key, k, &reply),
-            Ok(PullOutcome::Wait) => k.waiting.push((worker, reply)),
+            Ok(PullOutcome::Ready) => answer(key, k, wants_sum, &reply),
+            Ok(PullOutcome::Wait) => k.waiting.push((worker, wants_sum, reply)),
         }
     }
 
     fn worker_gone(&mut self, worker: u32, reason: Arc<str>) {
         self.gone.insert(worker, reason);
         for (key, k) in &mut self.keys {
-            k.waiting.retain(|(w, _)| *w != worker);
+            k.waiting.retain(|(w, _, _)| *w != worker);
             if k.waiting.is_empty() {
                 continue;
             }
             if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.current()) {
-                for (_, reply) in k.waiting.drain(..) {
+                for (_, _, reply) in k.waiting.drain(..) {
                     fail_pull(*key, k.rounds.current(), &why, &reply);
                 }
             }
@@ -264,26 +297,45 @@ fn complete_round(reducer: &Reducer, scratch: &mut Scratch, key: u64, k: &mut Ke
             decoder.compress_with_feedback(sum, &mut k.residual, seed, scratch, &mut out);
         }
         k.acc_live = false;
-        k.sum = Arc::new(out);
-        for (_, reply) in std::mem::take(&mut k.waiting) {
-            send_sum(key, k, &reply);
-        }
+        finish_round(key, k, out);
         return;
     }
     // A round of one push (a single-worker job) is its own sum: adopt it, no copy, where
     // the pool's buffer can be traded for the sum's without shrinking.
     let adopted = !k.acc_live && k.staged.len() == 1 && k.staged[0].try_swap_with(&mut out);
-    if !adopted {
+    if !k.acc_live && k.staged.is_empty() {
+        // Every worker skipped the round: it sums to zeros.
+        out.fill(0);
+    } else if !adopted {
         let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
         let acc = k.acc_live.then_some(&k.acc[..]);
         reducer.reduce_into(k.meta.dtype, acc, &srcs, &mut out);
     }
     k.staged.clear();
     k.acc_live = false;
+    finish_round(key, k, out);
+}
+
+/// Makes `out` the completed round's result and answers the pulls waiting for it.
+fn finish_round(key: u64, k: &mut KeyState, out: AlignedBuf) {
+    k.round_op = None;
     k.sum = Arc::new(out);
-    for (_, reply) in std::mem::take(&mut k.waiting) {
-        send_sum(key, k, &reply);
+    for (_, wants_sum, reply) in std::mem::take(&mut k.waiting) {
+        answer(key, k, wants_sum, &reply);
     }
+}
+
+/// Answers a pull of the last completed round: its sum, or only the notice.
+fn answer(key: u64, k: &KeyState, wants_sum: bool, reply: &Replier) {
+    if wants_sum {
+        return send_sum(key, k, reply);
+    }
+    let _ = reply.send(Outgoing::Message(Message::PullReply {
+        key,
+        round: k.rounds.completed(),
+        dtype: k.meta.dtype,
+        codec: k.meta.codec.codec,
+    }));
 }
 
 fn send_sum(key: u64, k: &KeyState, reply: &Replier) {
@@ -343,6 +395,15 @@ fn refuse(key: u64, e: RoundError, reply: &Replier) {
     )));
 }
 
+/// Refuses a push whose reduction the round cannot take; the connection stays open.
+fn refuse_op(key: u64, why: String, reply: &Replier) {
+    let _ = reply.send(Outgoing::Message(Message::error(
+        ErrorCode::Unsupported,
+        Some(key),
+        format!("key {key}: {why}"),
+    )));
+}
+
 fn unknown_key(key: u64, reply: &Replier) {
     let _ = reply.send(Outgoing::Fatal(Message::error(
         ErrorCode::UnknownKey,
@@ -397,10 +458,83 @@ mod tests {
         }
     }
 
+    impl Engine {
+        fn push(&mut self, key: u64, round: u64, worker: u32, data: PooledBuf, reply: &Replier) {
+            self.on_push(key, round, (worker, ReduceOp::Sum), Some(data), reply);
+        }
+
+        fn pull(&mut self, key: u64, round: u64, worker: u32, reply: Replier) {
+            self.on_pull(key, round, worker, true, reply);
+        }
+    }
+
     fn engine(workers: u32) -> Engine {
         let mut e = Engine::new(Reducer::detect(), workers);
         e.init(1, meta(Dtype::I32, 3), None);
         e
+    }
+
+    /// The next reply, which must be a notice: a `PullReply` without payload.
+    fn notice_of(rx: &Receiver<Outgoing>) -> u64 {
+        match rx.try_recv().expect("a reply") {
+            Outgoing::Message(Message::PullReply { round, .. }) => round,
+            Outgoing::Sum { round, .. } => panic!("expected a notice, got round {round}'s sum"),
+            Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a notice, got {m:?}"),
+            Outgoing::Close => panic!("expected a notice, got Close"),
+        }
+    }
+
+    #[test]
+    fn skipping_workers_add_nothing_and_notices_carry_no_sum() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        let skip = (1, ReduceOp::Sum);
+        // Round 1: one worker holds the bytes, the others skip; it takes only the notice.
+        e.on_push(1, 1, (0, ReduceOp::Sum), Some(data(&pool, &[1, 2, 3])), &tx);
+        e.on_pull(1, 1, 0, false, tx.clone());
+        assert!(rx.try_recv().is_err(), "the round is not complete yet");
+        e.on_push(1, 1, skip, None, &tx);
+        e.on_push(1, 1, (2, ReduceOp::Sum), None, &tx);
+        assert_eq!(notice_of(&rx), 1);
+        e.on_pull(1, 1, 1, true, tx.clone());
+        assert_eq!(sum_of(&rx), vec![1, 2, 3]);
+        e.on_pull(1, 1, 2, true, tx.clone());
+        assert_eq!(sum_of(&rx), vec![1, 2, 3]);
+        // Round 2: a skip first, then data folded at the end of a batch, then a skip.
+        e.on_push(1, 2, skip, None, &tx);
+        e.on_push(1, 2, (2, ReduceOp::Sum), Some(data(&pool, &[5, 5, 5])), &tx);
+        e.fold_staged();
+        e.on_push(1, 2, (0, ReduceOp::Sum), None, &tx);
+        for w in 0..3 {
+            e.on_pull(1, 2, w, true, tx.clone());
+            assert_eq!(sum_of(&rx), vec![5, 5, 5]);
+        }
+        // Round 3: everyone skips, and the round sums to zeros.
+        for w in 0..3 {
+            e.on_push(1, 3, (w, ReduceOp::Sum), None, &tx);
+        }
+        e.on_pull(1, 3, 0, true, tx.clone());
+        assert_eq!(sum_of(&rx), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn a_round_takes_one_reduction() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.on_push(1, 1, (0, ReduceOp::Sum), Some(data(&pool, &[1, 2, 3])), &tx);
+        e.on_push(1, 1, (1, ReduceOp::Max), Some(data(&pool, &[1, 2, 3])), &tx);
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, ErrorCode::Unsupported);
+            }
+            _ => panic!("expected an error"),
+        }
+        // The refused push was not counted: the worker may push the round again.
+        e.on_push(1, 1, (1, ReduceOp::Sum), Some(data(&pool, &[1, 1, 1])), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![2, 3, 4]);
     }
 
     #[test]

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
-use sumflow_wire::{Codec, Dtype, Message};
+use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 
 use crate::buffer::AlignedBuf;
 use crate::directory::KeyMeta;
@@ -19,17 +19,21 @@ pub enum Command {
         meta: KeyMeta,
         initial: Option<AlignedBuf>,
     },
+    /// `data` None: the worker takes part in the round without contributing (a skip).
     Push {
         key: u64,
         round: u64,
         worker: u32,
-        data: PooledBuf,
+        op: ReduceOp,
+        data: Option<PooledBuf>,
         reply: Replier,
     },
+    /// `wants_sum` false: answer with the notice that the round is complete, no payload.
     Pull {
         key: u64,
         round: u64,
         worker: u32,
+        wants_sum: bool,
         reply: Replier,
     },
     /// A worker left or failed: rounds it has not pushed can never complete.

@@ -28,7 +28,9 @@ pub use dtype::Dtype;
 pub use error::{ErrorCode, WireError};
 pub use frame::{Op, DEFAULT_MAX_BODY};
 pub use io::{FrameReader, Peer};
-pub use message::{BarrierGroup, ErrorReply, KeyInit, Message, PushMode, Registration, Service};
+pub use message::{
+    BarrierGroup, ErrorReply, KeyInit, Message, PushMode, ReduceOp, Registration, Service,
+};
 
 #[cfg(test)]
 mod tests;

@@ -47,10 +47,53 @@ impl Service {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u8)]
 pub enum PushMode {
-    /// Synchronous round: summed with every other worker's push of the same round.
+    /// Synchronous round: combined with every other worker's push of the same round.
     Sum = 0,
     /// Asynchronous delta added to the stored value.
     Delta = 1,
+    /// The worker takes part in the round but contributes nothing, so the push has no
+    /// payload. Bytes that only some workers hold (an allgather's regions, a broadcast's
+    /// root) are pushed by those workers; the others skip, and no zeros cross the wire.
+    Skip = 2,
+}
+
+/// How a round's pushes are combined, carried by each push (every push of a round must
+/// carry the same op). Compressed keys are only summed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum ReduceOp {
+    Sum = 0,
+    Min = 1,
+    Max = 2,
+    Product = 3,
+}
+
+impl ReduceOp {
+    pub const ALL: [ReduceOp; 4] = [
+        ReduceOp::Sum,
+        ReduceOp::Min,
+        ReduceOp::Max,
+        ReduceOp::Product,
+    ];
+
+    pub fn from_code(code: u8) -> Option<ReduceOp> {
+        Self::ALL.get(code as usize).copied()
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Min => "min",
+            ReduceOp::Max => "max",
+            ReduceOp::Product => "product",
+        }
+    }
+}
+
+impl std::fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// What follows an `InitKey`'s meta block, its `has_init` byte.
@@ -172,17 +215,21 @@ pub enum Message {
     InitAck {
         key: u64,
     },
-    /// Payload: the pushed elements.
+    /// Payload: the pushed elements (none when `mode` is [`PushMode::Skip`]).
     Push {
         key: u64,
         round: u64,
         dtype: Dtype,
         codec: Codec,
         mode: PushMode,
+        op: ReduceOp,
     },
+    /// `wants_sum` false: the worker takes no bytes of this round, only the notice that it
+    /// is complete (a `PullReply` without payload), which lets it push the next round.
     Pull {
         key: u64,
         round: u64,
+        wants_sum: bool,
     },
     /// The server has read a push (whatever the other workers have done): the worker's
     /// scheduler counts its credit by these.
@@ -190,7 +237,7 @@ pub enum Message {
         key: u64,
         round: u64,
     },
-    /// Payload: the round's sum.
+    /// Payload: the round's result; none for a pull that did not want it.
     PullReply {
         key: u64,
         round: u64,
@@ -366,15 +413,24 @@ impl Message {
                 dtype,
                 codec,
                 mode,
+                op,
             } => {
                 e.u64(*key)
                     .u64(*round)
                     .u8(*dtype as u8)
                     .u8(*codec as u8)
                     .u8(*mode as u8)
-                    .zeros(5);
+                    .u8(*op as u8)
+                    .zeros(4);
             }
-            Message::Pull { key, round } | Message::PushAck { key, round } => {
+            Message::Pull {
+                key,
+                round,
+                wants_sum,
+            } => {
+                e.u64(*key).u64(*round).u8(u8::from(*wants_sum));
+            }
+            Message::PushAck { key, round } => {
                 e.u64(*key).u64(*round);
             }
             Message::PullReply {
@@ -539,21 +595,42 @@ impl Message {
                 let mode = match d.u8("mode")? {
                     0 => PushMode::Sum,
                     1 => PushMode::Delta,
+                    2 => PushMode::Skip,
                     v => return Err(d.bad("mode", format!("unknown push mode {v}"))),
                 };
-                d.zeros(5, "reserved")?;
-                payload(&d, dtype, codec, payload_len)?;
+                let code = d.u8("op")?;
+                let op = ReduceOp::from_code(code)
+                    .ok_or_else(|| d.bad("op", format!("unknown reduction {code}")))?;
+                d.zeros(4, "reserved")?;
+                if op != ReduceOp::Sum && (codec != Codec::Raw || mode == PushMode::Delta) {
+                    return Err(d.bad(
+                        "op",
+                        format!("a {codec} {mode:?} push can only be summed, not reduced by {op}"),
+                    ));
+                }
+                if mode == PushMode::Skip {
+                    if payload_len != 0 {
+                        return Err(d.bad(
+                            "payload",
+                            format!("a push that skips its round carries {payload_len} bytes"),
+                        ));
+                    }
+                } else {
+                    payload(&d, dtype, codec, payload_len)?;
+                }
                 Message::Push {
                     key,
                     round,
                     dtype,
                     codec,
                     mode,
+                    op,
                 }
             }
             Op::Pull => Message::Pull {
                 key: d.u64("key")?,
                 round: d.u64("round")?,
+                wants_sum: flag(&mut d, "wants_sum")?,
             },
             Op::PushAck => Message::PushAck {
                 key: d.u64("key")?,
@@ -565,7 +642,10 @@ impl Message {
                 let dtype = dtype(&mut d)?;
                 let codec = codec(&mut d)?;
                 d.zeros(6, "reserved")?;
-                payload(&d, dtype, codec, payload_len)?;
+                // An empty reply answers a pull that wanted only the round's completion.
+                if payload_len != 0 {
+                    payload(&d, dtype, codec, payload_len)?;
+                }
                 Message::PullReply {
                     key,
                     round,

@@ -176,6 +176,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 dtype: Dtype::F32,
                 codec: Codec::Raw,
                 mode: PushMode::Sum,
+                op: ReduceOp::Sum,
             },
             vec![0; 16],
         ),
@@ -186,6 +187,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 dtype: Dtype::Bf16,
                 codec: Codec::Raw,
                 mode: PushMode::Delta,
+                op: ReduceOp::Sum,
             },
             vec![0; 2],
         ),
@@ -196,10 +198,48 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 dtype: Dtype::F32,
                 codec: Codec::Sign,
                 mode: PushMode::Sum,
+                op: ReduceOp::Sum,
             },
             vec![0; 7],
         ),
-        (Message::Pull { key: 9, round: 3 }, vec![]),
+        (
+            Message::Push {
+                key: 9,
+                round: 3,
+                dtype: Dtype::I64,
+                codec: Codec::Raw,
+                mode: PushMode::Sum,
+                op: ReduceOp::Product,
+            },
+            vec![0; 8],
+        ),
+        (
+            Message::Push {
+                key: 9,
+                round: 4,
+                dtype: Dtype::F16,
+                codec: Codec::Raw,
+                mode: PushMode::Skip,
+                op: ReduceOp::Min,
+            },
+            vec![],
+        ),
+        (
+            Message::Pull {
+                key: 9,
+                round: 3,
+                wants_sum: true,
+            },
+            vec![],
+        ),
+        (
+            Message::Pull {
+                key: 9,
+                round: 4,
+                wants_sum: false,
+            },
+            vec![],
+        ),
         (
             Message::PullReply {
                 key: 9,
@@ -208,6 +248,15 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 codec: Codec::Raw,
             },
             vec![3; 8],
+        ),
+        (
+            Message::PullReply {
+                key: 9,
+                round: 4,
+                dtype: Dtype::F16,
+                codec: Codec::Raw,
+            },
+            vec![],
         ),
         (
             Message::Barrier {
@@ -279,17 +328,31 @@ fn streamed_frames_follow_each_other() {
         dtype: Dtype::I32,
         codec: Codec::Raw,
         mode: PushMode::Sum,
+        op: ReduceOp::Sum,
     };
     let big = vec![5u8; 200_000];
     write_data(&mut wire, &push, &big).unwrap();
-    write_data(&mut wire, &Message::Pull { key: 1, round: 1 }, &[]).unwrap();
+    write_data(
+        &mut wire,
+        &Message::Pull {
+            key: 1,
+            round: 1,
+            wants_sum: true,
+        },
+        &[],
+    )
+    .unwrap();
     let mut r = FrameReader::new(Cursor::new(wire), 1 << 20);
     let f = r.read().unwrap();
     assert_eq!(f.payload_len, big.len());
     r.skip_payload().unwrap();
     assert_eq!(
         r.read().unwrap().message,
-        Message::Pull { key: 1, round: 1 }
+        Message::Pull {
+            key: 1,
+            round: 1,
+            wants_sum: true
+        }
     );
 }
 
@@ -312,6 +375,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         dtype: Dtype::F32,
         codec: Codec::Raw,
         mode: PushMode::Sum,
+        op: ReduceOp::Sum,
     };
     let good = push.encode_with_payload(&[0; 8]);
     let meta = &good[HEADER_LEN..HEADER_LEN + DATA_META_LEN];
@@ -332,10 +396,31 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         .to_string()
         .contains("mode"));
     let mut m = meta.to_vec();
+    m[19] = 4; // op
+    assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
+        .to_string()
+        .contains("unknown reduction 4"));
+    let mut m = meta.to_vec();
     m[23] = 1; // reserved
     assert!(body_err(Op::Push, &[&m[..], &[0; 8]].concat())
         .to_string()
         .contains("reserved"));
+    // A skip carries no payload; a compressed push is only summed.
+    let mut m = meta.to_vec();
+    m[18] = PushMode::Skip as u8;
+    let e = body_err(Op::Push, &[&m[..], &[0; 8]].concat());
+    assert!(
+        e.to_string().contains("skips its round carries 8 bytes"),
+        "{e}"
+    );
+    let mut m = meta.to_vec();
+    m[17] = Codec::RandomK as u8;
+    m[19] = ReduceOp::Max as u8;
+    let e = body_err(Op::Push, &[&m[..], &[0; 8]].concat());
+    assert!(e.to_string().contains("not reduced by max"), "{e}");
+    // wants_sum is a flag.
+    let e = body_err(Op::Pull, &[&[0; 16][..], &[2]].concat());
+    assert!(e.to_string().contains("wants_sum"), "{e}");
     // Payload not a multiple of the element size, and an empty payload.
     let e = body_err(Op::Push, &[meta, &[0; 7]].concat());
     assert!(e.to_string().contains("7 bytes"), "{e}");
@@ -347,7 +432,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
     ));
     // Trailing bytes after a fixed-size body.
     assert!(matches!(
-        body_err(Op::Pull, &[0; 17]),
+        body_err(Op::Pull, &[0; 18]),
         WireError::TrailingBytes { extra: 1, .. }
     ));
     // Bad UTF-8 in a string.

@@ -50,7 +50,8 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
         debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
         // Compressed by this lane's thread, so lanes compress in parallel, and before the
         // connection is locked.
-        if let Some(c) = task.compressor() {
+        let (pushes, wants_sum, op) = (task.pushes, task.wants_sum, task.op);
+        if let Some(c) = task.compressor().filter(|_| pushes) {
             compress(sh, &task, c, &mut buffers);
         }
         let (key, round, dtype, len, handle, codec) = (
@@ -61,6 +62,7 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
             task.handle,
             task.codec,
         );
+        let wire_len = task.wire_len();
         let members = task.members.clone();
         let data = task.data;
         let tensor_name = Arc::clone(&task.name);
@@ -98,13 +100,15 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
             };
             let sent = init
                 .and_then(|()| {
-                    if codec.is_raw() {
-                        tx.push(key, round, dtype, data.bytes())
+                    if !pushes {
+                        tx.push_skip(key, round, dtype, op)
+                    } else if codec.is_raw() {
+                        tx.push_reduced(key, round, dtype, op, data.bytes())
                     } else {
                         tx.push_compressed(key, round, codec.codec, &buffers.payload)
                     }
                 })
-                .and_then(|()| tx.pull(key, round));
+                .and_then(|()| tx.pull(key, round, wants_sum));
             sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
             sent
         };
@@ -124,10 +128,7 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
                 popped,
                 pushed,
                 &[
-                    (
-                        "bytes",
-                        Arg::Uint(codec.payload_len(dtype, (len / dtype.size()) as u64)),
-                    ),
+                    ("bytes", Arg::Uint(wire_len)),
                     ("round", Arg::Uint(round)),
                     ("key", Arg::Uint(key)),
                     (

@@ -33,6 +33,11 @@ enum ReceiveError {
     },
     #[error("sum of key {key}: {source}")]
     Sum { key: u64, source: SumError },
+    #[error(
+        "answered the pull of key {key} round {round} with {len} bytes, but it asked only \
+         for the notice that the round is complete"
+    )]
+    NotWanted { key: u64, round: u64, len: usize },
 }
 
 /// Why a sum could not be read into its partition.
@@ -133,6 +138,21 @@ fn receive_sum(
     };
     // The credit returns before the sum is read: the next push overlaps the read.
     finished(sh, order, true);
+    if !task.wants_sum {
+        // Only the notice: the span stays as it is.
+        if head.len != 0 {
+            return Err(ReceiveError::NotWanted {
+                key: head.key,
+                round: head.round,
+                len: head.len,
+            });
+        }
+        if sh.handles.begin_access(task.handle) {
+            sh.handles.end_access(task.handle, Some(task.key()));
+        }
+        count(rx);
+        return Ok(());
+    }
     // A failed operation's buffer may already be gone: never write into it.
     if !sh.handles.begin_access(task.handle) {
         let skipped = rx.skip_sum();

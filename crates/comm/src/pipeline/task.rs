@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_plan::partition::Partition;
-use sumflow_wire::{Dtype, KeyCodec};
+use sumflow_wire::{Dtype, KeyCodec, ReduceOp};
 
 /// A span of the caller's tensor memory.
 ///
@@ -71,6 +71,14 @@ pub struct PartTask {
     pub members: Option<Arc<[u32]>>,
     /// Divide the sum by this (Average).
     pub divisor: Option<u32>,
+    /// How the servers combine the round's pushes.
+    pub op: ReduceOp,
+    /// Whether this worker contributes the partition's bytes; false: it takes part in the
+    /// round with an empty push (a skip).
+    pub pushes: bool,
+    /// Whether this worker takes the round's result back into the partition; false: it
+    /// awaits only the notice that the round is complete, and the span is left alone.
+    pub wants_sum: bool,
     /// The tensor's name and the partition's index in it, for the trace.
     pub name: Arc<str>,
     pub index: u32,
@@ -87,6 +95,9 @@ impl PartTask {
 
     /// Bytes of its push on the wire, what the scheduler's credit counts.
     pub(super) fn wire_len(&self) -> u64 {
+        if !self.pushes {
+            return 0;
+        }
         let elements = (self.data.len / self.dtype.size()) as u64;
         self.codec.payload_len(self.dtype, elements)
     }

@@ -122,6 +122,9 @@ impl Worker {
                 codec: KeyCodec::RAW,
                 divisor,
                 members: None,
+                op: sumflow_wire::ReduceOp::Sum,
+                pushes: true,
+                wants_sum: true,
                 name: Arc::from(format!("tensor{tensor}")),
                 index: i as u32,
             })
