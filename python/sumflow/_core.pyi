@@ -263,12 +263,23 @@ class CommunicationService:
         nbytes: int,
         priority: int = 0,
         average: bool = False,
+        *,
+        op: str | None = None,
+        pushes: list[tuple[int, int]] | None = None,
+        pulls: list[tuple[int, int]] | None = None,
     ) -> int:
         """Starts summing tensor ``tensor_id`` across workers, in place in the ``nbytes``
         bytes at host address ``ptr``, which ``owner`` must own. Returns a handle at once.
         Lower ``priority`` is sent first; ``average`` divides the sum by the number of
-        workers summed: the tensor's members, or the size. The memory must not be read or
-        written until ``wait`` has returned."""
+        workers summed: the tensor's members, or the size; ``op`` ``"min"``, ``"max"`` or
+        ``"product"`` reduces by that instead (on the servers). The memory must not be
+        read or written until ``wait`` has returned.
+
+        ``pushes`` and ``pulls``: the ``(start, end)`` byte ranges this worker contributes
+        and takes back (None: all of it). The servers work by partition: a partition that
+        meets no pushed range is skipped (an empty push: no bytes cross the wire), one that
+        meets no pulled range is left as it is (only its completion is awaited). Bytes of
+        a pushed partition outside this worker's ranges must hold the op's identity."""
     def poll(self, handle: int) -> bool:
         """True once the operation has finished; raises its error if it failed."""
     def wait(self, handle: int, timeout: float) -> None:

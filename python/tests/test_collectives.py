@@ -11,6 +11,7 @@ from jobs import run_worker_processes
 
 WORKER = str(Path(__file__).with_name("collectives_worker.py"))
 ERRORS = str(Path(__file__).with_name("collective_errors_worker.py"))
+WIRE_BYTES = str(Path(__file__).with_name("wire_bytes_worker.py"))
 
 
 @pytest.mark.parametrize(("workers", "cpu_servers"), [(1, 0), (2, 2), (3, 1), (4, 0)])
@@ -26,6 +27,17 @@ def test_every_collective_matches_its_reference(
 
 def test_bad_calls_fail_that_call_on_every_worker_and_the_job_goes_on(tmp_path: Path) -> None:
     outcomes = run_worker_processes(tmp_path, 3, [ERRORS, str(tmp_path)], 1)
+    for o in outcomes:
+        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
+        report = (tmp_path / f"rank{o.rank}.txt").read_text()
+        assert report == "ok", f"worker {o.rank}:\n{report}"
+
+
+@pytest.mark.parametrize(("workers", "cpu_servers"), [(3, 0), (2, 2)])
+def test_collectives_move_only_the_bytes_they_need(
+    tmp_path: Path, workers: int, cpu_servers: int
+) -> None:
+    outcomes = run_worker_processes(tmp_path, workers, [WIRE_BYTES, str(tmp_path)], cpu_servers)
     for o in outcomes:
         assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
         report = (tmp_path / f"rank{o.rank}.txt").read_text()

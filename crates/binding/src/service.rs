@@ -15,7 +15,8 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::{
-    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, Scheduling,
+    CommConfig, CommError, CommunicationService, Compression, Declaration, Exchange, ReduceOp,
+    Scheduling,
 };
 use sumflow_plan::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
@@ -359,8 +360,13 @@ impl PyCommunicationService {
     /// Starts summing tensor `tensor_id` across workers in place, in the `nbytes` bytes
     /// at address `ptr`, which `owner` must own (kept alive until `wait`). Returns a
     /// handle at once. Lower `priority` is sent first; `average` divides by the number of
-    /// workers summed: the tensor's members, or the size.
-    #[pyo3(signature = (tensor_id, owner, ptr, nbytes, priority = 0, average = false))]
+    /// workers summed: the tensor's members, or the size. `op` "min", "max" or "product"
+    /// reduces otherwise. `pushes` and `pulls`: the `(start, end)` byte ranges this worker
+    /// contributes and takes back (None: all); see `Exchange`.
+    #[pyo3(signature = (
+        tensor_id, owner, ptr, nbytes, priority = 0, average = false, *, op = None,
+        pushes = None, pulls = None
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn push_pull(
         &self,
@@ -371,11 +377,27 @@ impl PyCommunicationService {
         nbytes: usize,
         priority: i64,
         average: bool,
+        op: Option<&str>,
+        pushes: Option<Vec<(u64, u64)>>,
+        pulls: Option<Vec<(u64, u64)>>,
     ) -> PyResult<u64> {
-        let op = if average {
-            ReduceOp::Average
-        } else {
-            ReduceOp::Sum
+        let op = match (op, average) {
+            (None, false) => ReduceOp::Sum,
+            (None, true) => ReduceOp::Average,
+            (Some("min"), false) => ReduceOp::Min,
+            (Some("max"), false) => ReduceOp::Max,
+            (Some("product"), false) => ReduceOp::Product,
+            (Some(op), _) => {
+                return Err(PyValueError::new_err(format!(
+                    "op must be 'min', 'max' or 'product' (and average false), not {op:?}"
+                )))
+            }
+        };
+        let ranges =
+            |r: Option<Vec<(u64, u64)>>| r.map(|r| r.into_iter().map(|(a, b)| a..b).collect());
+        let exchange = Exchange {
+            pushes: ranges(pushes),
+            pulls: ranges(pulls),
         };
         // The owners lock is held across the enqueue so that a wait on another thread
         // cannot find the handle finished before its owner is recorded.
@@ -387,7 +409,7 @@ impl PyCommunicationService {
         // asynchronous in-place collective.
         let handle = unsafe {
             self.svc
-                .push_pull(tensor_id, ptr as *mut u8, nbytes, priority, op)
+                .push_exchange(tensor_id, (ptr as *mut u8, nbytes), priority, op, &exchange)
         }
         .map_err(|e| py_err(py, e))?;
         owners.insert(handle, owner);

@@ -2,22 +2,24 @@
 reducescatter, and the grouped forms, each agreed first (``negotiate.py``) and then carried
 by the summation servers.
 
-Gathering operations (allgather, alltoall) lay every worker's rows out in one buffer of
-bytes, each worker writing its own region, and sum it (``ops.gather_bytes_work``): exact
-for every dtype. Reductions (reducescatter, grouped allreduce) are sums of the tensors
-themselves, fused into one buffer per dtype for a group.
+Gathering operations (allgather, alltoall) move each worker's rows as regions of bytes
+that one worker pushes and others take (``relay.py``): bit for bit for every dtype, and
+each byte crosses the wire only to the servers and to the workers that take it.
+Reductions (reducescatter, grouped allreduce) are sums of the tensors themselves, fused
+into one buffer per dtype for a group; a reducescatter takes back only its own rows.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from sumflow.torch import _work, negotiate, ops, process_sets
+from sumflow.torch import _work, negotiate, ops, process_sets, relay
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.ops import Average, ReduceOp, Sum
 
@@ -84,28 +86,29 @@ def grouped_allgather_async(
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
         counts = [row.extra for row in rows]  # counts[r][i]: rows of tensor i from member r
-        writes: list[tuple[int, torch.Tensor]] = []
-        regions: list[tuple[int, int]] = []
-        offset = 0
+        outs, regions = [], []
         for i, t in enumerate(tensors):
             per_row = _row_bytes(t)
-            total_rows = sum(c[i] for c in counts)
-            mine = offset + sum(c[i] for c in counts[:rank]) * per_row
-            if t.numel():
-                writes.append((mine, t))
-            regions.append((offset, total_rows))
-            offset += total_rows * per_row
+            out = torch.empty((sum(c[i] for c in counts), *t.shape[1:]), dtype=t.dtype)
+            landing = relay.host_bytes(out)
+            offset = 0
+            for r, c in enumerate(counts):
+                span = landing[offset : offset + c[i] * per_row]
+                offset += span.numel()
+                label = f"{full}#{r}" if _single else f"{full}#{i}.{r}"
+                if r == rank:
+                    mine = relay.host_bytes(t)
+                    span.copy_(mine)
+                    regions.append(relay.Region(label, mine, True, group.members))
+                else:
+                    regions.append(relay.Region(label, span, False, group.members))
+            outs.append(out)
 
-        def finish(raw: torch.Tensor) -> Any:
-            out = []
-            for t, (start_byte, total_rows) in zip(tensors, regions):
-                shape = (total_rows, *t.shape[1:])
-                nbytes = math.prod(shape) * t.element_size()
-                gathered = ops.from_bytes(raw[start_byte : start_byte + nbytes], t.dtype, shape)
-                out.append(gathered.to(t.device))
-            return out[0] if _single else out
+        def finish() -> Any:
+            moved = [out.to(t.device) for out, t in zip(outs, tensors)]
+            return moved[0] if _single else moved
 
-        return ops.gather_bytes_work(full, offset, writes, finish, group)
+        return relay.relay_work(full, regions, finish)
 
     return ops.negotiated(request, group, start)
 
@@ -197,28 +200,30 @@ def alltoall_async(
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
         matrix = [row.extra for row in rows]  # matrix[i][j]: rows from i to j
-        # The buffer holds the rows for worker 0 (from 0, 1, ...), then for worker 1, ...
-        column_start = [0] * (size + 1)
-        for j in range(size):
-            column_start[j + 1] = column_start[j] + sum(matrix[i][j] for i in range(size))
-        writes: list[tuple[int, torch.Tensor]] = []
-        sent = 0
-        for j in range(size):
-            n = matrix[rank][j]
-            if n:
-                at = column_start[j] + sum(matrix[i][j] for i in range(rank))
-                writes.append((at * per_row, tensor.narrow(0, sent, n)))
-            sent += n
         received = [matrix[i][rank] for i in range(size)]
-        mine = column_start[rank] * per_row
+        out = torch.empty((sum(received), *tensor.shape[1:]), dtype=tensor.dtype)
+        sending, landing = relay.host_bytes(tensor), relay.host_bytes(out)
+        sent_at = [sum(matrix[rank][:j]) * per_row for j in range(size)]
+        received_at = [sum(received[:i]) * per_row for i in range(size)]
+        regions = []
+        # Block i -> j is a key of its two workers alone: nobody else takes part in it.
+        for j in range(size):
+            block = sending[sent_at[j] : sent_at[j] + matrix[rank][j] * per_row]
+            if j == rank:
+                landing[received_at[j] : received_at[j] + block.numel()].copy_(block)
+            else:
+                pair = sorted((group.ranks[rank], group.ranks[j]))
+                regions.append(relay.Region(f"{full}#{rank}>{j}", block, True, pair))
+        for i in range(size):
+            if i != rank:
+                block = landing[received_at[i] : received_at[i] + received[i] * per_row]
+                pair = sorted((group.ranks[i], group.ranks[rank]))
+                regions.append(relay.Region(f"{full}#{i}>{rank}", block, False, pair))
 
-        def finish(raw: torch.Tensor) -> Any:
-            shape = (sum(received), *tensor.shape[1:])
-            nbytes = math.prod(shape) * tensor.element_size()
-            out = ops.from_bytes(raw[mine : mine + nbytes], tensor.dtype, shape).to(tensor.device)
-            return out, torch.tensor(received, dtype=torch.int32)
+        def finish() -> Any:
+            return out.to(tensor.device), torch.tensor(received, dtype=torch.int32)
 
-        return ops.gather_bytes_work(full, column_start[size] * per_row, writes, finish, group)
+        return relay.relay_work(full, regions, finish)
 
     return ops.negotiated(request, group, start)
 
@@ -272,15 +277,22 @@ def grouped_reducescatter_async(
         + "|".join(f"{t.dtype}{list(t.shape)}" for t in tensors),
     )
 
+    def own(t: torch.Tensor) -> tuple[int, int]:
+        """This worker's rows of `t`, as a range of its elements."""
+        counts = reducescatter_rows(t.shape[0], size)
+        per_row = math.prod(t.shape[1:])
+        return sum(counts[:rank]) * per_row, sum(counts[: rank + 1]) * per_row
+
     def start(rows: list[negotiate.Row]) -> _work.Work:
         def own_rows(summed: list[torch.Tensor]) -> Any:
             out = []
             for t in summed:
-                counts = reducescatter_rows(t.shape[0], size)
-                out.append(t.narrow(0, sum(counts[:rank]), counts[rank]).clone())
+                first, end = own(t)
+                out.append(t.reshape(-1)[first:end].reshape(-1, *t.shape[1:]).clone())
             return out[0] if _single else out
 
-        work = _fused_sum(full, tensors, op, prescale_factor, postscale_factor, group)
+        scales = (prescale_factor, postscale_factor)
+        work = _fused_sum(full, tensors, op, *scales, group, own=own)
         return work.then(own_rows)
 
     return ops.negotiated(request, group, start)
@@ -342,9 +354,11 @@ def _fused_sum(
     prescale_factor: float,
     postscale_factor: float,
     group: process_sets.Group,
+    own: Callable[[torch.Tensor], tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
     """One sum per dtype over copies of `tensors` laid end to end; the work's result is
-    the list of reduced tensors, shaped as given."""
+    the list of reduced tensors, shaped as given. With ``own``, only each tensor's element
+    range ``own(tensor)`` is taken back (a reduce-scatter); the rest is left unreduced."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -352,8 +366,21 @@ def _fused_sum(
     for dtype, members in by_dtype.items():
         flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
         label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
+        pulls = None
+        if own is not None:
+            starts = itertools.accumulate((tensors[i].numel() for i in members), initial=0)
+            pulls = [
+                (at + own(tensors[i])[0], at + own(tensors[i])[1]) for i, at in zip(members, starts)
+            ]
         work = ops.allreduce_work(
-            label, flat, op, Compression.none, prescale_factor, postscale_factor, group
+            label,
+            flat,
+            op,
+            Compression.none,
+            prescale_factor,
+            postscale_factor,
+            group,
+            pulls=pulls,
         )
         works.append((members, flat, work))
 

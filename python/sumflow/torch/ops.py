@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _staging, _work, negotiate, process_sets, timeline
-from sumflow.torch.compression import Compression, Compressor, CoreSpec, bind, core_spec
+from sumflow.torch import _runtime, _staging, _work, declarations, negotiate, process_sets, timeline
+from sumflow.torch.compression import Compression, Compressor, bind, core_spec
+from sumflow.torch.declarations import DTYPES as DTYPES
+from sumflow.torch.declarations import check_dtype, declare
+from sumflow.torch.declarations import declare_group as declare_group
 from sumflow.torch.process_sets import Group
 
 
@@ -38,28 +41,14 @@ Min = ReduceOp("Min")
 Max = ReduceOp("Max")
 Product = ReduceOp("Product")
 
-#: torch dtype -> the core's dtype name.
-DTYPES = {
-    torch.float32: "f32",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.float64: "f64",
-    torch.int32: "i32",
-    torch.int64: "i64",
-}
-
-
-_declared: dict[str, dict[tuple[torch.dtype, int, CoreSpec | None], int]] = {}
-_first_layout: dict[str, tuple[torch.dtype, int, CoreSpec | None]] = {}
-_declared_lock = threading.Lock()
 _unnamed: dict[str, itertools.count[int]] = {}
+_unnamed_lock = threading.Lock()
 
 
 def _reset() -> None:
     """Forgets declarations and handles (at shutdown: a new job starts afresh)."""
-    with _declared_lock:
-        _declared.clear()
-        _first_layout.clear()
+    declarations.reset()
+    with _unnamed_lock:
         _unnamed.clear()
     _work.reset()
 
@@ -73,107 +62,9 @@ def _auto_name(kind: str, name: str | None, group: Group | None = None) -> str:
         if not isinstance(name, str) or not name:
             raise ValueError(f"a tensor name must be a non-empty string, not {name!r}")
         return f"{prefix}{name}"
-    with _declared_lock:
+    with _unnamed_lock:
         counter = _unnamed.setdefault(prefix, itertools.count())
         return f"{prefix}noname.{next(counter)}"
-
-
-def check_dtype(tensor: torch.Tensor, what: str) -> str:
-    """The core dtype name of `tensor`, or a TypeError saying what to do instead."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{what} needs a torch.Tensor, not {type(tensor).__name__}")
-    try:
-        return DTYPES[tensor.dtype]
-    except KeyError:
-        raise TypeError(
-            f"{what}: sumflow sums float32, float16, bfloat16, float64, int32 and int64 "
-            f"tensors, not {tensor.dtype}; convert it first (e.g. .to(torch.int32))"
-        ) from None
-
-
-def _core_name(name: str, layout: tuple[torch.dtype, int, CoreSpec | None]) -> str:
-    """The name the core knows a layout of `name` by: the name itself for the first layout
-    it was used with, the name and the layout after that. Every worker running the same
-    program computes the same one, so a name may change shape, dtype or compression."""
-    with _declared_lock:
-        first = _first_layout.setdefault(name, layout)
-    if first == layout:
-        return name
-    dtype, numel, compression = layout
-    spec = "" if compression is None else f":{compression[0]}:{compression[1]}:{compression[2]}"
-    return f"{name}@{DTYPES[dtype]}x{numel}{spec}"
-
-
-def declare(
-    name: str,
-    tensor: torch.Tensor,
-    compression: CoreSpec | None = None,
-    members: list[int] | None = None,
-) -> int:
-    """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
-    first use. A name used with another layout gets keys of its own for it: each call
-    stands alone, as in Horovod. ``members``: the process set's workers, whose rounds
-    alone its keys count (None: every worker)."""
-    dtype = check_dtype(tensor, name)
-    layout = (tensor.dtype, tensor.numel(), compression)
-    with _declared_lock:
-        known = _declared.get(name, {}).get(layout)
-    if known is not None:
-        return known
-    core_name = _core_name(name, layout)
-    service = _runtime.current().service
-    if members is None:
-        tid = service.declare(core_name, dtype, layout[1], compression)
-    else:
-        tid = service.declare(core_name, dtype, layout[1], compression, members=members)
-    with _declared_lock:
-        _declared.setdefault(name, {})[layout] = tid
-    return tid
-
-
-def declare_group(
-    named: list[tuple[str, torch.Tensor]],
-    compression: type[Compressor] | Compressor = Compression.none,
-    members: list[int] | None = None,
-) -> list[int]:
-    """Declares tensors together, so their partitions are placed as one group (BytePS
-    Eq. 1 and 2 over the whole set), as `compression` will send them; names already
-    declared in that layout keep their placement."""
-    wires = [(n, w, core_spec(compression, w)) for n, w in _wires(compression, named)]
-    with _declared_lock:
-        fresh = [
-            (n, w, c) for n, w, c in wires if (w.dtype, w.numel(), c) not in _declared.get(n, {})
-        ]
-    if fresh:
-        specs = [
-            (_core_name(n, (w.dtype, w.numel(), c)), check_dtype(w, n), w.numel(), c)
-            for n, w, c in fresh
-        ]
-        service = _runtime.current().service
-        if members is None:
-            ids = service.declare_group(specs)
-        else:
-            ids = service.declare_group([(*spec, members) for spec in specs])
-        with _declared_lock:
-            for (n, w, c), tid in zip(fresh, ids):
-                _declared.setdefault(n, {})[(w.dtype, w.numel(), c)] = tid
-    return [declare(n, w, c, members) for n, w, c in wires]
-
-
-def _wires(
-    compression: type[Compressor] | Compressor, named: list[tuple[str, torch.Tensor]]
-) -> list[tuple[str, torch.Tensor]]:
-    """What `compression` sends for each tensor (their data never matters: they may be on
-    the meta device). The compressor unbound, so no per-tensor state moves; a tensor it
-    cannot compress off its data is left out, to be declared when first sent."""
-    out = []
-    for name, tensor in named:
-        try:
-            wire, _ = compression.compress(tensor)
-        except (RuntimeError, NotImplementedError):
-            continue
-        out.append((name, wire))
-    return out
 
 
 def declare_tensors(named: Sequence[tuple[str, torch.Tensor]], *, api: str = "allreduce") -> None:
@@ -201,10 +92,12 @@ def sum_work(
     prescale_factor: float,
     postscale_factor: float,
     group: Group,
+    pulls: list[tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
     """Sums (``op`` Sum or Average) `output` across the group's workers in place, after
     compression; the work's result is `output`. Integers are averaged as Horovod does: the
-    sum is divided and truncated toward zero."""
+    sum is divided and truncated toward zero. ``pulls``: the element ranges to take back
+    (None: all); the rest of `output` is left as it was (a reduce-scatter's other rows)."""
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
@@ -216,8 +109,17 @@ def sum_work(
     host = _staging.to_host(name, wire)
     tid = declare(name, host, core_spec(compressor, wire), group.members)
     float_average = op is Average and wire.is_floating_point()
+    width = host.element_size()
+    if pulls is not None and host.numel() != output.numel():
+        raise ValueError(f"'{name}': only uncompressed sums take back a part of the tensor")
     core = rt.service.push_pull(
-        tid, host, host.data_ptr(), host.numel() * host.element_size(), priority, float_average
+        tid,
+        host,
+        host.data_ptr(),
+        host.numel() * width,
+        priority,
+        float_average,
+        pulls=None if pulls is None else [(a * width, b * width) for a, b in pulls if b > a],
     )
 
     def finish() -> torch.Tensor:
@@ -425,6 +327,7 @@ def allreduce_work(
     postscale_factor: float,
     group: Group,
     priority: int = 0,
+    pulls: list[tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
     """The data stage of an agreed allreduce of `output` over the group, in place."""
     if op in (Min, Max, Product):
@@ -434,7 +337,7 @@ def allreduce_work(
     carrier = _INT_CARRIERS.get(output.dtype)
     scales = (prescale_factor, postscale_factor)
     if carrier is None:
-        return sum_work(name, output, op, priority, compression, *scales, group)
+        return sum_work(name, output, op, priority, compression, *scales, group, pulls)
 
     def narrow(wide_result: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -442,7 +345,7 @@ def allreduce_work(
         return output
 
     wide = output.to(carrier)
-    return sum_work(name, wide, op, priority, compression, *scales, group).then(narrow)
+    return sum_work(name, wide, op, priority, compression, *scales, group, pulls).then(narrow)
 
 
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -600,16 +503,18 @@ def broadcast_async_(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        nbytes = tensor.numel() * tensor.element_size()
+        from sumflow.torch import relay
 
-        def finish(raw: torch.Tensor) -> torch.Tensor:
-            if rank != root_rank:
+        landing = relay.host_bytes(tensor)
+        region = relay.Region(full, landing, rank == root_rank, group.members)
+
+        def finish() -> torch.Tensor:
+            if rank != root_rank and landing.data_ptr() != tensor.data_ptr():
                 with torch.no_grad():
-                    tensor.copy_(from_bytes(raw, tensor.dtype, tensor.shape))
+                    tensor.copy_(landing.view(tensor.dtype).reshape(tensor.shape))
             return tensor
 
-        writes = [(0, tensor)] if rank == root_rank else []
-        return gather_bytes_work(full, nbytes, writes, finish, group)
+        return relay.relay_work(full, [region], finish)
 
     return negotiated(request, group, start)
 
