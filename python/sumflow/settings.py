@@ -445,7 +445,7 @@ FUSION_THRESHOLD = _add(
         name="SUMFLOW_FUSION_THRESHOLD",
         kind=integer(least=0, unit="bytes, 0: no fusion"),
         doc="fuse gradients into spans of at least this many bytes, when the optimizer is "
-        "given no threshold",
+        "given no threshold (and no groups)",
         readers=(WORKER,),
         default=0,
     )

@@ -10,6 +10,9 @@ With ``cross_barrier=True`` ``step()`` does not wait: each parameter is updated 
 as its own sum arrives, and the next forward waits per module (``overlap.py``, ByteScheduler
 §3.4), using the wrapped optimizer's own update one parameter at a time
 (``per_parameter.py``).
+
+With Horovod's ``num_groups`` or ``groups``, the gradients of a group are held until the
+last of them is ready and then sent back to back: the same sums, issued later.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -32,6 +36,15 @@ from sumflow.torch.sparse import sparse_allreduce_handle
 from sumflow.tune import plugin as autotune
 
 
+@dataclass(eq=False)
+class Bundle:
+    """One of Horovod's explicit groups (``groups=``/``num_groups=``): gradients sent only
+    once every one of them is ready. Named so to tell it from the process set's ``Group``
+    and torch's ``param_groups``."""
+
+    params: list[torch.Tensor]
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     # Set by DistributedOptimizer() on the dynamic subclass's instance.
     _sf_names: dict[torch.Tensor, str]
@@ -41,9 +54,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     #: The push_pull handle of each parameter's gradient this step (shared by a span's).
     _sf_handles: dict[torch.Tensor, int]
     _sf_passes: dict[torch.Tensor, int]
-    #: With fusion: the gradient pool, and each unsent span's parameters ready this step.
+    #: With fusion: the gradient pool. With groups: each grouped parameter's bundle.
     _sf_pool: GradientPool | None
-    _sf_ready: dict[Span, set[torch.Tensor]]
+    _sf_bundle_of: dict[torch.Tensor, Bundle]
+    #: Each unsent span's or bundle's parameters whose gradient is ready this step.
+    _sf_ready: dict[Span | Bundle, set[torch.Tensor]]
     _sf_backward_passes: int
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
@@ -76,6 +91,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         sparse_as_dense: bool,
         group: process_sets.Group | None,
         process_set: Any,
+        bundles: list[Bundle],
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
         if named_parameters:
@@ -133,6 +149,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._sf_pool = None
         self._sf_ready = {}
+        self._sf_bundle_of = {p: b for b in bundles for p in b.params}
         if fusion_threshold > 0:
             # Backward produces the last layers' gradients first.
             self._sf_pool = GradientPool(
@@ -190,20 +207,31 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_passes[p] = passes
         if passes < self._sf_backward_passes:
             return
-        span = self._sf_pool.span_of[p] if self._sf_pool is not None else None
-        if p in self._sf_handles or (span is not None and p in self._sf_ready.get(span, ())):
+        # What p is sent with, if anything: its span (fusion) or its bundle (groups).
+        batch: Span | Bundle | None = (
+            self._sf_pool.span_of[p] if self._sf_pool is not None else self._sf_bundle_of.get(p)
+        )
+        if p in self._sf_handles or (batch is not None and p in self._sf_ready.get(batch, ())):
             raise RuntimeError(
                 f"the gradient of {self._sf_names[p]} was computed again before step() or "
                 "synchronize() used the previous one; with gradient accumulation pass "
                 "backward_passes_per_step to DistributedOptimizer"
             )
-        if span is None:
+        if batch is None:
             self._sf_push(p)
             return
-        ready = self._sf_ready.setdefault(span, set())
+        ready = self._sf_ready.setdefault(batch, set())
         ready.add(p)
-        if len(ready) == len(span.params):
-            self._sf_push_span(span)
+        if len(ready) < len(batch.params):
+            return
+        if isinstance(batch, Span):
+            self._sf_push_span(batch)
+            return
+        # Each gradient under its own name, as without groups: the same sums and
+        # placement, and per-parameter handles for cross_barrier's updates.
+        del self._sf_ready[batch]
+        for q in batch.params:
+            self._sf_push(q)
 
     def _sf_push(self, p: torch.Tensor) -> None:
         if p.grad is None:
@@ -294,6 +322,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         for p in self._sf_trainable():
             if p not in self._sf_handles:
                 self._sf_push(p)
+        # Bundles that were still waiting have just been sent, with the rest.
+        self._sf_ready.clear()
 
     def _sf_sent_as(self, p: torch.Tensor) -> str:
         """The name of the tensor `p`'s gradient is sent in."""
@@ -468,8 +498,19 @@ def DistributedOptimizer(
     e.g. ``Compression.fp16`` or ``Compression.topk(0.01)``; see docs/compression.md.
     ``backward_passes_per_step``: backward passes accumulated locally per step.
     ``gradient_predivide_factor``: divide gradients by this before summing and by
-    size / factor after (Horovod's semantics). ``num_groups`` and ``groups`` (Horovod's
-    fusion groups) are accepted and ignored: fusion follows ``fusion_threshold``.
+    size / factor after (Horovod's semantics).
+
+    ``groups`` (Horovod's explicit groups): a list of lists of parameters, each list sent
+    only once every gradient in it is ready (parameters in no list are sent alone, as
+    usual); or a number N, which cuts the parameters, in the optimizer's order, into N
+    consecutive groups of nearly equal count (``num_groups=N``, Horovod's older spelling,
+    is the same; pass one of the two). A group's gradients are then sent back to back,
+    each under its own name, so the sums are exactly those without groups. Parameters
+    that require no gradient are left out of groups (they are never sent). Groups and
+    fusion both decide what is sent together, so an explicit ``fusion_threshold`` > 0
+    with groups is refused, and ``SUMFLOW_FUSION_THRESHOLD`` is ignored (with a
+    warning). ``cross_barrier`` works with groups: each parameter is still updated when
+    its own sum arrives.
 
     ``fusion_threshold`` (bytes; default ``SUMFLOW_FUSION_THRESHOLD``, else 0 = off):
     GradientFlow's lazy allreduce. The gradients live in one pool in the order backward
@@ -502,8 +543,30 @@ def DistributedOptimizer(
     # A worker outside the optimizer's process set steps on its own gradients, as in
     # Horovod: nothing is sent for it.
     outside = isinstance(process_set, process_sets.ProcessSet) and not process_set.included()
+    named = list(named_parameters) if named_parameters is not None else []
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # The names errors use: named_parameters' where given, else the optimizer's positions.
+    names = {p: f"param.{i}" for i, p in enumerate(params)} | {p: n for n, p in named}
+    bundles = [Bundle(ps) for ps in plan_groups(num_groups, groups, params, names)]
+    threshold = (
+        settings.FUSION_THRESHOLD.read()
+        if fusion_threshold is None
+        else fusion.check_threshold(fusion_threshold)
+    )
+    if bundles and threshold > 0:
+        # Fusion's spans are cut from the pool by size and would cut across the groups.
+        if fusion_threshold is not None:
+            raise ValueError(
+                f"fusion_threshold={fusion_threshold} with groups: both decide which gradients "
+                "are sent together; pass one of them (fusion_threshold=0 with groups)"
+            )
+        warnings.warn(
+            f"{settings.FUSION_THRESHOLD.name}={threshold} is ignored by a DistributedOptimizer "
+            "with groups: its groups decide which gradients are sent together",
+            stacklevel=2,
+        )
+        threshold = 0
     group = None if outside else process_sets.group_of(process_set, "DistributedOptimizer")
-    del num_groups, groups
     # A subclass of the user's optimizer class with our methods: isinstance checks and the
     # class's own step keep working. type() cannot say that it is also ours, so cast.
     cls = cast(
@@ -521,14 +584,9 @@ def DistributedOptimizer(
     wrapped = cls.__new__(cls)
     wrapped.__dict__ = optimizer.__dict__
     _route_patched_step(wrapped)
-    threshold = (
-        settings.FUSION_THRESHOLD.read()
-        if fusion_threshold is None
-        else fusion.check_threshold(fusion_threshold)
-    )
     wrapped._sf_setup(
         optimizer.__class__,
-        list(named_parameters) if named_parameters is not None else [],
+        named,
         Compression.from_env() if compression is None else compression,
         backward_passes_per_step,
         op,
@@ -538,8 +596,76 @@ def DistributedOptimizer(
         sparse_as_dense,
         group,
         process_set,
+        bundles,
     )
     return wrapped
+
+
+def plan_groups(
+    num_groups: Any, groups: Any, params: list[torch.Tensor], names: dict[torch.Tensor, str]
+) -> list[list[torch.Tensor]]:
+    """The parameters of each of Horovod's explicit groups, from ``DistributedOptimizer``'s
+    `num_groups` and `groups`; `params` are the optimizer's parameters in its order, and
+    `names` name them in errors. [] for no groups. Only parameters that require a
+    gradient are grouped: the others are never sent."""
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(
+            f"num_groups must be a whole number >= 0 (0 = no groups), not {num_groups!r}"
+        )
+    if groups is None:
+        groups = num_groups
+    elif num_groups:
+        # Horovod silently prefers groups; two answers to one question are more likely a
+        # mistake.
+        raise ValueError(
+            f"num_groups={num_groups} and groups=... both given: pass one of them "
+            "(groups=N is num_groups=N)"
+        )
+    trainable = [p for p in params if p.requires_grad]
+    if isinstance(groups, int) and not isinstance(groups, bool):
+        if groups < 0:
+            raise ValueError(f"groups must be a number of groups >= 0 (0 = none), not {groups}")
+        if groups == 0:
+            return []
+        # N consecutive runs, the first len % N of them one longer (Horovod's split).
+        count, longer = divmod(len(trainable), groups)
+        cuts, start = [], 0
+        for i in range(groups):
+            stop = start + count + (i < longer)
+            cuts.append(trainable[start:stop])
+            start = stop
+        return [c for c in cuts if c]
+    if not isinstance(groups, (list, tuple)):
+        raise ValueError(
+            "groups must be a number of groups or a list of lists of parameters, "
+            f"not a {type(groups).__name__}"
+        )
+    known = set(params)
+    first_in: dict[torch.Tensor, int] = {}
+    planned: list[list[torch.Tensor]] = []
+    for i, members in enumerate(groups):
+        if isinstance(members, torch.Tensor) or not isinstance(members, Iterable):
+            raise ValueError(
+                f"groups[{i}] is a {type(members).__name__}, not a list of parameters: "
+                "groups is a list of lists, e.g. [[p1, p2], [p3]]"
+            )
+        listed = list(members)
+        for p in listed:
+            if not isinstance(p, torch.Tensor):
+                raise ValueError(f"groups[{i}] holds a {type(p).__name__}, not a parameter")
+            if p not in known:
+                raise ValueError(
+                    f"groups[{i}] holds a tensor of shape {tuple(p.shape)} that the optimizer "
+                    "does not update: groups name the wrapped optimizer's parameters"
+                )
+            if p in first_in:
+                raise ValueError(
+                    f"parameter {names[p]} is in groups[{first_in[p]}] and groups[{i}]: "
+                    "a parameter belongs to one group at most"
+                )
+            first_in[p] = i
+        planned.append([p for p in listed if p.requires_grad])
+    return [g for g in planned if g]
 
 
 def _route_patched_step(wrapped: torch.optim.Optimizer) -> None:
