@@ -299,6 +299,18 @@ class CommunicationService:
         """Writes the trace now unless it was written already or tracing is off: what the
         window holds so far, or a file saying why it holds nothing. Returns (path, which
         steps it holds or why none). ``shutdown`` does this too, without returning it."""
+    def trace_interval_start(
+        self, path: str | PathLike[str], max_events: int | None = None
+    ) -> None:
+        """Starts recording a trace of an interval on demand, whatever the trace window does:
+        the same events as the window (partitions, servers, scheduler, Python spans), at
+        most ``max_events`` of them (default ``DEFAULT_TRACE_MAX_EVENTS``), written to
+        ``path`` by ``trace_interval_stop``. Raises ``ValueError`` while an interval is
+        being recorded already and ``OSError`` when ``path``'s directory does not exist."""
+    def trace_interval_stop(self) -> tuple[str, str] | None:
+        """Stops recording the interval and writes its file: returns (path, what it holds),
+        or None when none was being recorded; raises ``OSError`` if it could not be
+        written. ``shutdown`` writes an interval still being recorded."""
     @property
     def tracing(self) -> bool:
         """Whether trace events are being recorded now."""
@@ -325,5 +337,6 @@ class CommunicationService:
         """Records the moment ``name`` at ``at`` (a ``trace_now()`` reading; now if None)
         on the Python track ``track``. Nothing unless recording."""
     def shutdown(self, reason: str = "shutdown") -> None:
-        """Leaves the job gracefully, writing a trace window cut short first. Operations
-        in flight fail, and so does any later call."""
+        """Leaves the job gracefully, writing a trace window cut short and an interval
+        still being recorded first. Operations in flight fail, and so does any later
+        call."""

@@ -1,6 +1,7 @@
 """The per-worker Chrome trace: a real traced job through ``sumflow-run --trace`` (files,
-Chrome JSON, the Python spans, only the chosen window), merging, and the settings' checks.
-The Rust recorder's own tests are in crates/comm/src/trace.rs."""
+Chrome JSON, the Python spans, only the chosen window), merging, and the settings' checks;
+a trace of an interval on demand, and Horovod's timeline on it in a real job. The Rust
+recorder's own tests are in crates/comm/src/trace.rs."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from jobs import local_job
 
 from sumflow import _core
 from sumflow import trace as trace_tool
@@ -22,6 +24,7 @@ from sumflow.torch import _runtime
 from sumflow.torch import trace as torch_trace
 
 WORKER = str(Path(__file__).with_name("trace_worker.py"))
+TIMELINE_WORKER = str(Path(__file__).with_name("timeline_worker.py"))
 TIMEOUT = 120
 
 
@@ -274,3 +277,136 @@ def test_spans_are_no_ops_without_a_service() -> None:
     torch_trace.instant("tuner", "decision")
     with pytest.raises(ValueError, match="not initialised"):
         torch_trace.mark_step()
+
+
+def test_the_service_records_an_interval_on_demand(tmp_path: Path) -> None:
+    with local_job(tmp_path, 1) as job:
+        svc = job.service(0)
+        try:
+            assert not svc.tracing
+            assert svc.trace_interval_stop() is None, "none was being recorded"
+            with pytest.raises(OSError, match=r"nowhere does not exist"):
+                svc.trace_interval_start(tmp_path / "nowhere" / "t.json")
+            with pytest.raises(ValueError, match="at least 1"):
+                svc.trace_interval_start(tmp_path / "t.json", max_events=0)
+            assert not svc.tracing
+            path = tmp_path / "interval.json"
+            svc.trace_interval_start(path, max_events=100)
+            assert svc.tracing
+            with pytest.raises(ValueError, match=f"being recorded already, into {path}"):
+                svc.trace_interval_start(tmp_path / "other.json")
+            begin = svc.trace_now()
+            svc.trace_span("script", "work", begin, svc.trace_now(), {"i": 1})
+            svc.mark_step()
+            written = svc.trace_interval_stop()
+            assert written is not None
+            assert written[0] == str(path)
+            assert written[1].endswith("recorded on demand, during steps 0 to 1"), written
+            assert not svc.tracing
+            trace = json.loads(path.read_text())
+            assert [(e["name"], e["args"]) for e in on(trace, "script", "work")] == [
+                ("work", {"i": 1})
+            ]
+            assert [e["name"] for e in by_phase(trace, "X") if e["cat"] == "step"] == ["step 0"]
+            assert trace["otherData"]["max_events"] == 100
+            # Shutdown writes an interval still being recorded.
+            svc.trace_interval_start(tmp_path / "at-shutdown.json")
+        finally:
+            svc.shutdown("test done")
+    assert json.loads((tmp_path / "at-shutdown.json").read_text())["otherData"]["rank"] == 0
+
+
+def partitions(trace: dict[str, Any], name: str) -> list[dict[str, Any]]:
+    """The slices of partition ``name`` on every lane's push and receive tracks."""
+    names = thread_names(trace)
+    lanes = ("push → server", "receive ← server")
+    return [
+        e for e in by_phase(trace, "X") if names[e["tid"]].startswith(lanes) and e["name"] == name
+    ]
+
+
+def test_a_timeline_shows_each_operation_above_the_partitions_it_caused(tmp_path: Path) -> None:
+    run = subprocess.run(
+        [
+            *(sys.executable, "-m", "sumflow.launcher", "-np", "2", "--servers", "1"),
+            *("--timeout", "60", sys.executable, TIMELINE_WORKER, str(tmp_path)),
+        ],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    operations = {
+        "allreduce.x": "ALLREDUCE",
+        "allgather.g": "ALLGATHER",
+        "broadcast.b": "BROADCAST",
+    }
+    files = []
+    for rank in range(2):
+        path = tmp_path / f"timeline-rank{rank}.json"
+        files.append(path)
+        trace = json.loads(path.read_text())
+        meta = trace["otherData"]
+        assert meta["rank"] == rank
+        assert meta["truncated_at_step"] is None
+        assert {e["pid"] for e in trace["traceEvents"]} == {rank + 1}
+        names = thread_names(trace)
+        tid = {name: t for t, name in names.items()}
+        lanes = [t for t, name in names.items() if name.startswith(("push →", "receive ←"))]
+        assert lanes, names
+        # Each operation's track, named by its tensor, is drawn above every lane's.
+        assert max(tid[name] for name in operations) < min(lanes), names
+        assert tid["scheduler"] < min(lanes)
+        slices = by_phase(trace, "X")
+        start = meta["start_time_since_epoch_in_micros"]
+        assert all(e["ts"] >= start - 1 for e in slices + by_phase(trace, "i"))
+        # Only the interval: the operations before and after it left nothing.
+        assert not [e for e in slices if "before" in e["name"] or "after" in e["name"]]
+        (script,) = on(trace, "script", "operations")
+        data_starts = []
+        for tensor, kind in operations.items():
+            (agree,) = on(trace, tensor, f"NEGOTIATE_{kind}")
+            (data,) = on(trace, tensor, kind)
+            assert agree["args"] == data["args"] == {"tensor": tensor}
+            assert end(agree) <= data["ts"] + 1, "the data stage follows the agreement"
+            data_starts.append(data["ts"])
+            for phase in (agree, data):
+                assert script["ts"] - 1 <= phase["ts"]
+                assert end(phase) <= end(script) + 1
+            # The agreement's push and sum lie within NEGOTIATE_<KIND>, the data's within
+            # <KIND> (±1 µs: epoch microseconds read as floats keep a quarter of one).
+            for phase, partition in ((agree, f"agree.{tensor} [0]"), (data, f"{tensor} [0]")):
+                pushed_and_summed = partitions(trace, partition)
+                assert len(pushed_and_summed) == 2, (partition, pushed_and_summed)
+                for e in pushed_and_summed:
+                    assert phase["ts"] - 1 <= e["ts"], (phase, e)
+                    assert end(e) <= end(phase) + 1, (phase, e)
+        # DistributedOptimizer's gradients, agreed in advance: one ALLREDUCE phase each.
+        gradients = {
+            names[e["tid"]]: e
+            for e in slices
+            if e["name"] == "ALLREDUCE" and names[e["tid"]] not in operations
+        }
+        assert sorted(gradients) == [
+            "DistributedOptimizer.grad.bias",
+            "DistributedOptimizer.grad.weight",
+        ]
+        for tensor, phase in gradients.items():
+            data_starts.append(phase["ts"])
+            pushed_and_summed = partitions(trace, f"{tensor} [0]")
+            assert len(pushed_and_summed) == 2, (tensor, pushed_and_summed)
+            for e in pushed_and_summed:
+                assert phase["ts"] - 1 <= e["ts"], (phase, e)
+                assert end(e) <= end(phase) + 1, (phase, e)
+        cycles = [e for e in by_phase(trace, "i") if names[e["tid"]] == "horovod cycles"]
+        assert [e["name"] for e in cycles] == ["CYCLE_START"] * 5
+        assert [e["ts"] for e in cycles] == pytest.approx(sorted(data_starts), abs=1)
+    # The workers' timelines merge like their window traces.
+    merged = trace_tool.merge(files, tmp_path / "merged.json")
+    assert merged.workers == [0, 1]
+
+
+def end(e: dict[str, Any]) -> float:
+    return float(e["ts"] + e["dur"])

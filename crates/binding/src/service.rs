@@ -14,6 +14,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use sumflow_client::coordinator::CoordinatorOptions;
+use sumflow_comm::trace::DEFAULT_MAX_EVENTS;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, Exchange, ReduceOp,
     Scheduling,
@@ -465,6 +466,32 @@ impl PyCommunicationService {
         let tracer = self.svc.tracer();
         let file = py
             .detach(|| tracer.flush())
+            .map_err(|e| trace::py_err(py, e))?;
+        Ok(trace::written(file))
+    }
+
+    /// Starts recording a trace of an interval on demand into `path` (written by
+    /// `trace_interval_stop`), at most `max_events` events (default: the window's
+    /// default), whatever the trace window does (see ``docs/tracing.md``).
+    #[pyo3(signature = (path, max_events = None))]
+    fn trace_interval_start(
+        &self,
+        py: Python<'_>,
+        path: PathBuf,
+        max_events: Option<usize>,
+    ) -> PyResult<()> {
+        self.svc
+            .tracer()
+            .start_interval(path, max_events.unwrap_or(DEFAULT_MAX_EVENTS))
+            .map_err(|e| trace::py_err(py, e))
+    }
+
+    /// Stops recording the interval and writes its file; returns (path, what it holds), or
+    /// None when no interval was being recorded.
+    fn trace_interval_stop(&self, py: Python<'_>) -> PyResult<Option<(String, String)>> {
+        let tracer = self.svc.tracer();
+        let file = py
+            .detach(|| tracer.stop_interval())
             .map_err(|e| trace::py_err(py, e))?;
         Ok(trace::written(file))
     }

@@ -492,7 +492,7 @@ impl CommunicationService {
         }
         let tracer = Arc::new(match cfg.trace {
             Some(trace) => Tracer::new(trace, job.rank(), &cfg.name)?,
-            None => Tracer::disabled(),
+            None => Tracer::without_window(job.rank(), &cfg.name),
         });
         let handles = Arc::new(Handles::default());
         let mut schedule = Schedule::new(cfg.scheduler, partition_bytes);
@@ -1009,11 +1009,15 @@ impl CommunicationService {
 
     /// Leaves the job gracefully; operations still in flight fail with
     /// [`CommError::Shutdown`], and so does every later one. A trace window cut short is
-    /// written first ([`Tracer::flush`]). Calls after the first do nothing.
+    /// written first ([`Tracer::flush`]), and so is an interval still being recorded
+    /// ([`Tracer::stop_interval`]). Calls after the first do nothing.
     pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
         // A trace that cannot be written must not fail leaving the job: it is logged.
         if let Err(e) = self.tracer.flush() {
+            warn!("{e}");
+        }
+        if let Err(e) = self.tracer.stop_interval() {
             warn!("{e}");
         }
         Ok(self.job.leave(reason)?)

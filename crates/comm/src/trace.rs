@@ -15,17 +15,22 @@
 //!   clock read once at start, plus monotonic offsets), so merged traces of several
 //!   workers line up.
 //!
+//! Besides the window, an interval can be recorded on demand, into a file of its own
+//! ([`Tracer::start_interval`] to [`Tracer::stop_interval`]: Horovod's `start_timeline`
+//! and `stop_timeline`), with its own bound; the two may run at once.
+//!
 //! Not recording costs one relaxed atomic load per call ([`Tracer::active`]); callers that
 //! build arguments should check it first. Events go to memory under one lock and are
-//! written when the window closes, so recording never does I/O on the data path.
+//! written when the window closes (or the interval stops), so recording never does I/O on
+//! the data path.
 
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::{self, File};
 use std::io::{self, BufWriter, Write};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use thiserror::Error;
@@ -43,6 +48,9 @@ pub const DEFAULT_MAX_EVENTS: usize = 500_000;
 
 /// Version of the file's `otherData.sumflow_trace` layout.
 const FORMAT_VERSION: u32 = 1;
+/// How a file's `ts` is defined (its `otherData.clock`).
+const CLOCK: &str = "ts: microseconds since the Unix epoch, this worker's wall clock read once \
+                     at its start plus monotonic time since";
 
 /// Thread ids, which are also the tracks' sort order (see [`Track`]).
 const STEPS_TID: u32 = 1;
@@ -229,7 +237,7 @@ enum Kind {
     Counter,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Event {
     kind: Kind,
     tid: u32,
@@ -241,6 +249,34 @@ struct Event {
     args: Option<Box<str>>,
 }
 
+impl Event {
+    /// The slice of step `step` on the steps track, from `from` to `to`.
+    fn step(step: u64, from: Instant, to: Instant) -> Event {
+        Event {
+            kind: Kind::Span,
+            tid: STEPS_TID,
+            cat: "step",
+            name: Cow::Owned(format!("step {step}")),
+            at: from,
+            dur: to.saturating_duration_since(from),
+            args: Some(format!("{{\"step\":{step}}}").into()),
+        }
+    }
+
+    /// The instant on the steps track where recording stopped at `max_events`.
+    fn stopped(max_events: usize) -> Event {
+        Event {
+            kind: Kind::Instant,
+            tid: STEPS_TID,
+            cat: "step",
+            name: Cow::Owned(format!("trace stopped: max_events ({max_events}) reached")),
+            at: Instant::now(),
+            dur: Duration::ZERO,
+            args: None,
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Window {
     /// Counting steps up to the first recorded one.
@@ -250,8 +286,60 @@ enum Window {
     Full {
         at_step: u64,
     },
-    /// The file was written (or the tracer is disabled).
+    /// The file was written, or the tracer has no window.
     Closed,
+}
+
+/// What one file will hold: events and the tracks they are drawn on.
+#[derive(Debug, Default)]
+struct Buffer {
+    events: Vec<Event>,
+    /// Every track used so far: its label and category, by thread id.
+    tracks: BTreeMap<u32, (String, &'static str)>,
+}
+
+impl Buffer {
+    fn push(&mut self, track: &Track, event: Event) {
+        self.tracks
+            .entry(event.tid)
+            .or_insert_with(|| (track.label(), track.category()));
+        self.events.push(event);
+    }
+}
+
+/// A trace recorded on demand, from [`Tracer::start_interval`] to [`Tracer::stop_interval`].
+#[derive(Debug)]
+struct Interval {
+    path: PathBuf,
+    max_events: usize,
+    began: Instant,
+    began_step: u64,
+    buffer: Buffer,
+    /// The step during which `max_events` was reached: nothing is kept since.
+    full_at_step: Option<u64>,
+}
+
+impl Interval {
+    /// Keeps `event` unless `max_events` were kept already; then marks where recording
+    /// stopped and returns false.
+    fn keep(&mut self, track: &Track, event: Event, step: u64) -> bool {
+        if self.buffer.events.len() < self.max_events {
+            self.buffer.push(track, event);
+            return true;
+        }
+        self.full_at_step = Some(step);
+        warn!(
+            max_events = self.max_events,
+            step,
+            "the trace of an interval into {} stopped recording: {} events kept, the most \
+             allowed; it ends at step {step}",
+            self.path.display(),
+            self.max_events
+        );
+        self.buffer
+            .push(&Track::Steps, Event::stopped(self.max_events));
+        false
+    }
 }
 
 #[derive(Debug)]
@@ -260,15 +348,16 @@ struct State {
     step: u64,
     step_began: Instant,
     window: Window,
-    events: Vec<Event>,
-    /// Every track used so far: its label and category, by thread id.
-    tracks: BTreeMap<u32, (String, &'static str)>,
+    /// What the window recorded.
+    buffer: Buffer,
     python_tids: HashMap<String, u32>,
+    /// The interval being recorded on demand, if any.
+    interval: Option<Interval>,
 }
 
 impl State {
-    fn tid(&mut self, track: Track) -> u32 {
-        let tid = match &track {
+    fn tid(&mut self, track: &Track) -> u32 {
+        match track {
             Track::Steps => STEPS_TID,
             Track::Scheduler => SCHEDULER_TID,
             Track::Push { server, lane } => {
@@ -290,88 +379,96 @@ impl State {
                     tid
                 }
             },
-        };
-        self.tracks
-            .entry(tid)
-            .or_insert_with(|| (track.label(), track.category()));
-        tid
+        }
     }
 }
 
-struct Recorder {
-    cfg: TraceConfig,
-    rank: u32,
-    name: String,
-    state: Mutex<State>,
-}
+/// Bits of [`Tracer::recording`]: the window keeps events now.
+const WINDOW: u8 = 1;
+/// An interval asked for on demand keeps events now.
+const INTERVAL: u8 = 2;
 
 /// Records one worker's trace; shared by the pipeline's threads and the binding through
 /// an `Arc`. See the [module documentation](self).
+///
+/// Two recordings may run, each into its own file and each bounded by its own
+/// `max_events`: the window of steps given by the settings, and intervals asked for on
+/// demand ([`Tracer::start_interval`], Horovod's `start_timeline`). An event recorded
+/// while both run goes into both files.
 pub struct Tracer {
-    /// Whether events are kept now: the one thing every call reads.
-    recording: AtomicBool,
+    /// Which recordings keep events now ([`WINDOW`], [`INTERVAL`]): the one thing every
+    /// call reads.
+    recording: AtomicU8,
     anchor: Instant,
     /// Nanoseconds since the Unix epoch at `anchor`.
     anchor_wall_ns: u128,
-    /// `None`: tracing is off for this worker.
-    recorder: Option<Recorder>,
+    rank: u32,
+    name: String,
+    /// The window of steps to record; `None`: only intervals are recorded.
+    window: Option<TraceConfig>,
+    state: Mutex<State>,
 }
 
 impl std::fmt::Debug for Tracer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Tracer")
-            .field("config", &self.recorder.as_ref().map(|r| &r.cfg))
+            .field("window", &self.window)
             .field("recording", &self.active())
             .finish()
     }
 }
 
 impl Tracer {
-    /// A tracer that never records.
-    pub(crate) fn disabled() -> Tracer {
+    /// A tracer for worker `rank` without a window: it records only the intervals asked
+    /// for ([`Tracer::start_interval`]).
+    pub(crate) fn without_window(rank: u32, name: &str) -> Tracer {
+        Tracer::build(None, rank, name)
+    }
+
+    /// A tracer for worker `rank` (shown as "worker {rank} ({name})") recording the window
+    /// `cfg`; checks the settings and creates the directory ([`TraceConfig::prepare`]).
+    pub(crate) fn new(cfg: TraceConfig, rank: u32, name: &str) -> Result<Tracer, TraceError> {
+        cfg.prepare()?;
+        Ok(Tracer::build(Some(cfg), rank, name))
+    }
+
+    fn build(window: Option<TraceConfig>, rank: u32, name: &str) -> Tracer {
         let (anchor, anchor_wall_ns) = anchors();
+        let state = match &window {
+            Some(cfg) if cfg.start_step == 0 => Window::Recording,
+            Some(_) => Window::Before,
+            None => Window::Closed,
+        };
         Tracer {
-            recording: AtomicBool::new(false),
+            recording: AtomicU8::new(if state == Window::Recording {
+                WINDOW
+            } else {
+                0
+            }),
             anchor,
             anchor_wall_ns,
-            recorder: None,
+            rank,
+            name: name.to_string(),
+            window,
+            state: Mutex::new(State {
+                step: 0,
+                step_began: anchor,
+                window: state,
+                buffer: Buffer::default(),
+                python_tids: HashMap::new(),
+                interval: None,
+            }),
         }
     }
 
-    /// A tracer for worker `rank` (shown as "worker {rank} ({name})"); checks the settings
-    /// and creates the directory ([`TraceConfig::prepare`]).
-    pub(crate) fn new(cfg: TraceConfig, rank: u32, name: &str) -> Result<Tracer, TraceError> {
-        cfg.prepare()?;
-        let (anchor, anchor_wall_ns) = anchors();
-        let window = if cfg.start_step == 0 {
-            Window::Recording
-        } else {
-            Window::Before
-        };
-        Ok(Tracer {
-            recording: AtomicBool::new(window == Window::Recording),
-            anchor,
-            anchor_wall_ns,
-            recorder: Some(Recorder {
-                cfg,
-                rank,
-                name: name.to_string(),
-                state: Mutex::new(State {
-                    step: 0,
-                    step_began: anchor,
-                    window,
-                    events: Vec::new(),
-                    tracks: BTreeMap::new(),
-                    python_tids: HashMap::new(),
-                }),
-            }),
-        })
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().expect("trace state lock")
     }
 
     /// Whether events are being kept now. Callers building arguments check this first.
     #[inline]
     pub fn active(&self) -> bool {
-        self.recording.load(Ordering::Relaxed)
+        self.recording.load(Ordering::Relaxed) != 0
     }
 
     /// Nanoseconds since this tracer's start on its monotonic clock: the time base of
@@ -387,38 +484,143 @@ impl Tracer {
 
     /// Ends the current step and begins the next. Recording starts when the step count
     /// reaches `start_step` and stops `steps` steps later, when the file is written; the
-    /// file is returned by the call that wrote it.
+    /// file is returned by the call that wrote it. An interval being recorded gets the
+    /// step's slice too.
     pub fn mark_step(&self) -> Result<Option<TraceFile>, TraceError> {
-        let Some(rec) = &self.recorder else {
-            return Ok(None);
-        };
         let now = Instant::now();
-        let mut st = rec.state.lock().expect("trace state lock");
+        let mut guard = self.lock();
+        let st = &mut *guard;
         let ended = st.step;
+        let began = st.step_began;
         if matches!(st.window, Window::Recording | Window::Full { .. }) {
             // Steps are drawn even past max_events: they show where recording stopped.
-            let tid = st.tid(Track::Steps);
-            let began = st.step_began;
-            st.events.push(Event {
-                kind: Kind::Span,
-                tid,
-                cat: "step",
-                name: Cow::Owned(format!("step {ended}")),
-                at: began,
-                dur: now.saturating_duration_since(began),
-                args: Some(format!("{{\"step\":{ended}}}").into()),
-            });
+            st.buffer
+                .push(&Track::Steps, Event::step(ended, began, now));
+        }
+        if let Some(interval) = &mut st.interval {
+            // An interval may run for any number of steps: its steps count to its bound.
+            let step = Event::step(ended, began.max(interval.began), now);
+            if interval.full_at_step.is_none() && !interval.keep(&Track::Steps, step, ended) {
+                self.recording.fetch_and(!INTERVAL, Ordering::Relaxed);
+            }
         }
         st.step += 1;
         st.step_began = now;
-        if st.step == rec.cfg.start_step && st.window == Window::Before {
+        let Some(cfg) = &self.window else {
+            return Ok(None);
+        };
+        if st.step == cfg.start_step && st.window == Window::Before {
             st.window = Window::Recording;
-            self.recording.store(true, Ordering::Relaxed);
+            self.recording.fetch_or(WINDOW, Ordering::Relaxed);
         }
-        if st.step == rec.cfg.start_step + rec.cfg.steps && st.window != Window::Closed {
-            return self.close(rec, st).map(Some);
+        if st.step == cfg.start_step + cfg.steps && st.window != Window::Closed {
+            return self.close(cfg, guard).map(Some);
         }
         Ok(None)
+    }
+
+    /// Starts recording an interval on demand into `path` (written by
+    /// [`Tracer::stop_interval`]), at most `max_events` events, whatever the window does.
+    /// Refused while an interval is recorded already, and when `path`'s directory does not
+    /// exist (so that the failure comes now rather than when the file is written).
+    pub fn start_interval(&self, path: PathBuf, max_events: usize) -> Result<(), TraceError> {
+        if max_events == 0 {
+            return Err(TraceError::Invalid(
+                "the maximum number of trace events must be at least 1".into(),
+            ));
+        }
+        let dir = match path.parent() {
+            Some(dir) if !dir.as_os_str().is_empty() => dir,
+            _ => Path::new("."),
+        };
+        if !dir.is_dir() {
+            return Err(TraceError::Write {
+                source: io::Error::new(
+                    io::ErrorKind::NotFound,
+                    format!("its directory {} does not exist", dir.display()),
+                ),
+                path,
+            });
+        }
+        let mut st = self.lock();
+        if let Some(running) = &st.interval {
+            return Err(TraceError::Invalid(format!(
+                "a trace of an interval is being recorded already, into {}: stop it first",
+                running.path.display()
+            )));
+        }
+        st.interval = Some(Interval {
+            path,
+            max_events,
+            began: Instant::now(),
+            began_step: st.step,
+            buffer: Buffer::default(),
+            full_at_step: None,
+        });
+        self.recording.fetch_or(INTERVAL, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Stops recording the interval begun by [`Tracer::start_interval`] and writes its
+    /// file; returns it. Nothing when no interval is being recorded.
+    pub fn stop_interval(&self) -> Result<Option<TraceFile>, TraceError> {
+        let mut st = self.lock();
+        let Some(interval) = st.interval.take() else {
+            return Ok(None);
+        };
+        self.recording.fetch_and(!INTERVAL, Ordering::Relaxed);
+        let step = st.step;
+        drop(st);
+        let stopped = Instant::now();
+        let Interval {
+            path,
+            max_events,
+            began,
+            began_step,
+            buffer,
+            full_at_step,
+        } = interval;
+        let steps = if began_step == step {
+            format!("step {step}")
+        } else {
+            format!("steps {began_step} to {step}")
+        };
+        let seconds = stopped.saturating_duration_since(began).as_secs_f64();
+        let note = match full_at_step {
+            None => format!("an interval of {seconds:.3} s recorded on demand, during {steps}"),
+            Some(at) => format!(
+                "an interval recorded on demand, during {steps}, only until max_events \
+                 ({max_events}) was reached during step {at}"
+            ),
+        };
+        let Buffer { mut events, tracks } = buffer;
+        events.sort_by_key(|e| e.at);
+        let meta = serde_json::json!({
+            "sumflow_trace": FORMAT_VERSION,
+            "rank": self.rank,
+            "worker": self.name,
+            "interval": {"start_step": began_step, "end_step": step, "seconds": seconds},
+            "recorded": note,
+            "events": events.len(),
+            "max_events": max_events,
+            "truncated_at_step": full_at_step,
+            "clock": CLOCK,
+            // Horovod's timeline field: when recording began.
+            "start_time_since_epoch_in_micros": u64::try_from(self.wall_ns(began) / 1000)
+                .unwrap_or(u64::MAX),
+        });
+        self.write(&path, &tracks, &events, &meta)
+            .map_err(|source| TraceError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        let file = TraceFile {
+            path,
+            recorded: note,
+            events: events.len(),
+        };
+        info!("{file}");
+        Ok(Some(file))
     }
 
     /// Records a slice from `start` to `end` on `track`.
@@ -471,18 +673,19 @@ impl Tracer {
         }
     }
 
-    /// Writes what was recorded if the window began but did not end (the job stopped
+    /// Writes what the window recorded if it began but did not end (the job stopped
     /// early), or a file explaining why nothing was recorded if it never began; returns
-    /// it. Nothing when tracing is off or the file was already written.
+    /// it. Nothing when there is no window or its file was already written. An interval
+    /// being recorded is not affected ([`Tracer::stop_interval`] writes it).
     pub fn flush(&self) -> Result<Option<TraceFile>, TraceError> {
-        let Some(rec) = &self.recorder else {
+        let Some(cfg) = &self.window else {
             return Ok(None);
         };
-        let st = rec.state.lock().expect("trace state lock");
+        let st = self.lock();
         if st.window == Window::Closed {
             return Ok(None);
         }
-        self.close(rec, st).map(Some)
+        self.close(cfg, st).map(Some)
     }
 
     fn record(
@@ -494,68 +697,70 @@ impl Tracer {
         dur: Duration,
         args: &[(&str, Arg<'_>)],
     ) {
-        let Some(rec) = &self.recorder else {
-            return;
-        };
         let args = (!args.is_empty()).then(|| args_json(args));
-        let mut st = rec.state.lock().expect("trace state lock");
-        // The window may have closed between the caller's check and this lock.
-        if st.window != Window::Recording {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        // Either recording may have stopped between the caller's check and this lock.
+        let to_window = st.window == Window::Recording;
+        let to_interval = st
+            .interval
+            .as_ref()
+            .is_some_and(|i| i.full_at_step.is_none());
+        if !to_window && !to_interval {
             return;
         }
-        if st.events.len() >= rec.cfg.max_events {
-            let at_step = st.step;
-            st.window = Window::Full { at_step };
-            self.recording.store(false, Ordering::Relaxed);
-            warn!(
-                max_events = rec.cfg.max_events,
-                step = at_step,
-                "trace stopped recording: {} events kept, the most allowed \
-                 (SUMFLOW_TRACE_MAX_EVENTS); the trace ends at step {at_step}",
-                rec.cfg.max_events
-            );
-            let tid = st.tid(Track::Steps);
-            st.events.push(Event {
-                kind: Kind::Instant,
-                tid,
-                cat: "step",
-                name: Cow::Owned(format!(
-                    "trace stopped: max_events ({}) reached",
-                    rec.cfg.max_events
-                )),
-                at: Instant::now(),
-                dur: Duration::ZERO,
-                args: None,
-            });
-            return;
-        }
-        let cat = track.category();
-        let tid = st.tid(track);
-        st.events.push(Event {
+        let event = Event {
             kind,
-            tid,
-            cat,
+            tid: st.tid(&track),
+            cat: track.category(),
             name,
             at,
             dur,
             args,
-        });
+        };
+        let (for_window, for_interval) = match (to_window, to_interval) {
+            (true, true) => (Some(event.clone()), Some(event)),
+            (true, false) => (Some(event), None),
+            (false, _) => (None, Some(event)),
+        };
+        if let (Some(event), Some(interval)) = (for_interval, &mut st.interval) {
+            if !interval.keep(&track, event, st.step) {
+                self.recording.fetch_and(!INTERVAL, Ordering::Relaxed);
+            }
+        }
+        let (Some(event), Some(cfg)) = (for_window, &self.window) else {
+            return;
+        };
+        if st.buffer.events.len() >= cfg.max_events {
+            let at_step = st.step;
+            st.window = Window::Full { at_step };
+            self.recording.fetch_and(!WINDOW, Ordering::Relaxed);
+            warn!(
+                max_events = cfg.max_events,
+                step = at_step,
+                "trace stopped recording: {} events kept, the most allowed \
+                 (SUMFLOW_TRACE_MAX_EVENTS); the trace ends at step {at_step}",
+                cfg.max_events
+            );
+            st.buffer
+                .push(&Track::Steps, Event::stopped(cfg.max_events));
+            return;
+        }
+        st.buffer.push(&track, event);
     }
 
-    /// Takes the recording, closes the window and writes the file (outside the lock).
+    /// Takes the window's recording, closes it and writes the file (outside the lock).
     fn close(
         &self,
-        rec: &Recorder,
-        mut st: std::sync::MutexGuard<'_, State>,
+        cfg: &TraceConfig,
+        mut st: MutexGuard<'_, State>,
     ) -> Result<TraceFile, TraceError> {
         let window = st.window;
         let step = st.step;
         st.window = Window::Closed;
-        self.recording.store(false, Ordering::Relaxed);
-        let mut events = std::mem::take(&mut st.events);
-        let tracks = std::mem::take(&mut st.tracks);
+        self.recording.fetch_and(!WINDOW, Ordering::Relaxed);
+        let Buffer { mut events, tracks } = std::mem::take(&mut st.buffer);
         drop(st);
-        let cfg = &rec.cfg;
         let last = cfg.start_step + cfg.steps - 1;
         let (note, truncated_at) = match window {
             Window::Before => (
@@ -586,20 +791,19 @@ impl Tracer {
             Window::Closed => unreachable!("a closed window is never closed again"),
         };
         events.sort_by_key(|e| e.at);
-        let path = cfg.path(rec.rank);
+        let path = cfg.path(self.rank);
         let meta = serde_json::json!({
             "sumflow_trace": FORMAT_VERSION,
-            "rank": rec.rank,
-            "worker": rec.name,
+            "rank": self.rank,
+            "worker": self.name,
             "window": {"start_step": cfg.start_step, "steps": cfg.steps},
             "recorded": note,
             "events": events.len(),
             "max_events": cfg.max_events,
             "truncated_at_step": truncated_at,
-            "clock": "ts: microseconds since the Unix epoch, this worker's wall clock read \
-                      once at its start plus monotonic time since",
+            "clock": CLOCK,
         });
-        self.write(rec, &path, &tracks, &events, &meta)
+        self.write(&path, &tracks, &events, &meta)
             .map_err(|source| TraceError::Write {
                 path: path.clone(),
                 source,
@@ -617,22 +821,25 @@ impl Tracer {
         Ok(file)
     }
 
-    /// Streams the file to a temporary name and renames it, so a reader never sees half.
+    /// Streams the file to a temporary name (`path` + `.partial`) and renames it, so a
+    /// reader never sees half.
     fn write(
         &self,
-        rec: &Recorder,
         path: &Path,
         tracks: &BTreeMap<u32, (String, &'static str)>,
         events: &[Event],
         meta: &serde_json::Value,
     ) -> io::Result<()> {
-        let tmp = path.with_extension("json.partial");
+        let mut partial = path.as_os_str().to_owned();
+        partial.push(".partial");
+        let tmp = PathBuf::from(partial);
         let mut w = BufWriter::new(File::create(&tmp)?);
-        let pid = pid_of(rec.rank);
-        let process = if rec.name == format!("worker {}", rec.rank) || rec.name.is_empty() {
-            format!("worker {}", rec.rank)
+        let (rank, name) = (self.rank, &self.name);
+        let pid = pid_of(rank);
+        let process = if *name == format!("worker {rank}") || name.is_empty() {
+            format!("worker {rank}")
         } else {
-            format!("worker {} ({})", rec.rank, rec.name)
+            format!("worker {rank} ({name})")
         };
         writeln!(w, "{{\"traceEvents\":[")?;
         let mut metadata = vec![
@@ -640,7 +847,7 @@ impl Tracer {
             (
                 0,
                 "process_sort_index",
-                serde_json::json!({ "sort_index": rec.rank }),
+                serde_json::json!({ "sort_index": rank }),
             ),
         ];
         for (&tid, (label, _)) in tracks {
@@ -810,7 +1017,7 @@ mod tests {
                 written.push((step, f.path));
             }
         }
-        let path = t.recorder.as_ref().unwrap().cfg.path(1);
+        let path = t.window.as_ref().unwrap().path(1);
         assert_eq!(written, vec![(4, path.clone())]);
         let trace = read(&path);
         let spans = names(&trace, "X");
@@ -822,7 +1029,7 @@ mod tests {
         assert_eq!(trace["otherData"]["recorded"], "steps 2 to 4");
         assert_eq!(trace["otherData"]["events"], 6);
         assert_eq!(t.flush().unwrap(), None, "already written");
-        fs::remove_dir_all(&t.recorder.as_ref().unwrap().cfg.dir).unwrap();
+        fs::remove_dir_all(&t.window.as_ref().unwrap().dir).unwrap();
     }
 
     #[test]
@@ -1011,12 +1218,150 @@ mod tests {
     }
 
     #[test]
-    fn a_disabled_tracer_records_nothing() {
-        let t = Tracer::disabled();
-        assert!(!t.active() && t.recorder.is_none());
+    fn a_tracer_without_window_records_nothing_unless_asked() {
+        let t = Tracer::without_window(0, "w");
+        assert!(!t.active() && t.window.is_none());
         span_now(&t, "x");
         assert_eq!(t.mark_step().unwrap(), None);
         assert_eq!(t.flush().unwrap(), None);
+    }
+
+    #[test]
+    fn an_interval_is_recorded_on_demand_into_a_file_of_its_own() {
+        let dir = temp_dir("interval");
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("timeline.json");
+        let t = Tracer::without_window(2, "w");
+        span_now(&t, "before");
+        t.mark_step().unwrap();
+        t.start_interval(path.clone(), 1000).unwrap();
+        assert!(t.active());
+        span_now(&t, "during 1");
+        t.mark_step().unwrap();
+        span_now(&t, "during 2");
+        t.instant(Track::Scheduler, "decision", Instant::now(), &[]);
+        let file = t
+            .stop_interval()
+            .unwrap()
+            .expect("an interval was recorded");
+        assert!(!t.active());
+        span_now(&t, "after");
+        assert_eq!(t.stop_interval().unwrap(), None, "already written");
+        assert_eq!(file.path, path);
+        assert!(
+            file.recorded.starts_with("an interval of ")
+                && file
+                    .recorded
+                    .ends_with(" s recorded on demand, during steps 1 to 2"),
+            "{}",
+            file.recorded
+        );
+        let trace = read(&path);
+        assert_eq!(names(&trace, "X"), ["step 1", "during 1", "during 2"]);
+        assert_eq!(names(&trace, "i"), ["decision"]);
+        let meta = &trace["otherData"];
+        assert_eq!(meta["rank"], 2);
+        assert_eq!(meta["interval"]["start_step"], 1);
+        assert_eq!(meta["interval"]["end_step"], 2);
+        assert_eq!(meta["events"], 4);
+        assert!(meta["truncated_at_step"].is_null());
+        let start = meta["start_time_since_epoch_in_micros"].as_f64().unwrap();
+        let step = &events(&trace, "X")[0];
+        // The step began before the interval: its slice starts with the interval.
+        assert!(
+            (step["ts"].as_f64().unwrap() - start).abs() <= 1.0,
+            "{step} {start}"
+        );
+        assert!(!dir.join("timeline.json.partial").exists());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_interval_and_the_window_record_at_once_into_their_own_files() {
+        let cfg = config("both", 1, 1, 1000);
+        let dir = cfg.dir.clone();
+        let t = Tracer::new(cfg, 0, "w").unwrap();
+        let path = dir.join("timeline.json");
+        t.start_interval(path.clone(), 1000).unwrap();
+        span_now(&t, "interval only");
+        t.mark_step().unwrap();
+        span_now(&t, "both");
+        let window = t
+            .mark_step()
+            .unwrap()
+            .expect("the window's one step ended")
+            .path;
+        assert!(
+            t.active(),
+            "the interval still records after the window closed"
+        );
+        span_now(&t, "interval again");
+        t.stop_interval().unwrap().unwrap();
+        assert_eq!(names(&read(&window), "X"), ["step 1", "both"]);
+        assert_eq!(
+            names(&read(&path), "X"),
+            [
+                "step 0",
+                "interval only",
+                "step 1",
+                "both",
+                "interval again"
+            ],
+            "sorted by time; step 0 began before the interval and is drawn from its start"
+        );
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_interval_stops_at_its_max_events_and_says_so() {
+        let dir = temp_dir("interval-bounded");
+        fs::create_dir_all(&dir).unwrap();
+        let t = Tracer::without_window(0, "w");
+        t.start_interval(dir.join("t.json"), 3).unwrap();
+        for i in 0..10 {
+            span_now(&t, &format!("e{i}"));
+        }
+        assert!(!t.active(), "recording stopped at the bound");
+        t.mark_step().unwrap();
+        let file = t.stop_interval().unwrap().unwrap();
+        assert_eq!(
+            file.recorded,
+            "an interval recorded on demand, during steps 0 to 1, only until max_events (3) \
+             was reached during step 0"
+        );
+        let trace = read(&file.path);
+        assert_eq!(names(&trace, "X"), ["e0", "e1", "e2"]);
+        assert_eq!(
+            names(&trace, "i"),
+            ["trace stopped: max_events (3) reached"]
+        );
+        assert_eq!(trace["otherData"]["truncated_at_step"], 0);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn an_interval_is_refused_while_one_runs_or_without_its_directory() {
+        let dir = temp_dir("interval-refused");
+        fs::create_dir_all(&dir).unwrap();
+        let t = Tracer::without_window(0, "w");
+        let e = t.start_interval(dir.join("t.json"), 0).unwrap_err();
+        assert!(matches!(e, TraceError::Invalid(_)), "{e}");
+        let e = t
+            .start_interval(dir.join("missing").join("t.json"), 10)
+            .unwrap_err();
+        assert!(
+            matches!(e, TraceError::Write { .. }) && e.to_string().contains("does not exist"),
+            "{e}"
+        );
+        assert!(!t.active());
+        t.start_interval(dir.join("a.json"), 10).unwrap();
+        let e = t.start_interval(dir.join("b.json"), 10).unwrap_err();
+        assert!(
+            e.to_string().contains("being recorded already, into"),
+            "{e}"
+        );
+        assert!(t.stop_interval().unwrap().is_some());
+        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

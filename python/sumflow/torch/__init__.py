@@ -112,11 +112,12 @@ def init(comm: object = None, process_sets: object = None) -> None:
 def shutdown() -> None:
     """Leaves the job. Called at exit if not before."""
     try:
+        # A running timeline is written first, while the service still records.
+        timeline_stop_quietly()
         _runtime.shutdown()
     finally:
         ops._reset()
         process_sets.reset()
-        timeline_stop_quietly()
         _staging.clear()
 
 

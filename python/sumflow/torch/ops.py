@@ -163,17 +163,42 @@ def issue_declared(
     declared model's gradients): no negotiation, the fast path. Returns a handle."""
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r}: gradients are summed or averaged")
-    work = sum_work(
-        name,
-        output,
-        op,
-        priority,
-        compression,
-        prescale_factor,
-        postscale_factor,
-        group if group is not None else process_sets.group_of(None, name),
-    )
+    # Agreed in advance, a declared sum's one timeline phase is its data stage.
+    traced = timeline.running()
+    if traced:
+        timeline.phase(name, "ALLREDUCE")
+    try:
+        work = sum_work(
+            name,
+            output,
+            op,
+            priority,
+            compression,
+            prescale_factor,
+            postscale_factor,
+            group if group is not None else process_sets.group_of(None, name),
+        )
+    except BaseException:
+        if traced:
+            timeline.phase(name, None)
+        raise
+    if traced:
+        _ends_phase(name, work)
     return _work.register(work)
+
+
+def _ends_phase(name: str, work: _work.Work) -> None:
+    """Makes taking `work`'s result (or its failure) end the timeline phase of `name`."""
+    if isinstance(work, _work.CoreWork):
+        inner = work.finish
+
+        def finish() -> Any:
+            try:
+                return inner()
+            finally:
+                timeline.phase(name, None)
+
+        work.finish = finish
 
 
 def negotiated(
@@ -188,9 +213,14 @@ def negotiated(
     rt = _runtime.current()
     width = negotiate.WIDTH + len(request.extra)
     table = negotiate.encode(request, group.rank, group.size, width)
-    tid = declare(f"agree.{request.name}", table, None, group.members)
-    core = rt.service.push_pull(tid, table, table.data_ptr(), table.numel() * 8, 0, False)
+    # The phase begins before the agreement's push, so that it holds every event it causes.
     timeline.phase(request.name, f"NEGOTIATE_{request.kind.upper()}")
+    try:
+        tid = declare(f"agree.{request.name}", table, None, group.members)
+        core = rt.service.push_pull(tid, table, table.data_ptr(), table.numel() * 8, 0, False)
+    except BaseException:
+        timeline.phase(request.name, None)
+        raise
 
     def begin() -> _work.Work:
         try:
@@ -199,17 +229,12 @@ def negotiated(
             timeline.phase(request.name, None)
             raise
         timeline.phase(request.name, request.kind.upper())
-        work = start(rows)
-        if isinstance(work, _work.CoreWork):
-            inner = work.finish
-
-            def finish() -> Any:
-                try:
-                    return inner()
-                finally:
-                    timeline.phase(request.name, None)
-
-            work.finish = finish
+        try:
+            work = start(rows)
+        except BaseException:
+            timeline.phase(request.name, None)
+            raise
+        _ends_phase(request.name, work)
         return work
 
     return _work.register(_work.NegotiatedWork(request.name, core, begin))

@@ -13,9 +13,10 @@ their own, next to what the communication service recorded, on the same clock::
         trace.mark_step()  # only without DistributedOptimizer (e.g. the DDP hook)
 
 Nothing is recorded unless the worker traces (``sumflow-run --trace DIR`` or
-``SUMFLOW_TRACE_DIR``) and the current step lies in the trace window; outside it a span
-costs one attribute read of the service. Spans on one track must nest (each inside the
-last one still open, as on a call stack): give concurrent activities tracks of their own.
+``SUMFLOW_TRACE_DIR``) and the current step lies in the trace window, or a timeline runs
+(``start_timeline``, which then holds them too); otherwise a span costs one attribute read
+of the service. Spans on one track must nest (each inside the last one still open, as on
+a call stack): give concurrent activities tracks of their own.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ _NO_SPAN = _NoSpan()
 
 def recording() -> bool:
     """Whether events are being recorded now (the worker traces and the step is in the
-    window): a guard for building costly arguments."""
+    window, or a timeline runs): a guard for building costly arguments."""
     rt = _runtime.running()
     return rt is not None and rt.service.tracing
 

@@ -62,7 +62,7 @@ fn pipeline(
         handles,
         schedule,
         1000,
-        Arc::new(Tracer::disabled()),
+        Arc::new(Tracer::without_window(0, "test")),
         0,
     )
     .unwrap()
