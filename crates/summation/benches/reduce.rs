@@ -1,5 +1,6 @@
-//! Throughput of the summation kernels next to a plain memory-bandwidth
-//! reference, on buffers far larger than any cache.
+//! Throughput of the reduction kernels (sum, and min, max and product next to
+//! it) and a plain memory-bandwidth reference, on buffers far larger than any
+//! cache.
 //!
 //! `cargo bench -p sumflow-summation --bench reduce [-- --quick]`
 //!
@@ -13,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use sumflow_summation::buffer::AlignedBuf;
 use sumflow_summation::reduce::{Reducer, SimdLevel};
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 /// Sources in the `reduce_into` round.
 const ROUND: usize = 4;
@@ -42,37 +43,53 @@ fn main() {
     println!(
         "GB/s = 1e9 bytes of wire-dtype source data per second; ratio = that / reference \
          (a plain f32 a += b loop over two {mib} MiB buffers, built for the same level, \
-         counted as {mib} MiB per pass)"
+         counted as {mib} MiB per pass); vs sum = that / the same kernel's sum"
     );
     println!(
-        "{:<10} {:<5} {:>15} {:>17} {:>7} {:>17} {:>7}",
-        "level", "dtype", "reference", "accumulate x1", "ratio", "reduce_into x4", "ratio"
+        "{:<10} {:<5} {:<7} {:>15} {:>17} {:>7} {:>7} {:>17} {:>7} {:>7}",
+        "level",
+        "dtype",
+        "op",
+        "reference",
+        "accumulate x1",
+        "ratio",
+        "vs sum",
+        "reduce_into x4",
+        "ratio",
+        "vs sum"
     );
     flush();
     for level in levels {
         let reducer = Reducer::with_level(level).expect("available levels are supported");
         for dtype in Dtype::ALL {
             let row = bench(reducer, dtype, mib << 20, reps);
-            println!(
-                "{:<10} {:<5} {:>10.2} GB/s {:>12.2} GB/s {:>6.2}x {:>12.2} GB/s {:>6.2}x",
-                level.name(),
-                dtype.name(),
-                row.reference,
-                row.accumulate,
-                row.accumulate / row.reference,
-                row.reduce,
-                row.reduce / row.reference,
-            );
+            for (o, op) in ReduceOp::ALL.into_iter().enumerate() {
+                println!(
+                    "{:<10} {:<5} {:<7} {:>10.2} GB/s {:>12.2} GB/s {:>6.2}x {:>6.2}x {:>12.2} GB/s \
+                     {:>6.2}x {:>6.2}x",
+                    level.name(),
+                    dtype.name(),
+                    op.name(),
+                    row.reference,
+                    row.accumulate[o],
+                    row.accumulate[o] / row.reference,
+                    row.accumulate[o] / row.accumulate[0],
+                    row.reduce[o],
+                    row.reduce[o] / row.reference,
+                    row.reduce[o] / row.reduce[0],
+                );
+            }
             flush();
         }
     }
 }
 
-/// Best throughputs in GB/s of wire data.
+/// Best throughputs in GB/s of wire data; the kernels' by op, in
+/// `ReduceOp::ALL` order (sum first).
 struct Row {
     reference: f64,
-    accumulate: f64,
-    reduce: f64,
+    accumulate: [f64; 4],
+    reduce: [f64; 4],
 }
 
 fn bench(reducer: Reducer, dtype: Dtype, bytes: usize, reps: usize) -> Row {
@@ -88,16 +105,25 @@ fn bench(reducer: Reducer, dtype: Dtype, bytes: usize, reps: usize) -> Row {
 
     // The reference and the kernels alternate within each repetition, so drift
     // in clock speed or neighbours' load hits all of them alike. Repetition 0
-    // is a warm-up: it takes the page faults of the untouched output.
-    let mut best = [Duration::MAX; 3];
+    // is a warm-up: it takes the page faults of the untouched output. (The
+    // accumulator's values drift, repetition after repetition, but stay normal:
+    // the sources are multiples of 2^-10 in [-1, 1), so even the product of
+    // every repetition's factors stays far above f32's subnormals, or is 0.)
+    let mut best = [Duration::MAX; 9];
     for rep in 0..=reps {
         eprint!(" {rep}");
         flush();
-        let times = [
-            time(|| reference_add(reducer.level(), black_box(&mut ref_a), black_box(&ref_b))),
-            time(|| reducer.accumulate(dtype, black_box(&mut acc), false, black_box(&srcs[..1]))),
-            time(|| reducer.reduce_into(dtype, None, black_box(&srcs), black_box(&mut out))),
-        ];
+        let mut times = [Duration::ZERO; 9];
+        times[0] =
+            time(|| reference_add(reducer.level(), black_box(&mut ref_a), black_box(&ref_b)));
+        for (o, op) in ReduceOp::ALL.into_iter().enumerate() {
+            times[1 + o] = time(|| {
+                reducer.accumulate(dtype, op, black_box(&mut acc), false, black_box(&srcs[..1]));
+            });
+            times[5 + o] = time(|| {
+                reducer.reduce_into(dtype, op, None, black_box(&srcs), black_box(&mut out));
+            });
+        }
         if rep > 0 {
             for (b, t) in best.iter_mut().zip(times) {
                 *b = (*b).min(t);
@@ -109,8 +135,8 @@ fn bench(reducer: Reducer, dtype: Dtype, bytes: usize, reps: usize) -> Row {
     let gbps = |bytes: usize, t: Duration| bytes as f64 / t.as_secs_f64() / 1e9;
     Row {
         reference: gbps(bytes, best[0]),
-        accumulate: gbps(bytes, best[1]),
-        reduce: gbps(ROUND * bytes, best[2]),
+        accumulate: std::array::from_fn(|o| gbps(bytes, best[1 + o])),
+        reduce: std::array::from_fn(|o| gbps(ROUND * bytes, best[5 + o])),
     }
 }
 

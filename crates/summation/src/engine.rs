@@ -1,20 +1,25 @@
-//! An engine thread: owns a share of the keys and does all summation for them.
+//! An engine thread: owns a share of the keys and does all reduction for them.
 //!
 //! No engine touches another's keys, so the hot path takes no lock (PHub). Commands arrive
 //! over one channel; the engine drains what is queued and handles it as a batch. Pushes of
-//! a key are staged, not summed one by one: when a round completes, its staged pushes and
-//! the partial sum are reduced in one pass straight into the round's result (16-bit sums
-//! are rounded once, there); pushes still staged at the end of a batch are folded into the
-//! accumulator. Either way each pushed byte is read once, and the first push of a round is
-//! never added to zeros: it is copied, or, where its bytes already have the accumulator's
-//! layout and the accumulator's allocation is at least as large as the receive buffer's,
-//! its receive buffer is adopted outright and the old buffer given to the pool (so pool
-//! buffers never shrink and never need regrowing: see `pool.rs`).
+//! a key are staged, not combined one by one: when a round completes, its staged pushes
+//! and the partial result are reduced, by the round's op (sum, min, max or product: every
+//! push of a round must carry the same), in one pass straight into the round's result
+//! (16-bit results are rounded once, there); pushes still staged at the end of a batch are
+//! folded into the accumulator. Either way each pushed byte is read once, and the first
+//! push of a round is never combined with an identity element (zeros, ones): it is copied,
+//! or, where its bytes already have the accumulator's layout and the accumulator's
+//! allocation is at least as large as the receive buffer's, its receive buffer is adopted
+//! outright and the old buffer given to the pool (so pool buffers never shrink and never
+//! need regrowing: see `pool.rs`). That holds for every op, since a lone term is its own
+//! result. A round that every worker skipped (no push carried data) is zeros, whatever
+//! its op.
 //!
 //! A compressed key whose payloads cannot be summed as they are (top-k, sign, dithering)
 //! takes the same batches, but each push is decoded and added into an f32 accumulator of
 //! the key's full length, and the completed sum is compressed again with the key's codec,
 //! keeping what that drops in the key's residual when the key asks for error feedback.
+//! Compressed keys are only summed (the wire decoder refuses any other op on them).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -42,7 +47,7 @@ struct KeyState {
     residual: Vec<f32>,
     rounds: RoundTracker,
     acc: AlignedBuf,
-    /// Whether `acc` holds a partial sum of the current round.
+    /// Whether `acc` holds a partial result of the current round.
     acc_live: bool,
     staged: Vec<PooledBuf>,
     /// How the round now accumulating combines its pushes: set by its first push.
@@ -168,13 +173,6 @@ impl Engine {
         if let Some(why) = blocker(&self.gone, &k.rounds, round) {
             return fail_pull(key, round, &why, reply);
         }
-        if op != ReduceOp::Sum {
-            return refuse_op(
-                key,
-                format!("this server only sums, it cannot reduce by {op}"),
-                reply,
-            );
-        }
         if let Some(first) = k.round_op.filter(|&first| first != op) {
             let why = format!(
                 "worker {worker}'s push of round {round} reduces by {op}, but the round's \
@@ -255,9 +253,10 @@ impl Engine {
                 && same_width
                 && k.staged[0].try_swap_with(&mut k.acc);
             if !adopted {
+                let op = k.round_op.expect("a staged push set its round's op");
                 let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
                 self.reducer
-                    .accumulate(k.meta.dtype, &mut k.acc, !k.acc_live, &srcs);
+                    .accumulate(k.meta.dtype, op, &mut k.acc, !k.acc_live, &srcs);
             }
             k.acc_live = true;
             k.staged.clear();
@@ -280,7 +279,7 @@ fn decode_staged(scratch: &mut Scratch, key: u64, k: &mut KeyState) {
     k.acc_live = true;
 }
 
-/// Forms the completed round's sum in one pass and answers the pulls waiting for it.
+/// Forms the completed round's result in one pass and answers the pulls waiting for it.
 fn complete_round(reducer: &Reducer, scratch: &mut Scratch, key: u64, k: &mut KeyState) {
     let previous = std::mem::replace(&mut k.sum, Arc::new(AlignedBuf::zeroed(0)));
     // Every worker pulled the previous sum before pushing this round, so it is ours to
@@ -300,16 +299,18 @@ fn complete_round(reducer: &Reducer, scratch: &mut Scratch, key: u64, k: &mut Ke
         finish_round(key, k, out);
         return;
     }
-    // A round of one push (a single-worker job) is its own sum: adopt it, no copy, where
-    // the pool's buffer can be traded for the sum's without shrinking.
+    // A round of one push (a single-worker job, or the only worker that did not skip) is
+    // its own result, whatever the op: adopt it, no copy, where the pool's buffer can be
+    // traded for the result's without shrinking.
     let adopted = !k.acc_live && k.staged.len() == 1 && k.staged[0].try_swap_with(&mut out);
     if !k.acc_live && k.staged.is_empty() {
-        // Every worker skipped the round: it sums to zeros.
+        // Every worker skipped the round: its result is zeros, whatever the op.
         out.fill(0);
     } else if !adopted {
+        let op = k.round_op.expect("the round's pushes set its op");
         let srcs: Vec<&[u8]> = k.staged.iter().map(|b| &b[..]).collect();
         let acc = k.acc_live.then_some(&k.acc[..]);
-        reducer.reduce_into(k.meta.dtype, acc, &srcs, &mut out);
+        reducer.reduce_into(k.meta.dtype, op, acc, &srcs, &mut out);
     }
     k.staged.clear();
     k.acc_live = false;
@@ -395,10 +396,12 @@ fn refuse(key: u64, e: RoundError, reply: &Replier) {
     )));
 }
 
-/// Refuses a push whose reduction the round cannot take; the connection stays open.
+/// Refuses a push whose reduction differs from its round's earlier pushes: the workers
+/// disagree about the key's round, as they would about its dtype or length. Nothing of
+/// the push is counted, and the connection stays open.
 fn refuse_op(key: u64, why: String, reply: &Replier) {
     let _ = reply.send(Outgoing::Message(Message::error(
-        ErrorCode::Unsupported,
+        ErrorCode::KeyMismatch,
         Some(key),
         format!("key {key}: {why}"),
     )));
@@ -522,19 +525,249 @@ mod tests {
     fn a_round_takes_one_reduction() {
         let pool = BufferPool::new(8);
         let (tx, rx) = unbounded();
-        let mut e = engine(2);
+        let mut e = engine(3);
         e.on_push(1, 1, (0, ReduceOp::Sum), Some(data(&pool, &[1, 2, 3])), &tx);
+        // A push of another op is refused, data or skip, folded partial result or not.
         e.on_push(1, 1, (1, ReduceOp::Max), Some(data(&pool, &[1, 2, 3])), &tx);
-        match rx.try_recv() {
-            Ok(Outgoing::Message(Message::Error(err))) => {
-                assert_eq!(err.code, ErrorCode::Unsupported);
-            }
-            _ => panic!("expected an error"),
+        e.fold_staged();
+        e.on_push(1, 1, (2, ReduceOp::Product), None, &tx);
+        for _ in 0..2 {
+            let (fatal, err) = error(&rx);
+            assert!(!fatal, "the connection stays open");
+            assert_eq!((err.code, err.key), (ErrorCode::KeyMismatch, Some(1)));
+            assert!(
+                err.message.contains("by max") || err.message.contains("by product"),
+                "{}",
+                err.message
+            );
+            assert!(
+                err.message.contains("earlier pushes by sum"),
+                "{}",
+                err.message
+            );
         }
-        // The refused push was not counted: the worker may push the round again.
+        // The refused pushes were not counted: the workers may push the round again.
         e.on_push(1, 1, (1, ReduceOp::Sum), Some(data(&pool, &[1, 1, 1])), &tx);
+        e.on_push(1, 1, (2, ReduceOp::Sum), None, &tx);
         e.pull(1, 1, 1, tx.clone());
         assert_eq!(sum_of(&rx), vec![2, 3, 4]);
+        for w in [0, 2] {
+            e.pull(1, 1, w, tx.clone());
+            assert_eq!(sum_of(&rx), vec![2, 3, 4]);
+        }
+        // The next round may take another op, which its first push sets.
+        e.on_push(1, 2, (2, ReduceOp::Max), Some(data(&pool, &[1, 7, 3])), &tx);
+        e.on_push(1, 2, (0, ReduceOp::Sum), Some(data(&pool, &[9, 9, 9])), &tx);
+        assert_eq!(error(&rx).1.code, ErrorCode::KeyMismatch);
+        e.on_push(1, 2, (0, ReduceOp::Max), Some(data(&pool, &[5, 5, 5])), &tx);
+        e.on_push(1, 2, (1, ReduceOp::Max), Some(data(&pool, &[4, 4, 4])), &tx);
+        e.pull(1, 2, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![5, 7, 5]);
+    }
+
+    /// A pooled buffer holding `vals` as f16 bits.
+    fn halves(pool: &BufferPool, vals: &[u16]) -> PooledBuf {
+        let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        pooled(pool, &bytes)
+    }
+
+    fn f16_bits(v: f32) -> u16 {
+        half::f16::from_f32(v).to_bits()
+    }
+
+    fn result_bytes(rx: &Receiver<Outgoing>) -> Arc<AlignedBuf> {
+        match rx.try_recv().expect("a reply") {
+            Outgoing::Sum { data, .. } => data,
+            Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a result, got {m:?}"),
+            Outgoing::Close => panic!("expected a result, got Close"),
+        }
+    }
+
+    /// How a round's three pushes reach the reducer: which are folded at the end of a
+    /// batch (in groups) before the last ones complete the round.
+    const SCHEDULES: [&[usize]; 4] = [
+        &[],     // all three staged: one reduce_into of 3 sources
+        &[1],    // the first folded alone (an i32 key adopts it), then acc + 2 sources
+        &[2],    // the first two folded together (a fresh accumulate), then acc + 1
+        &[1, 1], // the first adopted, the second folded into it, the third completes
+    ];
+
+    /// Runs one round of key 2 with `pushes` by workers 0, 1, 2 under `schedule`, checks
+    /// that the first push is adopted as the accumulator where it can be, and returns the
+    /// round's result after every worker has pulled it.
+    fn run_round(
+        e: &mut Engine,
+        round: u64,
+        op: ReduceOp,
+        pushes: [PooledBuf; 3],
+        schedule: &[usize],
+    ) -> Arc<AlignedBuf> {
+        let (tx, rx) = unbounded();
+        let adoptable = e.keys[&2].meta.dtype.accumulator() == e.keys[&2].meta.dtype;
+        let mut pushes = pushes.into_iter().enumerate();
+        for (g, &group) in schedule.iter().enumerate() {
+            let first = g == 0 && group == 1;
+            let mut ptr = std::ptr::null();
+            for (w, data) in pushes.by_ref().take(group) {
+                ptr = data.as_ptr();
+                e.on_push(2, round, (w as u32, op), Some(data), &tx);
+            }
+            e.fold_staged();
+            if first && adoptable {
+                assert_eq!(
+                    e.keys[&2].acc.as_ptr(),
+                    ptr,
+                    "{op}: the first push is adopted"
+                );
+            }
+        }
+        for (w, data) in pushes {
+            e.on_push(2, round, (w as u32, op), Some(data), &tx);
+        }
+        let sum = (0..3)
+            .map(|w| {
+                e.pull(2, round, w, tx.clone());
+                result_bytes(&rx)
+            })
+            .collect::<Vec<_>>();
+        assert!(sum.iter().all(|s| Arc::ptr_eq(s, &sum[0])));
+        assert!(rx.try_recv().is_err(), "no other reply");
+        sum[0].clone()
+    }
+
+    fn i32s(bytes: &[u8]) -> Vec<i32> {
+        bytes
+            .chunks(4)
+            .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn min_max_and_product_rounds_of_i32() {
+        let pool = BufferPool::new(8);
+        let mut e = engine(3);
+        e.init(2, meta(Dtype::I32, 5), None);
+        let vals = [
+            [3, -7, i32::MAX, 0, i32::MIN],
+            [-2, 5, 2, 4, -1],
+            [10, -7, 1, -1, 1],
+        ];
+        let want = |op| match op {
+            ReduceOp::Min => vec![-2, -7, 1, -1, i32::MIN],
+            ReduceOp::Max => vec![10, 5, i32::MAX, 4, 1],
+            // Products wrap as sums do: MAX * 2 is -2, and MIN * -1 is MIN.
+            ReduceOp::Product => vec![-60, 245, -2, 0, i32::MIN],
+            ReduceOp::Sum => unreachable!(),
+        };
+        let mut round = 0;
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {
+            for schedule in SCHEDULES {
+                round += 1;
+                let pushes = vals.map(|v| data(&pool, &v));
+                let got = run_round(&mut e, round, op, pushes, schedule);
+                assert_eq!(i32s(&got), want(op), "{op} {schedule:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn min_max_and_product_rounds_of_f16_form_in_f32() {
+        let pool = BufferPool::new(8);
+        let mut e = engine(3);
+        e.init(2, meta(Dtype::F16, 5), None);
+        let (nan, inf) = (0x7E01u16, f16_bits(f32::INFINITY));
+        let vals = [
+            [
+                f16_bits(256.0),
+                f16_bits(-0.0),
+                nan,
+                f16_bits(-65504.0),
+                0x0000,
+            ],
+            [
+                f16_bits(256.0),
+                f16_bits(0.0),
+                f16_bits(1.0),
+                f16_bits(3.5),
+                0x8000,
+            ],
+            [
+                f16_bits(1.0 / 256.0),
+                f16_bits(1.0),
+                f16_bits(2.0),
+                inf,
+                f16_bits(-1.0),
+            ],
+        ];
+        let want = |op| match op {
+            // NaN gives the canonical quiet NaN; -0.0 < +0.0.
+            ReduceOp::Min => [
+                f16_bits(1.0 / 256.0),
+                0x8000,
+                0x7E00,
+                f16_bits(-65504.0),
+                0xBC00,
+            ],
+            ReduceOp::Max => [f16_bits(256.0), f16_bits(1.0), 0x7E00, inf, 0x0000],
+            // 256 * 256 = 65536 overflows f16 but not the f32 partial product.
+            ReduceOp::Product => [f16_bits(256.0), 0x8000, nan, 0xFC00, 0x0000],
+            ReduceOp::Sum => unreachable!(),
+        };
+        let mut round = 0;
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {
+            for schedule in SCHEDULES {
+                round += 1;
+                let pushes = vals.map(|v| halves(&pool, &v));
+                let got = run_round(&mut e, round, op, pushes, schedule);
+                let got: Vec<u16> = got
+                    .chunks(2)
+                    .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                    .collect();
+                for (i, (&g, w)) in got.iter().zip(want(op)).enumerate() {
+                    // A product's NaN is any NaN (payloads are not promised).
+                    let nan_ok = op == ReduceOp::Product && w == nan && g & 0x7FFF > 0x7C00;
+                    assert!(
+                        g == w || nan_ok,
+                        "{op} {schedule:?} [{i}]: {g:#06x} != {w:#06x}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_lone_contribution_is_the_result_and_nobody_s_is_zeros_whatever_the_op() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        e.init(2, meta(Dtype::F16, 3), None);
+        let mut round = 0;
+        for op in [ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {
+            // One worker holds the bytes (adopted as the result where the pool allows);
+            // the others skip: the result is that push, as it came.
+            round += 1;
+            let bits = [0x7E01, 0x8000, f16_bits(0.5)];
+            let push = halves(&pool, &bits);
+            let ptr = push.as_ptr();
+            e.on_push(2, round, (0, op), None, &tx);
+            e.on_push(2, round, (1, op), Some(push), &tx);
+            e.on_push(2, round, (2, op), None, &tx);
+            for w in 0..3 {
+                e.pull(2, round, w, tx.clone());
+                let got = result_bytes(&rx);
+                assert_eq!(got.as_ptr(), ptr, "{op}: the lone push is adopted");
+                assert_eq!(&got[..], &halves(&pool, &bits)[..], "{op}");
+            }
+            // Every worker skips: zeros, not the op's identity.
+            round += 1;
+            for w in 0..3 {
+                e.on_push(2, round, (w, op), None, &tx);
+            }
+            for w in 0..3 {
+                e.pull(2, round, w, tx.clone());
+                assert_eq!(&result_bytes(&rx)[..], &[0; 6], "{op}");
+            }
+        }
     }
 
     #[test]

@@ -2,7 +2,7 @@
 
 use std::arch::x86_64::*;
 
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 use super::driver::{self, Lanes};
 
@@ -74,22 +74,64 @@ impl Lanes for Avx2 {
         // SAFETY: the caller guarantees AVX.
         unsafe { _mm256_add_ps(a, b) }
     }
+
+    #[inline(always)]
+    unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the caller guarantees AVX.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn min(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the caller guarantees AVX.
+        unsafe {
+            // vminps returns its second operand when the two compare equal
+            // (±0) or either is NaN; or-ing both orders gives -0.0 for a
+            // signed-zero pair and the minimum otherwise (portable::min_f32).
+            let m = _mm256_or_ps(_mm256_min_ps(a, b), _mm256_min_ps(b, a));
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, b);
+            _mm256_blendv_ps(m, _mm256_set1_ps(f32::NAN), nan)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn max(a: __m256, b: __m256) -> __m256 {
+        // SAFETY: the caller guarantees AVX.
+        unsafe {
+            // As min, and-ing: +0.0 for a signed-zero pair (portable::max_f32).
+            let m = _mm256_and_ps(_mm256_max_ps(a, b), _mm256_max_ps(b, a));
+            let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(a, b);
+            _mm256_blendv_ps(m, _mm256_set1_ps(f32::NAN), nan)
+        }
+    }
 }
 
 /// # Safety
 /// The CPU supports AVX2 and F16C; Reducer checked the lengths and that srcs is
 /// non-empty.
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn accumulate(dtype: Dtype, acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+pub(super) unsafe fn accumulate(
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: &mut [u8],
+    fresh: bool,
+    srcs: &[&[u8]],
+) {
     // SAFETY: forwarded from our caller; this function enables Avx2's features.
-    unsafe { driver::accumulate::<Avx2>(dtype, acc, fresh, srcs) }
+    unsafe { driver::accumulate::<Avx2>(dtype, op, acc, fresh, srcs) }
 }
 
 /// # Safety
 /// The CPU supports AVX2 and F16C; Reducer checked the lengths and that acc or
 /// srcs is non-empty.
 #[target_feature(enable = "avx2,f16c")]
-pub(super) unsafe fn reduce_into(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+pub(super) unsafe fn reduce_into(
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+    out: &mut [u8],
+) {
     // SAFETY: forwarded from our caller; this function enables Avx2's features.
-    unsafe { driver::reduce_into::<Avx2>(dtype, acc, srcs, out) }
+    unsafe { driver::reduce_into::<Avx2>(dtype, op, acc, srcs, out) }
 }

@@ -8,7 +8,7 @@
 
 use std::arch::x86_64::*;
 
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 use super::driver::{self, Lanes};
 
@@ -79,24 +79,71 @@ impl Lanes for Avx512 {
         // SAFETY: the caller guarantees AVX-512F.
         unsafe { _mm512_add_ps(a, b) }
     }
+
+    #[inline(always)]
+    unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the caller guarantees AVX-512F.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+
+    #[inline(always)]
+    unsafe fn min(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the caller guarantees AVX-512F.
+        unsafe {
+            // vminps returns its second operand when the two compare equal
+            // (±0) or either is NaN; or-ing both orders gives -0.0 for a
+            // signed-zero pair and the minimum otherwise (portable::min_f32).
+            // The float or/and are AVX-512DQ: integer ones do the same.
+            let ab = _mm512_castps_si512(_mm512_min_ps(a, b));
+            let ba = _mm512_castps_si512(_mm512_min_ps(b, a));
+            let m = _mm512_castsi512_ps(_mm512_or_si512(ab, ba));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, b);
+            _mm512_mask_blend_ps(nan, m, _mm512_set1_ps(f32::NAN))
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn max(a: __m512, b: __m512) -> __m512 {
+        // SAFETY: the caller guarantees AVX-512F.
+        unsafe {
+            // As min, and-ing: +0.0 for a signed-zero pair (portable::max_f32).
+            let ab = _mm512_castps_si512(_mm512_max_ps(a, b));
+            let ba = _mm512_castps_si512(_mm512_max_ps(b, a));
+            let m = _mm512_castsi512_ps(_mm512_and_si512(ab, ba));
+            let nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(a, b);
+            _mm512_mask_blend_ps(nan, m, _mm512_set1_ps(f32::NAN))
+        }
+    }
 }
 
 /// # Safety
 /// The CPU supports AVX-512F; Reducer checked the lengths and that srcs is
 /// non-empty.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn accumulate(dtype: Dtype, acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+pub(super) unsafe fn accumulate(
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: &mut [u8],
+    fresh: bool,
+    srcs: &[&[u8]],
+) {
     // SAFETY: forwarded from our caller; this function enables Avx512's
     // features.
-    unsafe { driver::accumulate::<Avx512>(dtype, acc, fresh, srcs) }
+    unsafe { driver::accumulate::<Avx512>(dtype, op, acc, fresh, srcs) }
 }
 
 /// # Safety
 /// The CPU supports AVX-512F; Reducer checked the lengths and that acc or srcs
 /// is non-empty.
 #[target_feature(enable = "avx512f")]
-pub(super) unsafe fn reduce_into(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+pub(super) unsafe fn reduce_into(
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+    out: &mut [u8],
+) {
     // SAFETY: forwarded from our caller; this function enables Avx512's
     // features.
-    unsafe { driver::reduce_into::<Avx512>(dtype, acc, srcs, out) }
+    unsafe { driver::reduce_into::<Avx512>(dtype, op, acc, srcs, out) }
 }

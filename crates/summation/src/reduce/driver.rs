@@ -1,9 +1,14 @@
-//! The summation loops, written once and instantiated per SIMD level.
+//! The reduction loops, written once and instantiated per SIMD level and per
+//! reduction.
 //!
-//! Plain types (f32, f64, i32, i64) are summed block by block: all sources are
-//! added into one L1-sized block of the destination before moving on. 16-bit
-//! floats are summed chunk by chunk in f32 registers (see `fused`). Either way
+//! Plain types (f32, f64, i32, i64) are reduced block by block: all sources are
+//! combined into one L1-sized block of the destination before moving on. 16-bit
+//! floats are reduced chunk by chunk in f32 registers (see `fused`). Either way
 //! memory sees each input once and the destination written once per call.
+//!
+//! The reduction is a type parameter ([`Combine`]: [`Sum`], [`Min`], [`Max`],
+//! [`Product`]), chosen once per call, so every op gets its own tight loop with
+//! no test of the op inside it.
 //!
 //! Everything here is `#[inline(always)]` so that it is compiled inside each
 //! level's `#[target_feature]` entry point and gets that level's instructions,
@@ -13,18 +18,24 @@
 use std::mem::size_of;
 use std::ops::Range;
 
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
-use super::portable::Scalar;
+use super::portable::{self, Scalar};
 
-/// Destination bytes per block of a plain sum. The block of the destination and
-/// of every source stays in L1 while all sources are added into it, yet blocks
-/// are big enough that loop overhead and switching the hardware prefetcher
-/// between streams cost little.
+/// Destination bytes per block of a plain reduction. The block of the
+/// destination and of every source stays in L1 while all sources are combined
+/// into it, yet blocks are big enough that loop overhead and switching the
+/// hardware prefetcher between streams cost little.
 const BLOCK_BYTES: usize = 4096;
 
-/// `N` f32 lanes and their conversions from and to 16-bit floats, as one SIMD
-/// level provides them. Pointers are byte pointers of any alignment.
+/// `N` f32 lanes, their arithmetic and their conversions from and to 16-bit
+/// floats, as one SIMD level provides them. Pointers are byte pointers of any
+/// alignment.
+///
+/// `min` and `max` must give exactly [`portable::min_f32`] and
+/// [`portable::max_f32`] in every lane (NaN gives the canonical quiet NaN, and
+/// `-0.0 < +0.0`), so that every level agrees bit for bit; `add` and `mul` are
+/// IEEE's, rounding to nearest.
 ///
 /// # Safety
 /// Every method may only be called where the CPU supports the implementor's
@@ -32,7 +43,7 @@ const BLOCK_BYTES: usize = 4096;
 pub(super) trait Lanes {
     const N: usize;
     /// Whether the fused loop should take 4 vectors per chunk rather than 1:
-    /// independent adds hide latency and amortise fetching each source's
+    /// independent operations hide latency and amortise fetching each source's
     /// pointer, but LLVM's SLP vectoriser mangles unrolled array lanes.
     const UNROLL4: bool;
     type V: Copy;
@@ -45,9 +56,12 @@ pub(super) trait Lanes {
     /// Rounds to nearest, ties to even; a NaN stays a (quiet) NaN.
     unsafe fn store_bf16(p: *mut u8, v: Self::V);
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn min(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
 }
 
-/// Sum into an accumulator: see [`super::Reducer::accumulate`].
+/// Combine into an accumulator: see [`super::Reducer::accumulate`].
 ///
 /// # Safety
 /// The CPU supports `L`; the lengths were checked by the caller, and `srcs` is
@@ -55,19 +69,19 @@ pub(super) trait Lanes {
 #[inline(always)]
 pub(super) unsafe fn accumulate<L: Lanes>(
     dtype: Dtype,
+    op: ReduceOp,
     acc: &mut [u8],
     fresh: bool,
     srcs: &[&[u8]],
 ) {
-    match dtype {
-        Dtype::F32 => plain_accumulate::<f32>(acc, fresh, srcs),
-        Dtype::F64 => plain_accumulate::<f64>(acc, fresh, srcs),
-        Dtype::I32 => plain_accumulate::<i32>(acc, fresh, srcs),
-        Dtype::I64 => plain_accumulate::<i64>(acc, fresh, srcs),
-        // SAFETY: forwarded from our caller.
-        Dtype::F16 => unsafe { accumulate16::<L, false>(acc, fresh, srcs) },
-        // SAFETY: forwarded from our caller.
-        Dtype::Bf16 => unsafe { accumulate16::<L, true>(acc, fresh, srcs) },
+    // SAFETY: forwarded from our caller, in every arm.
+    unsafe {
+        match op {
+            ReduceOp::Sum => accumulate_by::<L, Sum>(dtype, acc, fresh, srcs),
+            ReduceOp::Min => accumulate_by::<L, Min>(dtype, acc, fresh, srcs),
+            ReduceOp::Max => accumulate_by::<L, Max>(dtype, acc, fresh, srcs),
+            ReduceOp::Product => accumulate_by::<L, Product>(dtype, acc, fresh, srcs),
+        }
     }
 }
 
@@ -79,19 +93,61 @@ pub(super) unsafe fn accumulate<L: Lanes>(
 #[inline(always)]
 pub(super) unsafe fn reduce_into<L: Lanes>(
     dtype: Dtype,
+    op: ReduceOp,
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+    out: &mut [u8],
+) {
+    // SAFETY: forwarded from our caller, in every arm.
+    unsafe {
+        match op {
+            ReduceOp::Sum => reduce_by::<L, Sum>(dtype, acc, srcs, out),
+            ReduceOp::Min => reduce_by::<L, Min>(dtype, acc, srcs, out),
+            ReduceOp::Max => reduce_by::<L, Max>(dtype, acc, srcs, out),
+            ReduceOp::Product => reduce_by::<L, Product>(dtype, acc, srcs, out),
+        }
+    }
+}
+
+/// # Safety
+/// As for [`accumulate`].
+#[inline(always)]
+unsafe fn accumulate_by<L: Lanes, O: Combine>(
+    dtype: Dtype,
+    acc: &mut [u8],
+    fresh: bool,
+    srcs: &[&[u8]],
+) {
+    match dtype {
+        Dtype::F32 => plain_accumulate::<f32, O>(acc, fresh, srcs),
+        Dtype::F64 => plain_accumulate::<f64, O>(acc, fresh, srcs),
+        Dtype::I32 => plain_accumulate::<i32, O>(acc, fresh, srcs),
+        Dtype::I64 => plain_accumulate::<i64, O>(acc, fresh, srcs),
+        // SAFETY: forwarded from our caller.
+        Dtype::F16 => unsafe { accumulate16::<L, O, false>(acc, fresh, srcs) },
+        // SAFETY: forwarded from our caller.
+        Dtype::Bf16 => unsafe { accumulate16::<L, O, true>(acc, fresh, srcs) },
+    }
+}
+
+/// # Safety
+/// As for [`reduce_into`].
+#[inline(always)]
+unsafe fn reduce_by<L: Lanes, O: Combine>(
+    dtype: Dtype,
     acc: Option<&[u8]>,
     srcs: &[&[u8]],
     out: &mut [u8],
 ) {
     match dtype {
-        Dtype::F32 => plain_reduce::<f32>(acc, srcs, out),
-        Dtype::F64 => plain_reduce::<f64>(acc, srcs, out),
-        Dtype::I32 => plain_reduce::<i32>(acc, srcs, out),
-        Dtype::I64 => plain_reduce::<i64>(acc, srcs, out),
+        Dtype::F32 => plain_reduce::<f32, O>(acc, srcs, out),
+        Dtype::F64 => plain_reduce::<f64, O>(acc, srcs, out),
+        Dtype::I32 => plain_reduce::<i32, O>(acc, srcs, out),
+        Dtype::I64 => plain_reduce::<i64, O>(acc, srcs, out),
         // SAFETY: forwarded from our caller.
-        Dtype::F16 => unsafe { reduce16::<L, false>(acc, srcs, out) },
+        Dtype::F16 => unsafe { reduce16::<L, O, false>(acc, srcs, out) },
         // SAFETY: forwarded from our caller.
-        Dtype::Bf16 => unsafe { reduce16::<L, true>(acc, srcs, out) },
+        Dtype::Bf16 => unsafe { reduce16::<L, O, true>(acc, srcs, out) },
     }
 }
 
@@ -104,46 +160,151 @@ fn blocks(n: usize, block_elems: usize, size: usize) -> impl Iterator<Item = Ran
         .map(move |start| start * size..(start + block_elems).min(n) * size)
 }
 
+// ---- the reductions: one zero-sized type per ReduceOp ----
+
+/// How two terms combine, for plain elements and for f32 lanes. Terms are
+/// combined left to right, `((t0 op t1) op t2) ...`.
+trait Combine {
+    fn plain<T: Plain>(a: T, b: T) -> T;
+
+    /// # Safety
+    /// The CPU supports `L`.
+    unsafe fn lanes<L: Lanes>(a: L::V, b: L::V) -> L::V;
+}
+
+struct Sum;
+struct Min;
+struct Max;
+struct Product;
+
+impl Combine for Sum {
+    #[inline(always)]
+    fn plain<T: Plain>(a: T, b: T) -> T {
+        a.plus(b)
+    }
+
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(a: L::V, b: L::V) -> L::V {
+        // SAFETY: forwarded from our caller.
+        unsafe { L::add(a, b) }
+    }
+}
+
+impl Combine for Min {
+    #[inline(always)]
+    fn plain<T: Plain>(a: T, b: T) -> T {
+        a.lesser(b)
+    }
+
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(a: L::V, b: L::V) -> L::V {
+        // SAFETY: forwarded from our caller.
+        unsafe { L::min(a, b) }
+    }
+}
+
+impl Combine for Max {
+    #[inline(always)]
+    fn plain<T: Plain>(a: T, b: T) -> T {
+        a.greater(b)
+    }
+
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(a: L::V, b: L::V) -> L::V {
+        // SAFETY: forwarded from our caller.
+        unsafe { L::max(a, b) }
+    }
+}
+
+impl Combine for Product {
+    #[inline(always)]
+    fn plain<T: Plain>(a: T, b: T) -> T {
+        a.times(b)
+    }
+
+    #[inline(always)]
+    unsafe fn lanes<L: Lanes>(a: L::V, b: L::V) -> L::V {
+        // SAFETY: forwarded from our caller.
+        unsafe { L::mul(a, b) }
+    }
+}
+
 // ---- plain element types: the accumulator type is the wire type ----
 
-/// An element summed by a plain add: IEEE for floats, wrapping for integers.
+/// An element reduced as it is: IEEE arithmetic for floats (min and max as
+/// [`portable::min_f32`] describes), two's complement wrapping for integers
+/// (the sum and the product keep the low bits, as `wrapping_add` and
+/// `wrapping_mul` do).
 trait Plain: Copy {
     fn plus(self, other: Self) -> Self;
+    fn times(self, other: Self) -> Self;
+    fn lesser(self, other: Self) -> Self;
+    fn greater(self, other: Self) -> Self;
 }
 
-impl Plain for f32 {
-    #[inline(always)]
-    fn plus(self, other: f32) -> f32 {
-        self + other
-    }
+macro_rules! plain_float {
+    ($t:ty, $min:path, $max:path) => {
+        impl Plain for $t {
+            #[inline(always)]
+            fn plus(self, other: $t) -> $t {
+                self + other
+            }
+
+            #[inline(always)]
+            fn times(self, other: $t) -> $t {
+                self * other
+            }
+
+            #[inline(always)]
+            fn lesser(self, other: $t) -> $t {
+                $min(self, other)
+            }
+
+            #[inline(always)]
+            fn greater(self, other: $t) -> $t {
+                $max(self, other)
+            }
+        }
+    };
 }
 
-impl Plain for f64 {
-    #[inline(always)]
-    fn plus(self, other: f64) -> f64 {
-        self + other
-    }
+plain_float!(f32, portable::min_f32, portable::max_f32);
+plain_float!(f64, portable::min_f64, portable::max_f64);
+
+macro_rules! plain_int {
+    ($t:ty) => {
+        impl Plain for $t {
+            #[inline(always)]
+            fn plus(self, other: $t) -> $t {
+                self.wrapping_add(other)
+            }
+
+            #[inline(always)]
+            fn times(self, other: $t) -> $t {
+                self.wrapping_mul(other)
+            }
+
+            #[inline(always)]
+            fn lesser(self, other: $t) -> $t {
+                Ord::min(self, other)
+            }
+
+            #[inline(always)]
+            fn greater(self, other: $t) -> $t {
+                Ord::max(self, other)
+            }
+        }
+    };
 }
 
-impl Plain for i32 {
-    #[inline(always)]
-    fn plus(self, other: i32) -> i32 {
-        self.wrapping_add(other)
-    }
-}
+plain_int!(i32);
+plain_int!(i64);
 
-impl Plain for i64 {
-    #[inline(always)]
-    fn plus(self, other: i64) -> i64 {
-        self.wrapping_add(other)
-    }
-}
-
-/// `dst[i] += src[i]`. In place rather than `dst = a + b` with `a == dst`,
-/// because LLVM only vectorises the latter behind an overlap check that an
-/// in-place sum fails.
+/// `dst[i] = dst[i] op src[i]`. In place rather than `dst = a op b` with
+/// `a == dst`, because LLVM only vectorises the latter behind an overlap check
+/// that an in-place operation fails.
 #[inline(always)]
-fn add_assign<T: Plain>(dst: &mut [u8], src: &[u8]) {
+fn combine_assign<T: Plain, O: Combine>(dst: &mut [u8], src: &[u8]) {
     let n = dst.len() / size_of::<T>();
     assert!(src.len() >= n * size_of::<T>());
     let (d, s) = (dst.as_mut_ptr().cast::<T>(), src.as_ptr().cast::<T>());
@@ -151,15 +312,15 @@ fn add_assign<T: Plain>(dst: &mut [u8], src: &[u8]) {
         // SAFETY: i < n, and both slices hold at least n elements of T; the
         // accesses are unaligned-safe and T is plain data.
         unsafe {
-            let sum = d.add(i).read_unaligned().plus(s.add(i).read_unaligned());
-            d.add(i).write_unaligned(sum);
+            let r = O::plain(d.add(i).read_unaligned(), s.add(i).read_unaligned());
+            d.add(i).write_unaligned(r);
         }
     }
 }
 
-/// `dst[i] = a[i] + b[i]`.
+/// `dst[i] = a[i] op b[i]`.
 #[inline(always)]
-fn add_to<T: Plain>(dst: &mut [u8], a: &[u8], b: &[u8]) {
+fn combine_to<T: Plain, O: Combine>(dst: &mut [u8], a: &[u8], b: &[u8]) {
     let n = dst.len() / size_of::<T>();
     assert!(a.len() >= n * size_of::<T>() && b.len() >= n * size_of::<T>());
     let (d, a, b) = (
@@ -168,42 +329,43 @@ fn add_to<T: Plain>(dst: &mut [u8], a: &[u8], b: &[u8]) {
         b.as_ptr().cast::<T>(),
     );
     for i in 0..n {
-        // SAFETY: as in add_assign.
+        // SAFETY: as in combine_assign.
         unsafe {
-            let sum = a.add(i).read_unaligned().plus(b.add(i).read_unaligned());
-            d.add(i).write_unaligned(sum);
+            let r = O::plain(a.add(i).read_unaligned(), b.add(i).read_unaligned());
+            d.add(i).write_unaligned(r);
         }
     }
 }
 
-/// Sets `dst` to the sum of the first terms, which must be at least one: a copy
-/// of a lone term (so `-0.0` survives), else the first two added.
+/// Sets `dst` to the first terms combined, which must be at least one: a copy
+/// of a lone term (so `-0.0` survives a sum, and no op meets an identity
+/// element), else the first two combined.
 #[inline(always)]
-fn start_sum<'a, T: Plain>(dst: &mut [u8], terms: &mut impl Iterator<Item = &'a [u8]>) {
-    let first = terms.next().expect("at least one term to sum");
+fn start<'a, T: Plain, O: Combine>(dst: &mut [u8], terms: &mut impl Iterator<Item = &'a [u8]>) {
+    let first = terms.next().expect("at least one term to reduce");
     match terms.next() {
-        Some(second) => add_to::<T>(dst, first, second),
+        Some(second) => combine_to::<T, O>(dst, first, second),
         None => dst.copy_from_slice(first),
     }
 }
 
 #[inline(always)]
-fn plain_accumulate<T: Plain>(acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+fn plain_accumulate<T: Plain, O: Combine>(acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
     let size = size_of::<T>();
     for r in blocks(acc.len() / size, BLOCK_BYTES / size, size) {
         let dst = &mut acc[r.clone()];
         let mut terms = srcs.iter().map(|s| &s[r.clone()]);
         if fresh {
-            start_sum::<T>(dst, &mut terms);
+            start::<T, O>(dst, &mut terms);
         }
         for src in terms {
-            add_assign::<T>(dst, src);
+            combine_assign::<T, O>(dst, src);
         }
     }
 }
 
 #[inline(always)]
-fn plain_reduce<T: Plain>(acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+fn plain_reduce<T: Plain, O: Combine>(acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
     let size = size_of::<T>();
     for r in blocks(out.len() / size, BLOCK_BYTES / size, size) {
         let dst = &mut out[r.clone()];
@@ -211,20 +373,20 @@ fn plain_reduce<T: Plain>(acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
             .map(|a| &a[r.clone()])
             .into_iter()
             .chain(srcs.iter().map(|s| &s[r.clone()]));
-        start_sum::<T>(dst, &mut terms);
+        start::<T, O>(dst, &mut terms);
         for src in terms {
-            add_assign::<T>(dst, src);
+            combine_assign::<T, O>(dst, src);
         }
     }
 }
 
-// ---- 16-bit floats: every term of a chunk summed in f32 registers ----
+// ---- 16-bit floats: every term of a chunk combined in f32 registers ----
 //
 // No blocks here: a chunk of up to 4 vectors takes its terms from all sources
 // at once and leaves only through the final store, so each source is read once
-// and the f32 partial sums of a round never reach memory, not even L1.
+// and the f32 partial results of a round never reach memory, not even L1.
 
-/// `dst[i] = first[i] + srcs[0][i] + srcs[1][i] + ...` in f32, stored as f32 or,
+/// `dst[i] = first[i] op srcs[0][i] op srcs[1][i] ...` in f32, stored as f32 or,
 /// if `NARROW`, rounded to 16 bits. A null `first` (f32) means the first source
 /// is the first term. `first` may be `dst` itself.
 ///
@@ -232,7 +394,7 @@ fn plain_reduce<T: Plain>(acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
 /// The CPU supports `L`; dst holds n elements (16-bit if NARROW else f32),
 /// first (if non-null) n f32, each source n 16-bit elements; at least one term.
 #[inline(always)]
-unsafe fn fused<L: Lanes, const BF: bool, const NARROW: bool>(
+unsafe fn fused<L: Lanes, O: Combine, const BF: bool, const NARROW: bool>(
     dst: *mut u8,
     first: *const u8,
     srcs: &[&[u8]],
@@ -242,7 +404,7 @@ unsafe fn fused<L: Lanes, const BF: bool, const NARROW: bool>(
     let wide = if L::UNROLL4 { n - n % (4 * L::N) } else { 0 };
     let whole = n - n % L::N;
     let (first, rest, wide_first) = if first.is_null() {
-        let (head, rest) = srcs.split_first().expect("a term to sum");
+        let (head, rest) = srcs.split_first().expect("a term to reduce");
         (head.as_ptr(), rest, false)
     } else {
         (first, srcs, true)
@@ -250,13 +412,13 @@ unsafe fn fused<L: Lanes, const BF: bool, const NARROW: bool>(
     // SAFETY: forwarded; the ranges are whole chunks of their widths.
     unsafe {
         if wide_first {
-            fused_range::<L, BF, NARROW, true, 4>(dst, first, rest, 0, wide);
-            fused_range::<L, BF, NARROW, true, 1>(dst, first, rest, wide, whole);
-            fused_range::<Scalar, BF, NARROW, true, 1>(dst, first, rest, whole, n);
+            fused_range::<L, O, BF, NARROW, true, 4>(dst, first, rest, 0, wide);
+            fused_range::<L, O, BF, NARROW, true, 1>(dst, first, rest, wide, whole);
+            fused_range::<Scalar, O, BF, NARROW, true, 1>(dst, first, rest, whole, n);
         } else {
-            fused_range::<L, BF, NARROW, false, 4>(dst, first, rest, 0, wide);
-            fused_range::<L, BF, NARROW, false, 1>(dst, first, rest, wide, whole);
-            fused_range::<Scalar, BF, NARROW, false, 1>(dst, first, rest, whole, n);
+            fused_range::<L, O, BF, NARROW, false, 4>(dst, first, rest, 0, wide);
+            fused_range::<L, O, BF, NARROW, false, 1>(dst, first, rest, wide, whole);
+            fused_range::<Scalar, O, BF, NARROW, false, 1>(dst, first, rest, whole, n);
         }
     }
 }
@@ -267,6 +429,7 @@ unsafe fn fused<L: Lanes, const BF: bool, const NARROW: bool>(
 #[inline(always)]
 unsafe fn fused_range<
     L: Lanes,
+    O: Combine,
     const BF: bool,
     const NARROW: bool,
     const WIDE_FIRST: bool,
@@ -290,7 +453,7 @@ unsafe fn fused_range<
             for src in rest {
                 let p = src.as_ptr();
                 for (j, v) in v.iter_mut().enumerate() {
-                    *v = L::add(*v, load16::<L, BF>(p.add(2 * (i + j * L::N))));
+                    *v = O::lanes::<L>(*v, load16::<L, BF>(p.add(2 * (i + j * L::N))));
                 }
             }
             for (j, v) in v.into_iter().enumerate() {
@@ -305,7 +468,6 @@ unsafe fn fused_range<
         i += U * L::N;
     }
 }
-
 /// # Safety
 /// The CPU supports `L`; `first` is valid for `L::N` elements from element `e`
 /// (f32 if `WIDE` else 16-bit).
@@ -327,7 +489,11 @@ unsafe fn first_term<L: Lanes, const BF: bool, const WIDE: bool>(
 /// # Safety
 /// The CPU supports `L`; the lengths were checked by the caller.
 #[inline(always)]
-unsafe fn accumulate16<L: Lanes, const BF: bool>(acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+unsafe fn accumulate16<L: Lanes, O: Combine, const BF: bool>(
+    acc: &mut [u8],
+    fresh: bool,
+    srcs: &[&[u8]],
+) {
     let n = acc.len() / 4;
     let dst = acc.as_mut_ptr();
     let first = if fresh {
@@ -336,18 +502,22 @@ unsafe fn accumulate16<L: Lanes, const BF: bool>(acc: &mut [u8], fresh: bool, sr
         dst.cast_const()
     };
     // SAFETY: forwarded; acc holds n f32 and each source n 16-bit elements.
-    unsafe { fused::<L, BF, false>(dst, first, srcs, n) }
+    unsafe { fused::<L, O, BF, false>(dst, first, srcs, n) }
 }
 
 /// # Safety
 /// The CPU supports `L`; the lengths were checked by the caller.
 #[inline(always)]
-unsafe fn reduce16<L: Lanes, const BF: bool>(acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+unsafe fn reduce16<L: Lanes, O: Combine, const BF: bool>(
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+    out: &mut [u8],
+) {
     let n = out.len() / 2;
     let first = acc.map_or(std::ptr::null(), <[u8]>::as_ptr);
     // SAFETY: forwarded; out holds n 16-bit elements, acc n f32, each source n
     // 16-bit elements.
-    unsafe { fused::<L, BF, true>(out.as_mut_ptr(), first, srcs, n) }
+    unsafe { fused::<L, O, BF, true>(out.as_mut_ptr(), first, srcs, n) }
 }
 
 /// # Safety

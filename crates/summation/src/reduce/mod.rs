@@ -1,15 +1,36 @@
-//! Summation kernels: add pushed partitions into a key's accumulator, or finish a
-//! round of pushes into the dtype-sized result in one pass.
+//! Reduction kernels: combine pushed partitions into a key's accumulator, or
+//! finish a round of pushes into the dtype-sized result in one pass, by a
+//! round's [`ReduceOp`]: sum, min, max or product.
 //!
 //! The buffers are far larger than any cache, so the kernels are written around
 //! memory traffic: with several sources, every source is read once and the
 //! destination read and written once per call, whatever the number of sources
-//! (plain types are summed in L1-sized blocks, 16-bit floats in registers).
-//! 16-bit floats are summed in `f32` and rounded to 16 bits once, at the end.
+//! (plain types are reduced in L1-sized blocks, 16-bit floats in registers).
+//! 16-bit floats are reduced in `f32` and rounded to 16 bits once, at the end.
 //!
 //! Three implementations exist (AVX-512, AVX2+F16C, portable Rust); the best one
 //! the CPU supports is chosen at run time, and every one gives bit-identical
-//! results (NaN payloads aside).
+//! results (NaN payloads of sums and products aside).
+//!
+//! What each op does to an element, in the accumulator type (f32 for the
+//! 16-bit floats, else the dtype itself), terms taken left to right:
+//!
+//! - **Sum** and **Product**: IEEE addition and multiplication for floats,
+//!   rounding to nearest; for i32 and i64, two's complement wrapping (the low
+//!   bits of the exact result, as `wrapping_add` and `wrapping_mul`): an
+//!   overflowing product wraps just as an overflowing sum does, it does not
+//!   saturate. A 16-bit product is formed in f32 and rounded once, so its
+//!   partial products neither overflow nor lose bits to 16-bit rounding.
+//! - **Min** and **Max**: as torch.minimum and torch.maximum, and IEEE
+//!   754-2019's `minimum` and `maximum`: a NaN among the terms makes the result
+//!   NaN, and `-0.0 < +0.0`. Every level gives the canonical quiet NaN
+//!   (`f32::NAN`, `f64::NAN`; 0x7E00 as f16, 0x7FC0 as bf16), whatever NaN came
+//!   in, so min and max agree bit for bit, NaNs included, and do not depend on
+//!   the order of the terms. For 16-bit floats the result is one of the terms,
+//!   so rounding it back is exact. Integers compare as signed.
+//!
+//! A lone term is copied (converted), never combined with an identity element:
+//! a lone `-0.0` stays `-0.0`, and a lone NaN is passed on, not made canonical.
 
 // Every unsafe operation, even inside an unsafe fn, gets its own block and
 // SAFETY comment.
@@ -31,7 +52,7 @@ mod tests;
 
 use std::fmt;
 
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 /// An instruction-set level the kernels are compiled for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -99,7 +120,7 @@ pub struct UnsupportedLevel {
     pub level: SimdLevel,
 }
 
-/// Runs the summation kernels of one [`SimdLevel`].
+/// Runs the reduction kernels of one [`SimdLevel`].
 ///
 /// Invariant: `level` is supported by the CPU (checked at construction), which
 /// is what makes calling its `#[target_feature]` code sound.
@@ -128,18 +149,27 @@ impl Reducer {
         self.level
     }
 
-    /// `acc[i] = (if fresh {0} else {acc[i]}) + conv(srcs[0][i]) + conv(srcs[1][i]) + ...`,
-    /// summed left to right.
+    /// `acc[i] = (if fresh {nothing} else {acc[i] op}) conv(srcs[0][i]) op
+    /// conv(srcs[1][i]) op ...`, combined left to right by `op` (see the
+    /// [module](self) for what each op does).
     ///
     /// `acc` holds elements of `dtype.accumulator()` (native-endian bytes), each
     /// source elements of `dtype`; any alignment is fine. When `fresh`, `acc` is
-    /// never read: the first source is copied (converted), not added to zero, so
-    /// a lone `-0.0` stays `-0.0`. Fresh with no sources zero-fills `acc`.
+    /// never read: the first source is copied (converted), not combined with an
+    /// identity (zero for a sum, one for a product), so a lone `-0.0` stays
+    /// `-0.0`. Fresh with no sources zero-fills `acc`, whatever the op.
     ///
     /// # Panics
     /// If a length is not a whole number of elements or the element counts differ.
     #[track_caller]
-    pub fn accumulate(&self, dtype: Dtype, acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+    pub fn accumulate(
+        &self,
+        dtype: Dtype,
+        op: ReduceOp,
+        acc: &mut [u8],
+        fresh: bool,
+        srcs: &[&[u8]],
+    ) {
         let n = elements("acc", acc.len(), dtype.accumulator());
         check_srcs("accumulate", dtype, srcs, n, "acc");
         if srcs.is_empty() {
@@ -149,36 +179,43 @@ impl Reducer {
             return;
         }
         match self.level {
-            SimdLevel::Portable => portable::accumulate(dtype, acc, fresh, srcs),
+            SimdLevel::Portable => portable::accumulate(dtype, op, acc, fresh, srcs),
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2F16c => {
                 // SAFETY: the level was checked supported when self was built,
                 // and the lengths were checked consistent above.
-                unsafe { avx2::accumulate(dtype, acc, fresh, srcs) }
+                unsafe { avx2::accumulate(dtype, op, acc, fresh, srcs) }
             }
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512 => {
                 // SAFETY: as for Avx2F16c.
-                unsafe { avx512::accumulate(dtype, acc, fresh, srcs) }
+                unsafe { avx512::accumulate(dtype, op, acc, fresh, srcs) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             level => unreachable!("{level} is never supported off x86_64"),
         }
     }
 
-    /// `out[i] = round_to_dtype((acc[i] if Some) + conv(srcs[0][i]) + ...)`, summed
-    /// left to right in `dtype.accumulator()`.
+    /// `out[i] = round_to_dtype((acc[i] op if Some) conv(srcs[0][i]) op ...)`,
+    /// combined left to right by `op` in `dtype.accumulator()`.
     ///
-    /// Completes a round in one pass: for f16/bf16 the sum is formed in f32 and
-    /// rounded once to 16 bits (nearest, ties to even; NaN stays NaN, overflow
-    /// gives ±Inf), and no f32 is written to memory. For the other dtypes `out`
-    /// is the plain sum. `acc` (accumulator-sized) and `out` (dtype-sized) may
-    /// have any alignment.
+    /// Completes a round in one pass: for f16/bf16 the result is formed in f32
+    /// and rounded once to 16 bits (nearest, ties to even; NaN stays NaN,
+    /// overflow gives ±Inf), and no f32 is written to memory. For the other
+    /// dtypes `out` is the plain result. A lone term is copied (converted).
+    /// `acc` (accumulator-sized) and `out` (dtype-sized) may have any alignment.
     ///
     /// # Panics
     /// If `acc` is `None` and `srcs` is empty, or on inconsistent lengths.
     #[track_caller]
-    pub fn reduce_into(&self, dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+    pub fn reduce_into(
+        &self,
+        dtype: Dtype,
+        op: ReduceOp,
+        acc: Option<&[u8]>,
+        srcs: &[&[u8]],
+        out: &mut [u8],
+    ) {
         let n = elements("out", out.len(), dtype);
         if let Some(acc) = acc {
             let acc_n = elements("acc", acc.len(), dtype.accumulator());
@@ -193,22 +230,22 @@ impl Reducer {
         } else {
             assert!(
                 !srcs.is_empty(),
-                "reduce_into({dtype}): nothing to sum (no acc and no srcs)"
+                "reduce_into({dtype}): nothing to reduce (no acc and no srcs)"
             );
         }
         check_srcs("reduce_into", dtype, srcs, n, "out");
         match self.level {
-            SimdLevel::Portable => portable::reduce_into(dtype, acc, srcs, out),
+            SimdLevel::Portable => portable::reduce_into(dtype, op, acc, srcs, out),
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx2F16c => {
                 // SAFETY: the level was checked supported when self was built,
                 // and the lengths were checked consistent above.
-                unsafe { avx2::reduce_into(dtype, acc, srcs, out) }
+                unsafe { avx2::reduce_into(dtype, op, acc, srcs, out) }
             }
             #[cfg(target_arch = "x86_64")]
             SimdLevel::Avx512 => {
                 // SAFETY: as for Avx2F16c.
-                unsafe { avx512::reduce_into(dtype, acc, srcs, out) }
+                unsafe { avx512::reduce_into(dtype, op, acc, srcs, out) }
             }
             #[cfg(not(target_arch = "x86_64"))]
             level => unreachable!("{level} is never supported off x86_64"),

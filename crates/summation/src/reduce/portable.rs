@@ -6,9 +6,54 @@
 //! and they round exactly like F16C and the bf16 bit arithmetic of the SIMD
 //! levels, so a tail agrees with its vectors.
 
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 use super::driver::{self, Lanes};
+
+macro_rules! float_min_max {
+    ($t:ty, $min:ident, $max:ident) => {
+        /// The lesser of `a` and `b`, as torch.minimum and IEEE 754-2019's
+        /// `minimum`: NaN if either is NaN (always the canonical quiet NaN, with
+        /// a positive sign and no payload, whatever NaN came in), and
+        /// `-0.0 < +0.0`, so the result never depends on the order of the
+        /// operands.
+        ///
+        /// Written as x86's `min(a, b) = if a < b { a } else { b }` both ways
+        /// round and or-ed, selects that LLVM turns into `minps` (the SIMD
+        /// levels spell out the same): for ordered operands both give the
+        /// lesser, except that equal ones (which differ at most in the sign of
+        /// a zero) give `a | b`, `-0.0` if either is.
+        #[inline(always)]
+        pub(super) fn $min(a: $t, b: $t) -> $t {
+            let ab = if a < b { a } else { b };
+            let ba = if b < a { b } else { a };
+            let m = <$t>::from_bits(ab.to_bits() | ba.to_bits());
+            if a.is_nan() || b.is_nan() {
+                <$t>::NAN
+            } else {
+                m
+            }
+        }
+
+        /// The greater of `a` and `b`: as the minimum, with `+0.0 > -0.0`
+        /// (x86's `max` both ways round, and-ed: `+0.0` unless both are
+        /// `-0.0`).
+        #[inline(always)]
+        pub(super) fn $max(a: $t, b: $t) -> $t {
+            let ab = if a > b { a } else { b };
+            let ba = if b > a { b } else { a };
+            let m = <$t>::from_bits(ab.to_bits() & ba.to_bits());
+            if a.is_nan() || b.is_nan() {
+                <$t>::NAN
+            } else {
+                m
+            }
+        }
+    };
+}
+
+float_min_max!(f32, min_f32, max_f32);
+float_min_max!(f64, min_f64, max_f64);
 
 /// f16 -> f32, exact.
 #[inline(always)]
@@ -134,6 +179,21 @@ impl Lanes for Scalar {
     unsafe fn add(a: f32, b: f32) -> f32 {
         a + b
     }
+
+    #[inline(always)]
+    unsafe fn mul(a: f32, b: f32) -> f32 {
+        a * b
+    }
+
+    #[inline(always)]
+    unsafe fn min(a: f32, b: f32) -> f32 {
+        min_f32(a, b)
+    }
+
+    #[inline(always)]
+    unsafe fn max(a: f32, b: f32) -> f32 {
+        max_f32(a, b)
+    }
 }
 
 /// Eight f32 lanes as a plain array: element-wise loops that LLVM turns into
@@ -221,22 +281,49 @@ impl Lanes for Array8 {
     }
 
     #[inline(always)]
-    unsafe fn add(mut a: [f32; W], b: [f32; W]) -> [f32; W] {
-        for (x, y) in a.iter_mut().zip(b) {
-            *x += y;
-        }
-        a
+    unsafe fn add(a: [f32; W], b: [f32; W]) -> [f32; W] {
+        zip8(a, b, |x, y| x + y)
+    }
+
+    #[inline(always)]
+    unsafe fn mul(a: [f32; W], b: [f32; W]) -> [f32; W] {
+        zip8(a, b, |x, y| x * y)
+    }
+
+    #[inline(always)]
+    unsafe fn min(a: [f32; W], b: [f32; W]) -> [f32; W] {
+        zip8(a, b, min_f32)
+    }
+
+    #[inline(always)]
+    unsafe fn max(a: [f32; W], b: [f32; W]) -> [f32; W] {
+        zip8(a, b, max_f32)
     }
 }
 
-pub(super) fn accumulate(dtype: Dtype, acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
-    // SAFETY: Array8 needs no target feature; Reducer checked the lengths and
-    // that srcs is non-empty.
-    unsafe { driver::accumulate::<Array8>(dtype, acc, fresh, srcs) }
+/// Element-wise `f(a[j], b[j])`, in place in `a`: a plain loop, as `convert8`.
+#[inline(always)]
+fn zip8(mut a: [f32; W], b: [f32; W], f: impl Fn(f32, f32) -> f32) -> [f32; W] {
+    for (x, y) in a.iter_mut().zip(b) {
+        *x = f(*x, y);
+    }
+    a
 }
 
-pub(super) fn reduce_into(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], out: &mut [u8]) {
+pub(super) fn accumulate(dtype: Dtype, op: ReduceOp, acc: &mut [u8], fresh: bool, srcs: &[&[u8]]) {
+    // SAFETY: Array8 needs no target feature; Reducer checked the lengths and
+    // that srcs is non-empty.
+    unsafe { driver::accumulate::<Array8>(dtype, op, acc, fresh, srcs) }
+}
+
+pub(super) fn reduce_into(
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+    out: &mut [u8],
+) {
     // SAFETY: Array8 needs no target feature; Reducer checked the lengths and
     // that acc or srcs is non-empty.
-    unsafe { driver::reduce_into::<Array8>(dtype, acc, srcs, out) }
+    unsafe { driver::reduce_into::<Array8>(dtype, op, acc, srcs, out) }
 }

@@ -1,7 +1,10 @@
-//! Every available level against a scalar reference written here, bit for bit.
+//! Every available level against a scalar reference written here, bit for bit,
+//! for every op and dtype.
+
+use std::ops::{Add, Mul};
 
 use half::{bf16, f16};
-use sumflow_wire::Dtype;
+use sumflow_wire::{Dtype, ReduceOp};
 
 use super::{Reducer, SimdLevel};
 use crate::buffer::AlignedBuf;
@@ -186,9 +189,71 @@ fn src_f32(dtype: Dtype, bytes: &[u8], i: usize) -> f32 {
     }
 }
 
-/// The terms summed left to right from the first term (no added zero), in the
-/// accumulator type, as accumulator bytes.
-fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8> {
+/// A float type of the reference.
+trait Float: Copy + PartialOrd + Add<Output = Self> + Mul<Output = Self> {
+    const NAN: Self;
+    fn is_nan(self) -> bool;
+    fn is_sign_negative(self) -> bool;
+}
+
+impl Float for f32 {
+    const NAN: f32 = f32::NAN;
+    fn is_nan(self) -> bool {
+        f32::is_nan(self)
+    }
+    fn is_sign_negative(self) -> bool {
+        f32::is_sign_negative(self)
+    }
+}
+
+impl Float for f64 {
+    const NAN: f64 = f64::NAN;
+    fn is_nan(self) -> bool {
+        f64::is_nan(self)
+    }
+    fn is_sign_negative(self) -> bool {
+        f64::is_sign_negative(self)
+    }
+}
+
+/// `a op b` for floats, as the kernels promise it, written the obvious way.
+fn ref_float<T: Float>(op: ReduceOp, a: T, b: T) -> T {
+    match op {
+        ReduceOp::Sum => a + b,
+        ReduceOp::Product => a * b,
+        ReduceOp::Min | ReduceOp::Max => {
+            if a.is_nan() || b.is_nan() {
+                return T::NAN; // canonical, whatever NaN came in
+            }
+            if a == b {
+                // Equal values differ at most in the sign of a zero: -0.0 < +0.0.
+                let (neg, pos) = if a.is_sign_negative() { (a, b) } else { (b, a) };
+                return if op == ReduceOp::Min { neg } else { pos };
+            }
+            if (a < b) == (op == ReduceOp::Min) {
+                a
+            } else {
+                b
+            }
+        }
+    }
+}
+
+/// `a op b` for i32 or i64: products and sums wrap.
+macro_rules! ref_int {
+    ($op:expr, $a:expr, $b:expr) => {
+        match $op {
+            ReduceOp::Sum => $a.wrapping_add($b),
+            ReduceOp::Product => $a.wrapping_mul($b),
+            ReduceOp::Min => $a.min($b),
+            ReduceOp::Max => $a.max($b),
+        }
+    };
+}
+
+/// The terms combined by `op` left to right from the first term (no added
+/// identity), in the accumulator type, as accumulator bytes.
+fn ref_reduce(dtype: Dtype, op: ReduceOp, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8> {
     let mut out = Vec::new();
     for i in 0..n {
         match dtype {
@@ -198,7 +263,7 @@ fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8
                     .into_iter()
                     .chain(srcs.iter().map(|s| src_f32(dtype, s, i)));
                 let first = terms.next().unwrap();
-                out.extend(terms.fold(first, |x, y| x + y).to_ne_bytes());
+                out.extend(terms.fold(first, |x, y| ref_float(op, x, y)).to_ne_bytes());
             }
             Dtype::F64 => {
                 let mut terms = acc
@@ -206,7 +271,7 @@ fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8
                     .chain(srcs.iter().copied())
                     .map(|s| f64::from_ne_bytes(rd(s, i)));
                 let first = terms.next().unwrap();
-                out.extend(terms.fold(first, |x, y| x + y).to_ne_bytes());
+                out.extend(terms.fold(first, |x, y| ref_float(op, x, y)).to_ne_bytes());
             }
             Dtype::I32 => {
                 let mut terms = acc
@@ -214,7 +279,7 @@ fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8
                     .chain(srcs.iter().copied())
                     .map(|s| i32::from_ne_bytes(rd(s, i)));
                 let first = terms.next().unwrap();
-                out.extend(terms.fold(first, i32::wrapping_add).to_ne_bytes());
+                out.extend(terms.fold(first, |x, y| ref_int!(op, x, y)).to_ne_bytes());
             }
             Dtype::I64 => {
                 let mut terms = acc
@@ -222,11 +287,16 @@ fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8
                     .chain(srcs.iter().copied())
                     .map(|s| i64::from_ne_bytes(rd(s, i)));
                 let first = terms.next().unwrap();
-                out.extend(terms.fold(first, i64::wrapping_add).to_ne_bytes());
+                out.extend(terms.fold(first, |x, y| ref_int!(op, x, y)).to_ne_bytes());
             }
         }
     }
     out
+}
+
+/// The sum, as [`ref_reduce`].
+fn ref_sum(dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]], n: usize) -> Vec<u8> {
+    ref_reduce(dtype, ReduceOp::Sum, acc, srcs, n)
 }
 
 /// Accumulator bytes rounded to `dtype` (a no-op unless 16-bit).
@@ -261,9 +331,10 @@ fn is_nan(dtype: Dtype, bytes: &[u8]) -> bool {
     }
 }
 
-/// Bitwise equality of elements of `dtype`, except that any NaN matches any NaN.
+/// Bitwise equality of elements of `dtype`, except that any NaN matches any NaN
+/// unless `exact_nan`.
 #[track_caller]
-fn assert_same(dtype: Dtype, got: &[u8], want: &[u8], ctx: &dyn Fn() -> String) {
+fn assert_same(dtype: Dtype, got: &[u8], want: &[u8], exact_nan: bool, ctx: &dyn Fn() -> String) {
     assert_eq!(got.len(), want.len(), "{}: length", ctx());
     let size = dtype.size();
     for (i, (g, w)) in got
@@ -271,7 +342,7 @@ fn assert_same(dtype: Dtype, got: &[u8], want: &[u8], ctx: &dyn Fn() -> String) 
         .zip(want.chunks_exact(size))
         .enumerate()
     {
-        if g != w && !(is_nan(dtype, g) && is_nan(dtype, w)) {
+        if g != w && (exact_nan || !(is_nan(dtype, g) && is_nan(dtype, w))) {
             panic!(
                 "{}: element {i} of {}: got {g:02x?}, want {w:02x?}",
                 ctx(),
@@ -281,34 +352,54 @@ fn assert_same(dtype: Dtype, got: &[u8], want: &[u8], ctx: &dyn Fn() -> String) 
     }
 }
 
-/// Runs accumulate (fresh and not) and reduce_into (with and without acc) on
-/// random data at the given alignment offsets, against the reference.
-fn check_case(r: Reducer, rng: &mut Rng, dtype: Dtype, n: usize, nsrcs: usize, off: usize) {
+/// Whether results of `terms` terms must match NaN for NaN: min and max give
+/// the canonical NaN once two terms meet (a lone term is copied as it is, and
+/// F16C quiets a signalling NaN that the portable conversion keeps). Sums and
+/// products promise no NaN payload.
+fn exact_nan(op: ReduceOp, terms: usize) -> bool {
+    matches!(op, ReduceOp::Min | ReduceOp::Max) && terms >= 2
+}
+
+/// Runs accumulate (fresh and not) and reduce_into (with and without acc) of
+/// `srcs` and the accumulator `acc0` against the reference, placing the
+/// destinations at alignment offsets derived from `off`.
+#[allow(clippy::too_many_arguments)]
+fn check_with(
+    r: Reducer,
+    rng: &mut Rng,
+    dtype: Dtype,
+    op: ReduceOp,
+    srcs: &[&[u8]],
+    acc0: &[u8],
+    n: usize,
+    off: usize,
+) {
     let accd = dtype.accumulator();
-    let srcs: Vec<Placed> = (0..nsrcs)
-        .map(|k| Placed::random(rng, dtype, n, (off + k + 1) % 4))
-        .collect();
-    let srcs: Vec<&[u8]> = srcs.iter().map(Placed::bytes).collect();
-    let acc0 = Placed::random(rng, accd, n, off);
-    let ctx = |op: &str| {
+    let nsrcs = srcs.len();
+    let ctx = |what: &str| {
         let level = r.level();
-        let op = op.to_string();
-        move || format!("{level} {dtype} {op} n={n} srcs={nsrcs} off={off}")
+        let what = what.to_string();
+        move || format!("{level} {dtype} {op} {what} n={n} srcs={nsrcs} off={off}")
     };
 
+    // The reference results, in the accumulator type, without and with acc0.
+    let fresh_ref = (nsrcs > 0).then(|| ref_reduce(dtype, op, None, srcs, n));
+    let acc_ref = ref_reduce(dtype, op, Some(acc0), srcs, n);
+
     for fresh in [false, true] {
-        let mut acc = Placed::copy_of(acc0.bytes(), (off + 2) % 4);
-        r.accumulate(dtype, acc.bytes_mut(), fresh, &srcs);
-        let want = match (fresh, nsrcs) {
-            (true, 0) => vec![0; n * accd.size()],
-            (false, 0) => acc0.bytes().to_vec(),
-            (true, _) => ref_sum(dtype, None, &srcs, n),
-            (false, _) => ref_sum(dtype, Some(acc0.bytes()), &srcs, n),
+        let mut acc = Placed::copy_of(acc0, (off + 2) % 4);
+        r.accumulate(dtype, op, acc.bytes_mut(), fresh, srcs);
+        let want = match (fresh, &fresh_ref) {
+            (true, None) => vec![0; n * accd.size()],
+            (true, Some(want)) => want.clone(),
+            (false, _) => acc_ref.clone(),
         };
+        let terms = nsrcs + usize::from(!fresh);
         assert_same(
             accd,
             acc.bytes(),
             &want,
+            exact_nan(op, terms),
             &ctx(&format!("accumulate fresh={fresh}")),
         );
     }
@@ -317,17 +408,43 @@ fn check_case(r: Reducer, rng: &mut Rng, dtype: Dtype, n: usize, nsrcs: usize, o
         if !with_acc && nsrcs == 0 {
             continue;
         }
-        let acc = with_acc.then(|| acc0.bytes());
+        let acc = with_acc.then_some(acc0);
         // Garbage in out proves every element is written.
         let mut out = Placed::random(rng, dtype, n, (off + 3) % 4);
-        r.reduce_into(dtype, acc, &srcs, out.bytes_mut());
-        let want = ref_round(dtype, &ref_sum(dtype, acc, &srcs, n));
+        r.reduce_into(dtype, op, acc, srcs, out.bytes_mut());
+        let wide = if with_acc {
+            &acc_ref
+        } else {
+            fresh_ref.as_ref().unwrap()
+        };
+        let want = ref_round(dtype, wide);
+        let terms = nsrcs + usize::from(with_acc);
         assert_same(
             dtype,
             out.bytes(),
             &want,
+            exact_nan(op, terms),
             &ctx(&format!("reduce_into acc={with_acc}")),
         );
+    }
+}
+
+/// [`check_with`] on random data at the given alignment offsets, for `ops`.
+fn check_case(
+    r: Reducer,
+    rng: &mut Rng,
+    (dtype, ops): (Dtype, &[ReduceOp]),
+    n: usize,
+    nsrcs: usize,
+    off: usize,
+) {
+    let srcs: Vec<Placed> = (0..nsrcs)
+        .map(|k| Placed::random(rng, dtype, n, (off + k + 1) % 4))
+        .collect();
+    let srcs: Vec<&[u8]> = srcs.iter().map(Placed::bytes).collect();
+    let acc0 = Placed::random(rng, dtype.accumulator(), n, off);
+    for &op in ops {
+        check_with(r, rng, dtype, op, &srcs, acc0.bytes(), n, off);
     }
 }
 
@@ -339,7 +456,7 @@ fn small_lengths_all_offsets_and_source_counts() {
             for n in 0..=70 {
                 for nsrcs in 0..=5 {
                     for off in 0..4 {
-                        check_case(r, &mut rng, dtype, n, nsrcs, off);
+                        check_case(r, &mut rng, (dtype, &ReduceOp::ALL), n, nsrcs, off);
                     }
                 }
             }
@@ -351,13 +468,17 @@ fn small_lengths_all_offsets_and_source_counts() {
 fn large_lengths_cross_blocks() {
     let mut rng = Rng(2);
     for r in levels() {
-        for dtype in Dtype::ALL {
+        for (d, dtype) in Dtype::ALL.into_iter().enumerate() {
+            // Every op up to 4097 elements (4 to 8 blocks of a plain type); the
+            // long case, slow in a debug build, by sum and one op per dtype.
+            let long = [ReduceOp::Sum, ReduceOp::ALL[1 + d % 3]];
             for (i, n) in [1000, 1023, 1024, 1025, 2063, 4097, 65537]
                 .into_iter()
                 .enumerate()
             {
+                let ops = if n > 4097 { &long[..] } else { &ReduceOp::ALL };
                 for nsrcs in [1, 2, 5] {
-                    check_case(r, &mut rng, dtype, n, nsrcs, (i + nsrcs) % 4);
+                    check_case(r, &mut rng, (dtype, ops), n, nsrcs, (i + nsrcs) % 4);
                 }
             }
         }
@@ -391,8 +512,18 @@ fn u16s(bytes: &[u8]) -> Vec<u16> {
 }
 
 fn reduce(r: Reducer, dtype: Dtype, acc: Option<&[u8]>, srcs: &[&[u8]]) -> Vec<u8> {
+    reduce_by(r, dtype, ReduceOp::Sum, acc, srcs)
+}
+
+fn reduce_by(
+    r: Reducer,
+    dtype: Dtype,
+    op: ReduceOp,
+    acc: Option<&[u8]>,
+    srcs: &[&[u8]],
+) -> Vec<u8> {
     let mut out = vec![0xAA; N * dtype.size()];
-    r.reduce_into(dtype, acc, srcs, &mut out);
+    r.reduce_into(dtype, op, acc, srcs, &mut out);
     out
 }
 
@@ -417,7 +548,7 @@ fn f16_sums_in_f32_beat_f16_accumulation() {
         );
 
         let mut acc = vec![0u8; N * 4];
-        r.accumulate(Dtype::F16, &mut acc, true, &srcs);
+        r.accumulate(Dtype::F16, ReduceOp::Sum, &mut acc, true, &srcs);
         assert_eq!(acc, f32s(1025.25), "{}", r.level());
     }
 }
@@ -434,7 +565,7 @@ fn f16_overflow_rounds_to_inf_but_f32_partials_do_not() {
         let back = reduce(r, Dtype::F16, None, &[&big, &big, &neg]);
         assert_eq!(back, big, "{}", r.level());
         let mut acc = vec![0u8; N * 4];
-        r.accumulate(Dtype::F16, &mut acc, true, &[&big, &big]);
+        r.accumulate(Dtype::F16, ReduceOp::Sum, &mut acc, true, &[&big, &big]);
         assert_eq!(acc, f32s(120000.0), "{}", r.level());
     }
 }
@@ -526,21 +657,245 @@ fn negative_zero_survives_a_lone_copy() {
                 Dtype::Bf16 => bf16_bits(0x8000),
                 Dtype::I32 | Dtype::I64 => continue,
             };
-            let mut acc = vec![0x55; N * dtype.accumulator().size()];
-            r.accumulate(dtype, &mut acc, true, &[&nz]);
-            let want = ref_sum(dtype, None, &[&nz], N);
-            assert_eq!(acc, want, "{} {dtype}", r.level());
-            assert!(acc
-                .chunks(dtype.accumulator().size())
-                .all(|c| c.iter().any(|&b| b != 0)));
-            assert_eq!(reduce(r, dtype, None, &[&nz]), nz, "{} {dtype}", r.level());
+            for op in ReduceOp::ALL {
+                let ctx = || format!("{} {dtype} {op}", r.level());
+                let mut acc = vec![0x55; N * dtype.accumulator().size()];
+                r.accumulate(dtype, op, &mut acc, true, &[&nz]);
+                let want = ref_sum(dtype, None, &[&nz], N);
+                assert_eq!(acc, want, "{}", ctx());
+                assert!(acc
+                    .chunks(dtype.accumulator().size())
+                    .all(|c| c.iter().any(|&b| b != 0)));
+                assert_eq!(reduce_by(r, dtype, op, None, &[&nz]), nz, "{}", ctx());
+                // -0 + -0, min, max and -0 * -0 = +0.
+                let two = reduce_by(r, dtype, op, None, &[&nz, &nz]);
+                let pz = vec![0; nz.len()];
+                let want = if op == ReduceOp::Product { &pz } else { &nz };
+                assert_eq!(&two, want, "{}", ctx());
+            }
+        }
+    }
+}
+
+/// Every ordered pair (and a third term) of a dtype's special values, at
+/// every vector lane and in the tails: NaNs of both signs and several
+/// payloads, ±Inf, ±0, subnormals, extremes, ordinary values.
+#[test]
+fn special_values_pairwise_every_op() {
+    let mut rng = Rng(3);
+    for r in levels() {
+        for dtype in [Dtype::F32, Dtype::F64, Dtype::F16, Dtype::Bf16] {
+            let specials: Vec<Vec<u8>> = match dtype {
+                Dtype::F32 => F32_SPECIALS
+                    .iter()
+                    .chain(&[
+                        -1.0,
+                        2.5,
+                        f32::from_bits(0x7F80_0001),
+                        f32::from_bits(0xFFC0_1234),
+                    ])
+                    .map(|v| v.to_ne_bytes().to_vec())
+                    .collect(),
+                Dtype::F64 => F32_SPECIALS
+                    .iter()
+                    .map(|&v| f64::from(v))
+                    .chain([
+                        f64::MAX,
+                        f64::MIN,
+                        5e-324,
+                        -1.0,
+                        f64::from_bits(0x7FF0_0000_0000_0001),
+                    ])
+                    .map(|v| v.to_ne_bytes().to_vec())
+                    .collect(),
+                Dtype::F16 => F16_SPECIALS
+                    .iter()
+                    .chain(&[0xBC00, 0x4100])
+                    .map(|v| v.to_ne_bytes().to_vec())
+                    .collect(),
+                _ => BF16_SPECIALS
+                    .iter()
+                    .chain(&[0xBF80, 0x4020])
+                    .map(|v| v.to_ne_bytes().to_vec())
+                    .collect(),
+            };
+            let k = specials.len();
+            let n = k * k;
+            let col = |f: &dyn Fn(usize) -> usize, off: usize| {
+                Placed::copy_of(
+                    &(0..n)
+                        .flat_map(|i| specials[f(i)].clone())
+                        .collect::<Vec<_>>(),
+                    off,
+                )
+            };
+            let a = col(&|i| i / k, 1);
+            let b = col(&|i| i % k, 3);
+            let c = col(&|i| (i * 7 + 3) % k, 2);
+            let acc0 = Placed::random(&mut rng, dtype.accumulator(), n, 0);
+            for op in ReduceOp::ALL {
+                for srcs in [
+                    vec![a.bytes(), b.bytes()],
+                    vec![a.bytes(), b.bytes(), c.bytes()],
+                    vec![c.bytes()],
+                ] {
+                    check_with(r, &mut rng, dtype, op, &srcs, acc0.bytes(), n, 1);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn integer_products_wrap_as_sums_do() {
+    let i32s = |v: i32| -> Vec<u8> { (0..N).flat_map(|_| v.to_ne_bytes()).collect() };
+    let i64s = |v: i64| -> Vec<u8> { (0..N).flat_map(|_| v.to_ne_bytes()).collect() };
+    for r in levels() {
+        let level = r.level();
+        let p = |dtype, srcs: &[&[u8]]| reduce_by(r, dtype, ReduceOp::Product, None, srcs);
+        assert_eq!(
+            p(Dtype::I32, &[&i32s(i32::MAX), &i32s(2)]),
+            i32s(-2),
+            "{level}"
+        );
+        assert_eq!(
+            p(Dtype::I32, &[&i32s(i32::MIN), &i32s(-1)]),
+            i32s(i32::MIN),
+            "{level}"
+        );
+        let t16 = i32s(1 << 16);
+        assert_eq!(p(Dtype::I32, &[&t16, &t16, &i32s(3)]), i32s(0), "{level}");
+        // A wrapped partial product goes on wrapping: the low 32 bits of the exact one.
+        let want = i32s((i64::from(1 << 30) * -15) as i32);
+        assert_eq!(
+            p(Dtype::I32, &[&i32s(1 << 30), &i32s(-3), &i32s(5)]),
+            want,
+            "{level}"
+        );
+        assert_eq!(
+            p(Dtype::I64, &[&i64s(i64::MAX), &i64s(2)]),
+            i64s(-2),
+            "{level}"
+        );
+        assert_eq!(
+            p(Dtype::I64, &[&i64s(i64::MIN), &i64s(-1)]),
+            i64s(i64::MIN),
+            "{level}"
+        );
+        assert_eq!(
+            p(Dtype::I64, &[&i64s(1 << 32), &i64s(1 << 32)]),
+            i64s(0),
+            "{level}"
+        );
+        // Min and max compare as signed.
+        let m = |op, dtype, srcs: &[&[u8]]| reduce_by(r, dtype, op, None, srcs);
+        let (lo, hi) = (i32s(i32::MIN), i32s(i32::MAX));
+        assert_eq!(m(ReduceOp::Min, Dtype::I32, &[&hi, &lo]), lo, "{level}");
+        assert_eq!(m(ReduceOp::Max, Dtype::I32, &[&lo, &hi]), hi, "{level}");
+        let (lo, hi) = (i64s(i64::MIN), i64s(-1));
+        assert_eq!(m(ReduceOp::Min, Dtype::I64, &[&hi, &lo]), lo, "{level}");
+        assert_eq!(m(ReduceOp::Max, Dtype::I64, &[&lo, &hi]), hi, "{level}");
+    }
+}
+
+#[test]
+fn f16_products_form_in_f32() {
+    let (big, small) = (f16s(256.0), f16s(1.0 / 256.0));
+    // In f16, 256 * 256 overflows to Inf before the third term could bring it back.
+    let naive = f16::from_f32(256.0 * 256.0);
+    assert!(naive.is_infinite());
+    for r in levels() {
+        let level = r.level();
+        let out = reduce_by(
+            r,
+            Dtype::F16,
+            ReduceOp::Product,
+            None,
+            &[&big, &big, &small],
+        );
+        assert_eq!(out, big, "{level}");
+        // Through an f32 accumulator across calls: still no overflow.
+        let mut acc = vec![0u8; N * 4];
+        r.accumulate(Dtype::F16, ReduceOp::Product, &mut acc, true, &[&big, &big]);
+        assert_eq!(acc, f32s(65536.0), "{level}");
+        let out = reduce_by(r, Dtype::F16, ReduceOp::Product, Some(&acc), &[&small]);
+        assert_eq!(out, big, "{level}");
+        // A result out of f16 range rounds to Inf once, at the end.
+        let out = reduce_by(r, Dtype::F16, ReduceOp::Product, None, &[&big, &big]);
+        assert_eq!(u16s(&out), vec![0x7C00; N], "{level}");
+        // bf16 shares f32's range: 2^100 * 2^100 / 2^100 is exact.
+        let e100 = bf16_bits(bf16::from_f32(2f32.powi(100)).to_bits());
+        let em100 = bf16_bits(bf16::from_f32(2f32.powi(-100)).to_bits());
+        let out = reduce_by(
+            r,
+            Dtype::Bf16,
+            ReduceOp::Product,
+            None,
+            &[&e100, &em100, &e100],
+        );
+        assert_eq!(out, e100, "{level}");
+    }
+}
+
+#[test]
+fn min_and_max_give_the_canonical_nan_and_order_signed_zeros() {
+    for r in levels() {
+        let level = r.level();
+        for op in [ReduceOp::Min, ReduceOp::Max] {
+            // Any NaN, on either side, of any sign or payload: the canonical quiet NaN.
+            for (nan, one, canon) in [
+                (bf16_bits(0xFF81), bf16_bits(0x3F80), 0x7FC0u16),
+                (bf16_bits(0x7FC1), bf16_bits(0xFF80), 0x7FC0),
+                (f16s(f32::from_bits(0xFFC0_0000)), f16s(1.0), 0x7E00),
+                (f16s(f32::NAN), f16s(f32::NEG_INFINITY), 0x7E00),
+            ] {
+                let dtype = if canon == 0x7FC0 {
+                    Dtype::Bf16
+                } else {
+                    Dtype::F16
+                };
+                for srcs in [[&nan[..], &one[..]], [&one[..], &nan[..]]] {
+                    let out = reduce_by(r, dtype, op, None, &srcs);
+                    assert_eq!(u16s(&out), vec![canon; N], "{level} {op} {dtype}");
+                }
+            }
+            let (nan, one) = (f32s(f32::from_bits(0xFFFF_FFFF)), f32s(1.0));
+            let out = reduce_by(r, Dtype::F32, op, None, &[&one, &nan]);
+            assert_eq!(out, f32s(f32::NAN), "{level} {op}");
+            // A NaN accumulator meets the sources too.
+            let mut acc = f32s(f32::from_bits(0x7F80_0001));
+            r.accumulate(Dtype::F16, op, &mut acc, false, &[&f16s(2.0)]);
+            assert_eq!(acc, f32s(f32::NAN), "{level} {op}");
+            // Signed zeros, either order: -0.0 < +0.0.
+            let (pz, nz) = (f32s(0.0), f32s(-0.0));
+            let want = if op == ReduceOp::Min { &nz } else { &pz };
             assert_eq!(
-                reduce(r, dtype, None, &[&nz, &nz]),
-                nz,
-                "{} {dtype}",
-                r.level()
+                &reduce_by(r, Dtype::F32, op, None, &[&pz, &nz]),
+                want,
+                "{level} {op}"
+            );
+            assert_eq!(
+                &reduce_by(r, Dtype::F32, op, None, &[&nz, &pz]),
+                want,
+                "{level} {op}"
+            );
+            let (pz, nz) = (f16s(0.0), f16s(-0.0));
+            let want = if op == ReduceOp::Min { &nz } else { &pz };
+            assert_eq!(
+                &reduce_by(r, Dtype::F16, op, None, &[&nz, &pz]),
+                want,
+                "{level} {op}"
+            );
+            assert_eq!(
+                &reduce_by(r, Dtype::F16, op, None, &[&pz, &nz]),
+                want,
+                "{level} {op}"
             );
         }
+        // A lone NaN is passed on as it is, not made canonical.
+        let nan = f16s(f32::from_bits(0xFFC0_2000));
+        let out = reduce_by(r, Dtype::F16, ReduceOp::Max, None, &[&nan]);
+        assert_eq!(out, nan, "{level}");
     }
 }
 
@@ -634,26 +989,32 @@ fn levels_and_errors() {
 #[should_panic(expected = "srcs[1] is 6 bytes")]
 fn mismatched_source_length_panics() {
     let mut acc = vec![0u8; 16];
-    Reducer::detect().accumulate(Dtype::F16, &mut acc, false, &[&[0; 8], &[0; 6]]);
+    Reducer::detect().accumulate(
+        Dtype::F16,
+        ReduceOp::Max,
+        &mut acc,
+        false,
+        &[&[0; 8], &[0; 6]],
+    );
 }
 
 #[test]
 #[should_panic(expected = "not a whole number of 4-byte f32 elements")]
 fn ragged_accumulator_panics() {
     let mut acc = vec![0u8; 10];
-    Reducer::detect().accumulate(Dtype::Bf16, &mut acc, false, &[]);
+    Reducer::detect().accumulate(Dtype::Bf16, ReduceOp::Sum, &mut acc, false, &[]);
 }
 
 #[test]
 #[should_panic(expected = "acc is 8 bytes (2 elements) but out is 6 bytes (3 elements)")]
 fn mismatched_acc_in_reduce_panics() {
     let mut out = vec![0u8; 6];
-    Reducer::detect().reduce_into(Dtype::F16, Some(&[0; 8]), &[], &mut out);
+    Reducer::detect().reduce_into(Dtype::F16, ReduceOp::Min, Some(&[0; 8]), &[], &mut out);
 }
 
 #[test]
-#[should_panic(expected = "nothing to sum")]
+#[should_panic(expected = "nothing to reduce")]
 fn reduce_of_nothing_panics() {
     let mut out = vec![0u8; 8];
-    Reducer::detect().reduce_into(Dtype::F32, None, &[], &mut out);
+    Reducer::detect().reduce_into(Dtype::F32, ReduceOp::Product, None, &[], &mut out);
 }
