@@ -376,10 +376,23 @@ def test_a_timeline_shows_each_operation_above_the_partitions_it_caused(tmp_path
                 assert script["ts"] - 1 <= phase["ts"]
                 assert end(phase) <= end(script) + 1
             # The agreement's push and sum lie within NEGOTIATE_<KIND>, the data's within
-            # <KIND> (±1 µs: epoch microseconds read as floats keep a quarter of one).
-            for phase, partition in ((agree, f"agree.{tensor} [0]"), (data, f"{tensor} [0]")):
-                pushed_and_summed = partitions(trace, partition)
-                assert len(pushed_and_summed) == 2, (partition, pushed_and_summed)
+            # <KIND> (±1 µs: epoch microseconds read as floats keep a quarter of one). An
+            # allgather's rows are one region per worker: a worker pushes its own and
+            # takes the other's (an empty push, then the receive); a broadcast's root only
+            # pushes.
+            data_parts = {
+                "ALLREDUCE": (partitions(trace, f"{tensor} [0]"), 2),
+                "ALLGATHER": (
+                    partitions(trace, f"{tensor}#0 [0]") + partitions(trace, f"{tensor}#1 [0]"),
+                    3,
+                ),
+                "BROADCAST": (partitions(trace, f"{tensor} [0]"), 1 if rank == 0 else 2),
+            }[kind]
+            for phase, (pushed_and_summed, count) in (
+                (agree, (partitions(trace, f"agree.{tensor} [0]"), 2)),
+                (data, data_parts),
+            ):
+                assert len(pushed_and_summed) == count, (tensor, pushed_and_summed)
                 for e in pushed_and_summed:
                     assert phase["ts"] - 1 <= e["ts"], (phase, e)
                     assert end(e) <= end(phase) + 1, (phase, e)

@@ -94,9 +94,10 @@ def sum_work(
     group: Group,
     pulls: list[tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
-    """Sums (``op`` Sum or Average) `output` across the group's workers in place, after
-    compression; the work's result is `output`. Integers are averaged as Horovod does: the
-    sum is divided and truncated toward zero. ``pulls``: the element ranges to take back
+    """Reduces `output` across the group's workers in place, after compression: Sum or
+    Average, or Min, Max or Product by the servers' kernels (uncompressed only); the
+    work's result is `output`. Integers are averaged as Horovod does: the sum is divided
+    and truncated toward zero. ``pulls``: the element ranges to take back
     (None: all); the rest of `output` is left as it was (a reduce-scatter's other rows)."""
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
@@ -109,6 +110,9 @@ def sum_work(
     host = _staging.to_host(name, wire)
     tid = declare(name, host, core_spec(compressor, wire), group.members)
     float_average = op is Average and wire.is_floating_point()
+    on_servers = _SERVER_OPS.get(op)
+    if on_servers is not None and compression is not Compression.none:
+        raise ValueError(f"'{name}': {op!r} reduces uncompressed tensors only")
     width = host.element_size()
     if pulls is not None and host.numel() != output.numel():
         raise ValueError(f"'{name}': only uncompressed sums take back a part of the tensor")
@@ -119,6 +123,7 @@ def sum_work(
         host.numel() * width,
         priority,
         float_average,
+        op=on_servers,
         pulls=None if pulls is None else [(a * width, b * width) for a, b in pulls if b > a],
     )
 
@@ -138,6 +143,10 @@ def sum_work(
         return output
 
     return _work.CoreWork(name, [core], finish)
+
+
+#: Reductions other than sums, done by the servers' kernels.
+_SERVER_OPS = {Min: "min", Max: "max", Product: "product"}
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:
@@ -275,70 +284,6 @@ def _op_of(average: bool | None, op: ReduceOp | None) -> ReduceOp:
     return Average
 
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor`'s bytes as a flat host uint8 tensor (a view where it can be)."""
-    flat = tensor.detach().reshape(-1)
-    if flat.device.type != "cpu":
-        flat = flat.cpu()
-    return flat.contiguous().view(torch.uint8)
-
-
-def from_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
-    """A new tensor of `dtype` and `shape` holding the bytes `raw`."""
-    return raw.clone().view(dtype).reshape(tuple(shape))
-
-
-def gather_bytes_work(
-    name: str,
-    total: int,
-    writes: Sequence[tuple[int, torch.Tensor]],
-    finish: Callable[[torch.Tensor], Any],
-    group: Group,
-) -> _work.CoreWork:
-    """Every worker's bytes in one buffer of `total` bytes: this worker writes each tensor
-    of `writes` at its byte offset, the others write theirs, and the buffer is summed as
-    int32 words. Regions are disjoint, so each byte is the sum of one value and zeros:
-    exact for every dtype, even where one word holds two workers' bytes (no carries).
-    ``finish`` gets the gathered bytes and gives the work's result."""
-    words = max(1, (total + 3) // 4)
-    buf = torch.zeros(words, dtype=torch.int32)
-    raw = buf.view(torch.uint8)
-    for offset, tensor in writes:
-        data = as_bytes(tensor)
-        raw[offset : offset + data.numel()].copy_(data)
-    rt = _runtime.current()
-    tid = declare(name, buf, None, group.members)
-    core = rt.service.push_pull(tid, buf, buf.data_ptr(), words * 4, 0, False)
-    return _work.CoreWork(name, [core], lambda: finish(raw[:total]))
-
-
-def _reduce_locally(
-    name: str, output: torch.Tensor, op: ReduceOp, group: Group, post: float
-) -> _work.CoreWork:
-    """Min, Max or Product: every member's tensor gathered, then reduced here."""
-    size, rank = group.size, group.rank
-    nbytes = output.numel() * output.element_size()
-
-    def finish(raw: torch.Tensor) -> torch.Tensor:
-        stacked = from_bytes(raw, output.dtype, (size, *output.shape))
-        if output.dtype in (torch.float16, torch.bfloat16):
-            # As the servers sum 16-bit floats: in f32, rounded once.
-            stacked = stacked.float()
-        if op is Min:
-            result = stacked.amin(0)
-        elif op is Max:
-            result = stacked.amax(0)
-        else:
-            result = stacked.prod(0, dtype=stacked.dtype)
-        with torch.no_grad():
-            output.copy_(result)
-        if post != 1.0:
-            _scale(output, post)
-        return output
-
-    return gather_bytes_work(name, size * nbytes, [(rank * nbytes, output)], finish, group)
-
-
 def _facts(tensor: torch.Tensor, *values: float, extra: str = "") -> str:
     return f"{tensor.device.type}|{negotiate.pack_floats(*values)}|{extra}"
 
@@ -355,10 +300,6 @@ def allreduce_work(
     pulls: list[tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
     """The data stage of an agreed allreduce of `output` over the group, in place."""
-    if op in (Min, Max, Product):
-        if prescale_factor != 1.0:
-            _scale(output, prescale_factor)
-        return _reduce_locally(f"{name}.gather", output, op, group, postscale_factor)
     carrier = _INT_CARRIERS.get(output.dtype)
     scales = (prescale_factor, postscale_factor)
     if carrier is None:
