@@ -229,6 +229,7 @@ class CommunicationService:
         elements: int,
         compression: tuple[str, float, bool] | None = None,
         members: Sequence[int] | None = None,
+        home: int | None = None,
     ) -> int:
         """Declares a tensor by name and returns its id. Every worker must declare it with
         the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64"), number of elements,
@@ -243,7 +244,12 @@ class CommunicationService:
         (``push_pull`` refuses the others with ``ValueError``), and every member must push
         it each time. Members are for uncompressed tensors; ``ValueError`` names the
         tensor for an empty list, a rank listed twice, or a rank that is not below
-        ``size``."""
+        ``size``.
+
+        ``home``: the worker that takes the tensor's bytes (a relay region, a
+        reduce-scatter's share); its partitions are then kept by the summation server on
+        that worker's machine, so the bytes cross one link, not two (placed from their keys
+        where that machine has no server)."""
     def declare_group(
         self,
         tensors: Sequence[

@@ -105,6 +105,7 @@ fn declaration<'a>(
         elements,
         compression,
         members,
+        home: None,
     })
 }
 
@@ -310,8 +311,10 @@ impl PyCommunicationService {
     /// Declares a tensor by name; returns its id. Every worker must declare it with the
     /// same dtype, number of elements, compression (`(compressor, parameter,
     /// error_feedback)` or `None`) and members (the ranks of the workers that sum it, or
-    /// `None` for every worker).
-    #[pyo3(signature = (name, dtype_name, elements, compression = None, members = None))]
+    /// `None` for every worker). `home`: the worker that takes the tensor's bytes, on
+    /// whose machine its partitions are then kept (see `Declaration::home`).
+    #[pyo3(signature = (name, dtype_name, elements, compression = None, members = None, home = None))]
+    #[allow(clippy::too_many_arguments)]
     fn declare(
         &self,
         py: Python<'_>,
@@ -320,9 +323,10 @@ impl PyCommunicationService {
         elements: u64,
         compression: Option<CompressionSpec>,
         members: Option<Vec<i64>>,
+        home: Option<u32>,
     ) -> PyResult<u32> {
         let members = member_ranks(name, members)?;
-        let decl = declaration(
+        let mut decl = declaration(
             py,
             name,
             dtype_name,
@@ -330,6 +334,7 @@ impl PyCommunicationService {
             compression,
             members.as_deref(),
         )?;
+        decl.home = home;
         let svc = Arc::clone(&self.svc);
         py.detach(|| svc.declare_one(&decl))
             .map_err(|e| py_err(py, e))

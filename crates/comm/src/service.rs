@@ -205,6 +205,8 @@ struct Tensor {
     compression: Option<Compression>,
     /// The workers that sum it, ascending; `None`: every worker.
     members: Option<Arc<[u32]>>,
+    /// The worker on whose machine its partitions are kept, if any (see `Declaration`).
+    home: Option<u32>,
     /// The group it was declared and placed with, if any.
     group: Option<usize>,
     /// Its partitions, each with its server, in the tensor's order.
@@ -223,6 +225,7 @@ impl Tensor {
             elements: decl.elements,
             compression: decl.compression,
             members: decl.members.map(Arc::from),
+            home: decl.home,
             group,
             parts,
             rounds: Vec::new(),
@@ -236,6 +239,7 @@ impl Tensor {
             elements: self.elements,
             compression: self.compression,
             members: self.members.as_deref(),
+            home: self.home,
         }
     }
 
@@ -286,6 +290,11 @@ pub struct Declaration<'a> {
     /// push it every time; the others must not push it. `None`: every worker. Uncompressed
     /// tensors only.
     pub members: Option<&'a [u32]>,
+    /// The worker that takes the tensor's bytes, when one does (a relay region): every
+    /// partition is then kept by the summation server on that worker's machine, so the bytes
+    /// cross one link instead of two. Without a colocated server there, or with `None`, the
+    /// partitions are placed from their keys as usual.
+    pub home: Option<u32>,
 }
 
 impl<'a> Declaration<'a> {
@@ -297,6 +306,7 @@ impl<'a> Declaration<'a> {
             elements,
             compression: None,
             members: None,
+            home: None,
         }
     }
 
@@ -313,6 +323,12 @@ impl<'a> Declaration<'a> {
     fn check(&self, workers: u32) -> Result<(), CommError> {
         let invalid =
             |why: String| Err(CommError::Invalid(format!("tensor '{}' {why}", self.name)));
+        if let Some(home) = self.home.filter(|&w| w >= workers) {
+            return invalid(format!(
+                "is to be kept on worker {home}'s machine, but this job has workers \
+                 0..{workers}"
+            ));
+        }
         if let (Some(c), dtype) = (self.compression, self.dtype) {
             if dtype != Dtype::F32 {
                 return invalid(format!(
@@ -357,10 +373,15 @@ impl<'a> Declaration<'a> {
     /// feedback", "summed over workers [0, 2]" (never both: see `check`), or empty for raw
     /// tensors of every worker.
     fn travel(&self) -> String {
-        match (self.compression, self.members) {
+        let how = match (self.compression, self.members) {
             (Some(c), _) => format!("compressed by {c}"),
             (None, Some(m)) => format!("summed over workers {m:?}"),
             (None, None) => String::new(),
+        };
+        match self.home {
+            None => how,
+            Some(w) if how.is_empty() => format!("kept on worker {w}'s machine"),
+            Some(w) => format!("{how}, kept on worker {w}'s machine"),
         }
     }
 }
@@ -587,7 +608,7 @@ impl CommunicationService {
         match table.tensors.get(&id) {
             Some(t) => t.check_same(decl)?,
             None => {
-                let parts = self.layout(&table).single(id, &decl.spec())?;
+                let parts = self.place_alone(&self.layout(&table), id, decl)?;
                 table.tensors.insert(id, Tensor::new(decl, id, None, parts));
             }
         }
@@ -660,6 +681,23 @@ impl CommunicationService {
         Ok(id)
     }
 
+    /// The partitions of a tensor declared alone: on its home worker's machine's server, or
+    /// each where its key falls.
+    fn place_alone(
+        &self,
+        layout: &Layout<'_>,
+        id: u32,
+        decl: &Declaration<'_>,
+    ) -> Result<Vec<Partition>, CommError> {
+        let colocated = decl
+            .home
+            .and_then(|w| self.cluster_map().colocated_servers(w).first().copied());
+        Ok(match colocated {
+            Some(server) => layout.pinned(id, &decl.spec(), server)?,
+            None => layout.single(id, &decl.spec())?,
+        })
+    }
+
     /// How tensors are laid out under the table's current partition size.
     fn layout<'a>(&'a self, table: &Table) -> Layout<'a> {
         Layout {
@@ -721,7 +759,7 @@ impl CommunicationService {
             };
             let mut parts: HashMap<u32, Vec<Partition>> = HashMap::new();
             for t in table.tensors.values().filter(|t| t.group.is_none()) {
-                parts.insert(t.id, next.single(t.id, &t.declaration().spec())?);
+                parts.insert(t.id, self.place_alone(&next, t.id, &t.declaration())?);
             }
             for ids in &table.groups {
                 let members: Vec<(u32, TensorSpec<'_>)> = ids

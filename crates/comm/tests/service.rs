@@ -235,6 +235,7 @@ fn compressed<'a>(name: &'a str, elements: u64, how: (&str, f64, bool)) -> Decla
         elements,
         compression: Some(Compression::parse(how.0, how.1, how.2).unwrap()),
         members: None,
+        home: None,
     }
 }
 

@@ -71,6 +71,22 @@ impl Layout<'_> {
         self.spread(tensor.dtype, parts)
     }
 
+    /// The partitions of one tensor, every one on server `server`: a tensor whose bytes one
+    /// worker takes (a relay region) kept on that worker's machine crosses one link, not
+    /// two.
+    pub fn pinned(
+        &self,
+        id: u32,
+        tensor: &TensorSpec<'_>,
+        server: u32,
+    ) -> Result<Vec<Partition>, LayoutError> {
+        let mut parts = self.cut(id, tensor)?;
+        for p in &mut parts {
+            p.server = server;
+        }
+        self.spread(tensor.dtype, parts)
+    }
+
     /// The partitions of a group's tensors (`(id, tensor)`, a model's parameters, the same
     /// group on every worker), placed together to track BytePS's Eq. 1 and 2.
     pub fn group(&self, tensors: &[(u32, TensorSpec<'_>)]) -> Result<GroupLayout, LayoutError> {
@@ -265,6 +281,24 @@ mod tests {
             parts,
             "the same on every worker"
         );
+    }
+
+    #[test]
+    fn a_pinned_tensor_keeps_every_partition_on_one_server_with_its_lanes() {
+        let servers = ServerSet::new(vec![0, 1, 2], vec![]).unwrap();
+        let layout = Layout {
+            servers: &servers,
+            lanes: &[1, 2, 1],
+            partition_bytes: 16,
+            generation: 0,
+        };
+        let parts = layout.pinned(9, &spec("w", 100), 1).unwrap();
+        assert!(parts.iter().all(|p| p.server == 1));
+        // The same cut as placed from the keys, each piece split over server 1's lanes.
+        let alone = layout.single(9, &spec("w", 100)).unwrap();
+        let bytes = |ps: &[Partition]| ps.iter().map(|p| p.bytes).sum::<u64>();
+        assert_eq!(bytes(&parts), bytes(&alone));
+        assert!(parts.len() > 25, "two lanes cut each partition in two");
     }
 
     #[test]

@@ -11,10 +11,9 @@ into one buffer per dtype for a group; a reducescatter takes back only its own r
 
 from __future__ import annotations
 
-import itertools
 import math
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -96,12 +95,14 @@ def grouped_allgather_async(
                 span = landing[offset : offset + c[i] * per_row]
                 offset += span.numel()
                 label = f"{full}#{r}" if _single else f"{full}#{i}.{r}"
+                # Kept on the holder's machine: it pushes locally, the others pull once.
+                home = group.ranks[r]
                 if r == rank:
                     mine = relay.host_bytes(t)
                     span.copy_(mine)
-                    regions.append(relay.Region(label, mine, True, group.members))
+                    regions.append(relay.Region(label, mine, True, group.members, home))
                 else:
-                    regions.append(relay.Region(label, span, False, group.members))
+                    regions.append(relay.Region(label, span, False, group.members, home))
             outs.append(out)
 
         def finish() -> Any:
@@ -206,19 +207,22 @@ def alltoall_async(
         sent_at = [sum(matrix[rank][:j]) * per_row for j in range(size)]
         received_at = [sum(received[:i]) * per_row for i in range(size)]
         regions = []
-        # Block i -> j is a key of its two workers alone: nobody else takes part in it.
+        # Block i -> j is a key of its two workers alone, kept on j's machine: nobody else
+        # takes part in it, and its bytes cross the sender's link and no other.
+        me = group.ranks[rank]
         for j in range(size):
             block = sending[sent_at[j] : sent_at[j] + matrix[rank][j] * per_row]
             if j == rank:
                 landing[received_at[j] : received_at[j] + block.numel()].copy_(block)
             else:
-                pair = sorted((group.ranks[rank], group.ranks[j]))
-                regions.append(relay.Region(f"{full}#{rank}>{j}", block, True, pair))
+                to = group.ranks[j]
+                pair = sorted((me, to))
+                regions.append(relay.Region(f"{full}#{rank}>{j}", block, True, pair, to))
         for i in range(size):
             if i != rank:
                 block = landing[received_at[i] : received_at[i] + received[i] * per_row]
-                pair = sorted((group.ranks[i], group.ranks[rank]))
-                regions.append(relay.Region(f"{full}#{i}>{rank}", block, False, pair))
+                pair = sorted((group.ranks[i], me))
+                regions.append(relay.Region(f"{full}#{i}>{rank}", block, False, pair, me))
 
         def finish() -> Any:
             return out.to(tensor.device), torch.tensor(received, dtype=torch.int32)
@@ -266,7 +270,6 @@ def grouped_reducescatter_async(
         raise NotImplementedError(f"{kind} '{full}': op={op!r}; reducescatter sums or averages")
     for t in tensors:
         _first_dim(t, f"{kind} '{full}'")
-    size, rank = group.size, group.rank
     request = negotiate.Request(
         kind=kind,
         name=full,
@@ -277,23 +280,9 @@ def grouped_reducescatter_async(
         + "|".join(f"{t.dtype}{list(t.shape)}" for t in tensors),
     )
 
-    def own(t: torch.Tensor) -> tuple[int, int]:
-        """This worker's rows of `t`, as a range of its elements."""
-        counts = reducescatter_rows(t.shape[0], size)
-        per_row = math.prod(t.shape[1:])
-        return sum(counts[:rank]) * per_row, sum(counts[: rank + 1]) * per_row
-
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        def own_rows(summed: list[torch.Tensor]) -> Any:
-            out = []
-            for t in summed:
-                first, end = own(t)
-                out.append(t.reshape(-1)[first:end].reshape(-1, *t.shape[1:]).clone())
-            return out[0] if _single else out
-
-        scales = (prescale_factor, postscale_factor)
-        work = _fused_sum(full, tensors, op, *scales, group, own=own)
-        return work.then(own_rows)
+        work = _scattered_sum(full, tensors, op, prescale_factor, postscale_factor, group)
+        return work.then(lambda slices: slices[0] if _single else slices)
 
     return ops.negotiated(request, group, start)
 
@@ -354,11 +343,9 @@ def _fused_sum(
     prescale_factor: float,
     postscale_factor: float,
     group: process_sets.Group,
-    own: Callable[[torch.Tensor], tuple[int, int]] | None = None,
 ) -> _work.CoreWork:
     """One sum per dtype over copies of `tensors` laid end to end; the work's result is
-    the list of reduced tensors, shaped as given. With ``own``, only each tensor's element
-    range ``own(tensor)`` is taken back (a reduce-scatter); the rest is left unreduced."""
+    the list of reduced tensors, shaped as given."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
@@ -366,21 +353,8 @@ def _fused_sum(
     for dtype, members in by_dtype.items():
         flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
         label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
-        pulls = None
-        if own is not None:
-            starts = itertools.accumulate((tensors[i].numel() for i in members), initial=0)
-            pulls = [
-                (at + own(tensors[i])[0], at + own(tensors[i])[1]) for i, at in zip(members, starts)
-            ]
         work = ops.allreduce_work(
-            label,
-            flat,
-            op,
-            Compression.none,
-            prescale_factor,
-            postscale_factor,
-            group,
-            pulls=pulls,
+            label, flat, op, Compression.none, prescale_factor, postscale_factor, group
         )
         works.append((members, flat, work))
 
@@ -396,6 +370,68 @@ def _fused_sum(
         return [t for t in out if t is not None]
 
     return _work.CoreWork(name, [c for _, _, w in works for c in w.cores], finish)
+
+
+def _scattered_sum(
+    name: str,
+    tensors: list[torch.Tensor],
+    op: ReduceOp,
+    prescale_factor: float,
+    postscale_factor: float,
+    group: process_sets.Group,
+) -> _work.CoreWork:
+    """A reduce-scatter: each tensor reduced over the group, this worker taking back only
+    its rows (``reducescatter_rows``). Per dtype, the rows are laid out by the worker that
+    takes them, and each worker's share is a sum of its own, kept on that worker's machine:
+    every worker pushes every share, and only the share's taker pulls it, from its own
+    machine. The work's result is the list of this worker's slices."""
+    size, rank = group.size, group.rank
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    cores: list[int] = []
+    finishes = []
+    for dtype, members in by_dtype.items():
+        label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
+        shares: list[list[torch.Tensor]] = [[] for _ in range(size)]
+        for i in members:
+            t = tensors[i].detach()
+            counts = reducescatter_rows(t.shape[0], size)
+            for w, rows in zip(range(size), t.split(counts)):
+                shares[w].append(rows.reshape(-1).cpu())
+        for w in range(size):
+            flat = torch.cat(shares[w])
+            if not flat.numel():
+                continue
+            work = ops.allreduce_work(
+                f"{label}#{w}",
+                flat,
+                op,
+                Compression.none,
+                prescale_factor,
+                postscale_factor,
+                group,
+                takes=w == rank,
+                home=group.ranks[w],
+            )
+            cores += work.cores
+            if w == rank:
+                finishes.append((members, work))
+
+    def finish() -> list[torch.Tensor]:
+        out: dict[int, torch.Tensor] = {}
+        for members, work in finishes:
+            flat = work.finish()
+            offset = 0
+            for i in members:
+                t = tensors[i]
+                rows = reducescatter_rows(t.shape[0], size)[rank]
+                n = rows * math.prod(t.shape[1:])
+                out[i] = flat.narrow(0, offset, n).view(rows, *t.shape[1:]).to(t.device)
+                offset += n
+        return [out.get(i, t.new_empty((0, *t.shape[1:]))) for i, t in enumerate(tensors)]
+
+    return _work.CoreWork(name, cores, finish)
 
 
 def grouped_allreduce_async(

@@ -7,6 +7,7 @@ Horovod, and every worker running the same program computes the same names.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 
 import torch
 
@@ -70,23 +71,31 @@ def declare(
     tensor: torch.Tensor,
     compression: CoreSpec | None = None,
     members: list[int] | None = None,
+    home: int | None = None,
 ) -> int:
     """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
     first use. A name used with another layout gets keys of its own for it: each call
     stands alone, as in Horovod. ``members``: the process set's workers, whose rounds
-    alone its keys count (None: every worker)."""
+    alone its keys count (None: every worker); ``home``: the worker that takes its bytes,
+    whose machine then keeps its keys."""
     check_dtype(tensor, name)
     layout = (tensor.dtype, tensor.numel(), compression)
-    return declare_layouts([(name, layout, members)], together=False)[0]
+    return declare_layouts([(name, layout, members)], together=False, homes=[home])[0]
 
 
 def declare_layouts(
-    specs: list[tuple[str, Layout, list[int] | None]], *, together: bool = True
+    specs: list[tuple[str, Layout, list[int] | None]],
+    *,
+    together: bool = True,
+    homes: Sequence[int | None] | None = None,
 ) -> list[int]:
     """The ids of tensors (name, layout, members), declaring those not yet known.
     ``together``: placed over the servers as one group (BytePS Eq. 1 and 2), which every
-    worker must declare alike; otherwise each is placed from its keys alone, so workers
+    worker must declare alike; otherwise each is placed alone: on the machine of its
+    worker in ``homes`` (the worker that takes its bytes), or from its keys, so workers
     may each declare only the tensors they use."""
+    if together and homes is not None:
+        raise ValueError("tensors placed together have no home of their own")
     with _declared_lock:
         known = [_declared.get(name, {}).get(layout) for name, layout, _ in specs]
     fresh = [i for i, tid in enumerate(known) if tid is None]
@@ -100,7 +109,11 @@ def declare_layouts(
         if together:
             ids = service.declare_group(wanted)
         else:
-            ids = [service.declare(n, d, e, c, members=m) for n, d, e, c, m in wanted]
+            places = [None] * len(specs) if homes is None else list(homes)
+            ids = [
+                service.declare(n, d, e, c, members=m, home=places[i])
+                for i, (n, d, e, c, m) in zip(fresh, wanted)
+            ]
         with _declared_lock:
             for i, tid in zip(fresh, ids):
                 name, layout, _ = specs[i]

@@ -92,13 +92,15 @@ def sum_work(
     prescale_factor: float,
     postscale_factor: float,
     group: Group,
-    pulls: list[tuple[int, int]] | None = None,
+    takes: bool = True,
+    home: int | None = None,
 ) -> _work.CoreWork:
     """Reduces `output` across the group's workers in place, after compression: Sum or
     Average, or Min, Max or Product by the servers' kernels (uncompressed only); the
     work's result is `output`. Integers are averaged as Horovod does: the sum is divided
-    and truncated toward zero. ``pulls``: the element ranges to take back
-    (None: all); the rest of `output` is left as it was (a reduce-scatter's other rows)."""
+    and truncated toward zero. ``takes`` False: this worker only contributes, and
+    `output` is left as it was (a reduce-scatter's rows of another worker); ``home``: the
+    worker that takes it, on whose machine its keys are then kept."""
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
@@ -108,14 +110,12 @@ def sum_work(
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
     host = _staging.to_host(name, wire)
-    tid = declare(name, host, core_spec(compressor, wire), group.members)
+    tid = declare(name, host, core_spec(compressor, wire), group.members, home)
     float_average = op is Average and wire.is_floating_point()
     on_servers = _SERVER_OPS.get(op)
     if on_servers is not None and compression is not Compression.none:
         raise ValueError(f"'{name}': {op!r} reduces uncompressed tensors only")
     width = host.element_size()
-    if pulls is not None and host.numel() != output.numel():
-        raise ValueError(f"'{name}': only uncompressed sums take back a part of the tensor")
     core = rt.service.push_pull(
         tid,
         host,
@@ -124,7 +124,7 @@ def sum_work(
         priority,
         float_average,
         op=on_servers,
-        pulls=None if pulls is None else [(a * width, b * width) for a, b in pulls if b > a],
+        pulls=None if takes else [],
     )
 
     def finish() -> torch.Tensor:
@@ -297,13 +297,14 @@ def allreduce_work(
     postscale_factor: float,
     group: Group,
     priority: int = 0,
-    pulls: list[tuple[int, int]] | None = None,
+    takes: bool = True,
+    home: int | None = None,
 ) -> _work.CoreWork:
     """The data stage of an agreed allreduce of `output` over the group, in place."""
     carrier = _INT_CARRIERS.get(output.dtype)
     scales = (prescale_factor, postscale_factor)
     if carrier is None:
-        return sum_work(name, output, op, priority, compression, *scales, group, pulls)
+        return sum_work(name, output, op, priority, compression, *scales, group, takes, home)
 
     def narrow(wide_result: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -311,7 +312,8 @@ def allreduce_work(
         return output
 
     wide = output.to(carrier)
-    return sum_work(name, wide, op, priority, compression, *scales, group, pulls).then(narrow)
+    wide_work = sum_work(name, wide, op, priority, compression, *scales, group, takes, home)
+    return wide_work.then(narrow)
 
 
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:

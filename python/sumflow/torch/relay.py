@@ -34,6 +34,9 @@ class Region:
     pushes: bool
     #: Global ranks whose rounds the region's keys count, ascending (None: every worker).
     members: list[int] | None = None
+    #: The worker (global rank) whose machine keeps the region's keys: one that takes it
+    #: (its bytes then cross one link, not two), or None to place them from their keys.
+    home: int | None = None
 
 
 def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -55,6 +58,7 @@ def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) 
     ids = declarations.declare_layouts(
         [(r.name, (torch.int32, b.numel() // 4, None), r.members) for r, b in zip(live, buffers)],
         together=False,
+        homes=[r.home for r in live],
     )
     service = _runtime.current().service
     cores = [
