@@ -294,6 +294,10 @@ class CommunicationService:
         the servers still owing partitions if it did not finish in time."""
     def barrier(self, timeout: float) -> None:
         """Waits (GIL released) until every worker reaches this barrier."""
+    def join(self, timeout: float) -> int:
+        """Horovod's join(): waits (GIL released) until every worker has joined, the
+        others' sums meanwhile counting this worker as zeros; returns the rank of the
+        worker that joined last, the same on every worker."""
     def placement_report(self) -> list[str]:
         """One line per summation server: the bytes of declared tensors it sums."""
     def mark_step(self) -> tuple[str, str] | None:

@@ -79,7 +79,30 @@ def test_more_dimensions_than_a_row_shows_are_compared_by_their_hash() -> None:
         agree([request(shape=big), request(shape=(2,) * 9 + (3,))])
 
 
-def test_a_member_that_sent_nothing_is_named() -> None:
-    table = encode(request(), 0, 2, WIDTH)
-    with pytest.raises(HorovodInternalError, match="positions \\[1\\]"):
-        check(request(), decode(table, [0, 1]))
+def test_a_member_without_a_row_has_joined_and_only_sums_go_on() -> None:
+    # Worker 2 of 3 has joined: its row of the summed table is all zeros.
+    tables = [encode(request(), r, 3, WIDTH) for r in (0, 1)]
+    table = tables[0] + tables[1]
+    assert decode(table, [0, 1, 2])[2] is None
+    rows = check(request(), decode(table, [0, 1, 2]), [0, 1, 2])
+    assert [r.rank for r in rows] == [0, 1]
+    for kind in ("allgather", "broadcast", "alltoall", "reducescatter", "grouped_allgather"):
+        req = request(kind=kind)
+        t = encode(req, 0, 3, WIDTH) + encode(req, 2, 3, WIDTH)
+        with pytest.raises(HorovodInternalError) as e:
+            check(req, decode(t, [0, 1, 2]), [0, 1, 2])
+        message = str(e.value)
+        assert f"{kind} 'allreduce.x': worker 1 has joined" in message, message
+        assert "needs every worker" in message, message
+    # Every member joined (no one asked): nothing to go on with.
+    with pytest.raises(HorovodInternalError, match="workers 0, 1 have joined"):
+        check(request(), decode(encode(request(), 0, 2, WIDTH) * 0, [0, 1]), [0, 1])
+
+
+def test_no_valid_row_is_all_zeros() -> None:
+    # The first word is always 1; kind and dtype codes start at 1.
+    for kind in ("allreduce", "allgather", "broadcast"):
+        row = encode(request(kind=kind, shape=()), 0, 1, WIDTH)[0]
+        assert row[0] == 1
+        assert row[1] > 0
+        assert row[2] > 0

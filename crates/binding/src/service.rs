@@ -449,6 +449,16 @@ impl PyCommunicationService {
             .map_err(|e| py_err(py, e))
     }
 
+    /// Horovod's ``join()``: this worker has finished its data. Waits (GIL released) for
+    /// its operations in flight, then until every worker has joined, the others' sums
+    /// meanwhile counting it as zeros; returns the rank of the worker that joined last,
+    /// the same on every worker. Each wait is bounded by `timeout` seconds.
+    fn join(&self, py: Python<'_>, timeout: f64) -> PyResult<u32> {
+        let timeout = seconds("timeout", timeout)?;
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.join(timeout)).map_err(|e| py_err(py, e))
+    }
+
     /// One line per summation server: the bytes of declared tensors it sums.
     fn placement_report(&self) -> Vec<String> {
         self.svc.placement_report()

@@ -30,7 +30,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::{self, JoinHandle};
@@ -177,33 +177,37 @@ impl CoordinatorClient {
         &self.map
     }
 
-    /// Waits until every live member of `group` has entered the same barrier.
+    /// Waits until every live member of `group` has entered the same barrier; returns
+    /// the node that entered it last (the same on every member).
     ///
-    /// Each node numbers its barriers per group, `2n` for its n-th workers barrier and
-    /// `2n + 1` for its n-th all-nodes barrier, so all nodes agree on the id as long as they
-    /// enter the barriers of a group in the same order. Fails with
-    /// [`ClientError::NodeFailed`] if a member has failed or fails while we wait.
-    pub fn barrier(&self, group: BarrierGroup, timeout: Duration) -> Result<()> {
-        if group == BarrierGroup::Workers && self.role == Role::Server {
-            return Err(ClientError::Invalid(
-                "a server is not a member of workers barriers; use BarrierGroup::All".into(),
-            ));
+    /// Each node numbers its barriers per group, `3n` for its n-th workers barrier,
+    /// `3n + 1` for its n-th all-nodes barrier and `3n + 2` for its n-th join barrier, so
+    /// all nodes agree on the id as long as they enter the barriers of a group in the same
+    /// order. Fails with [`ClientError::NodeFailed`] if a member has failed or fails while
+    /// we wait.
+    pub fn barrier(&self, group: BarrierGroup, timeout: Duration) -> Result<NodeId> {
+        if group != BarrierGroup::All && self.role == Role::Server {
+            return Err(ClientError::Invalid(format!(
+                "a server is not a member of {} barriers; use BarrierGroup::All",
+                group_name(group)
+            )));
         }
         let inner = &self.conn.inner;
+        let g = group_offset(group);
         let id = {
             let mut st = inner.lock();
             inner.check_barrier(&st, group)?;
-            let seq = &mut st.barrier_seq[usize::from(group == BarrierGroup::All)];
+            let seq = &mut st.barrier_seq[g as usize];
             *seq += 1;
-            *seq * 2 + u64::from(group == BarrierGroup::All)
+            *seq * 3 + g
         };
         inner.send(&Message::Barrier { id, group })?;
         let what = format!("{} barrier {id}", group_name(group));
         let mut st = inner.lock();
         let deadline = Instant::now() + timeout;
         loop {
-            if st.done.remove(&id) {
-                return Ok(());
+            if let Some(last) = st.done.remove(&id) {
+                return Ok(last);
             }
             if let Some(e) = st.barrier_errors.remove(&id) {
                 return Err(ClientError::Remote {
@@ -538,8 +542,9 @@ impl Declaration {
 struct State {
     map: Option<(u32, ClusterMap)>,
     map_seen: bool,
-    /// Barriers released but not yet collected by their caller.
-    done: HashSet<u64>,
+    /// Barriers released but not yet collected by their caller, with the node that
+    /// entered each last.
+    done: HashMap<u64, NodeId>,
     barrier_errors: HashMap<u64, ErrorReply>,
     /// An error not tied to a barrier; before the map it refuses our registration.
     refusal: Option<ErrorReply>,
@@ -555,7 +560,7 @@ struct State {
     closing: bool,
     reader_done: bool,
     last_heard: Instant,
-    barrier_seq: [u64; 2],
+    barrier_seq: [u64; 3],
 }
 
 impl State {
@@ -563,7 +568,7 @@ impl State {
         State {
             map: None,
             map_seen: false,
-            done: HashSet::new(),
+            done: HashMap::new(),
             barrier_errors: HashMap::new(),
             refusal: None,
             tensors: HashMap::new(),
@@ -575,7 +580,7 @@ impl State {
             closing: false,
             reader_done: false,
             last_heard: Instant::now(),
-            barrier_seq: [0; 2],
+            barrier_seq: [0; 3],
         }
     }
 
@@ -821,8 +826,8 @@ impl Inner {
                 st.map_seen = true;
                 st.map = Some((your_rank, map));
             }
-            Message::BarrierDone { id } => {
-                st.done.insert(id);
+            Message::BarrierDone { id, last } => {
+                st.done.insert(id, last);
             }
             Message::Declared { name, tensor_id } => self.tensor_declared(st, name, tensor_id),
             Message::NodeFailed { node, name, reason } => {
@@ -905,5 +910,15 @@ fn group_name(group: BarrierGroup) -> &'static str {
     match group {
         BarrierGroup::Workers => "workers",
         BarrierGroup::All => "all-nodes",
+        BarrierGroup::Join => "join",
+    }
+}
+
+/// A group's place in the barrier ids (`3n + offset`) and in `State::barrier_seq`.
+fn group_offset(group: BarrierGroup) -> u64 {
+    match group {
+        BarrierGroup::Workers => 0,
+        BarrierGroup::All => 1,
+        BarrierGroup::Join => 2,
     }
 }

@@ -75,6 +75,10 @@ pub enum Reply<S = Pulled> {
     HeartbeatAck {
         seq: u64,
     },
+    /// The server has applied this worker's `Join` (joined, or left join) to every key.
+    JoinAck {
+        joined: bool,
+    },
 }
 
 #[derive(Debug)]
@@ -190,6 +194,18 @@ impl ServerClient {
             .map_err(|e| wire(&self.tx.peer, e))?;
         match self.rx.recv()? {
             Reply::HeartbeatAck { seq: s } if s == seq => Ok(()),
+            other => Err(self.rx.unexpected(&other)),
+        }
+    }
+
+    /// Tells the server this worker has joined (`joined`: its rounds complete without it,
+    /// as if it pushed nothing) or leaves join, and waits until every key took it in.
+    /// Send it with no push of this worker in flight on any connection.
+    pub fn join(&mut self, joined: bool) -> Result<()> {
+        io::write_message(&mut self.tx.stream, &Message::Join { joined })
+            .map_err(|e| wire(&self.tx.peer, e))?;
+        match self.rx.recv()? {
+            Reply::JoinAck { joined: j } if j == joined => Ok(()),
             other => Err(self.rx.unexpected(&other)),
         }
     }
@@ -376,6 +392,7 @@ impl ServerReceiver {
             Reply::InitAck { key } => Reply::InitAck { key },
             Reply::PushAck { key, round } => Reply::PushAck { key, round },
             Reply::HeartbeatAck { seq } => Reply::HeartbeatAck { seq },
+            Reply::JoinAck { joined } => Reply::JoinAck { joined },
         })
     }
 
@@ -405,6 +422,7 @@ impl ServerReceiver {
             Message::InitAck { key } => Ok(Reply::InitAck { key }),
             Message::PushAck { key, round } => Ok(Reply::PushAck { key, round }),
             Message::HeartbeatAck { seq } => Ok(Reply::HeartbeatAck { seq }),
+            Message::JoinAck { joined } => Ok(Reply::JoinAck { joined }),
             Message::Error(e) => Err(ClientError::Remote {
                 peer: self.peer.clone(),
                 code: e.code,

@@ -660,3 +660,74 @@ fn server_and_workers_count_the_same_bytes() {
     );
     assert_eq!(server.keys.len(), keys.len());
 }
+
+#[test]
+fn a_joined_worker_counts_as_zeros_and_goes_on_in_its_own_round_numbers() {
+    // Two engines: the acknowledgement waits for both, and the keys land on either.
+    let (h, addr) = start(3, 2);
+    let mut w: Vec<ServerClient> = (0..3).map(|r| worker(&addr, r)).collect();
+    let ones = encode(Dtype::I32, [1, 2, 3].into_iter());
+    for (r, c) in w.iter_mut().enumerate() {
+        for key in [1, 2] {
+            c.init_key(key, Dtype::I32, 12, None).unwrap();
+        }
+        c.tx.push(1, 1, Dtype::I32, &ones)
+            .unwrap_or_else(|e| panic!("worker {r}: {e}"));
+    }
+    for c in &mut w {
+        assert_eq!(
+            c.pull(1, 1).unwrap().data,
+            encode(Dtype::I32, [3, 6, 9].into_iter())
+        );
+    }
+    // Worker 2 joins: rounds 2 and 3 of key 1 and round 1 of key 2 complete without it.
+    w[2].join(true).unwrap();
+    for round in [2, 3] {
+        for c in &mut w[..2] {
+            c.tx.push(1, round, Dtype::I32, &ones).unwrap();
+        }
+        for c in &mut w[..2] {
+            assert_eq!(
+                c.pull(1, round).unwrap().data,
+                encode(Dtype::I32, [2, 4, 6].into_iter())
+            );
+        }
+    }
+    // A joined worker's push is refused.
+    let mut extra = worker(&addr, 2);
+    extra.tx.push(2, 1, Dtype::I32, &ones).unwrap();
+    let err = extra.pull(2, 1).unwrap_err();
+    expect_refused(err, ErrorCode::RoundOutOfSequence, "worker 2 has joined");
+    // Refused, the worker is gone for the job: a new job for what follows.
+    stop(h);
+
+    let (h, addr) = start(2, 2);
+    let mut w: Vec<ServerClient> = (0..2).map(|r| worker(&addr, r)).collect();
+    w[0].init_key(7, Dtype::I32, 12, None).unwrap();
+    w[1].join(true).unwrap();
+    // Key 7's first rounds, and key 8 declared only now, by worker 0 alone.
+    w[0].init_key(8, Dtype::I32, 12, None).unwrap();
+    for round in 1..=2 {
+        for key in [7, 8] {
+            w[0].tx.push(key, round, Dtype::I32, &ones).unwrap();
+            assert_eq!(w[0].pull(key, round).unwrap().data, ones);
+        }
+    }
+    w[1].join(false).unwrap();
+    w[1].init_key(7, Dtype::I32, 12, None).unwrap();
+    w[1].init_key(8, Dtype::I32, 12, None).unwrap();
+    // Worker 1's round 1 is the keys' round 3; its replies name its round 1.
+    for key in [7, 8] {
+        w[0].tx.push(key, 3, Dtype::I32, &ones).unwrap();
+        w[1].tx.push(key, 1, Dtype::I32, &ones).unwrap();
+        let twice = encode(Dtype::I32, [2, 4, 6].into_iter());
+        let got = w[1].pull(key, 1).unwrap();
+        assert_eq!((got.round, &got.data), (1, &twice));
+        let got = w[0].pull(key, 3).unwrap();
+        assert_eq!((got.round, &got.data), (3, &twice));
+    }
+    for c in w {
+        c.shutdown("done").unwrap();
+    }
+    stop(h);
+}

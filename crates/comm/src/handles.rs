@@ -46,6 +46,27 @@ impl Handles {
         self.state.lock().expect("handles lock").busy.len()
     }
 
+    /// Waits until no operation has partitions outstanding, at most `timeout`; otherwise
+    /// returns the tensors still in flight.
+    pub fn wait_idle(&self, timeout: Duration) -> Result<(), Vec<String>> {
+        let s = self.state.lock().expect("handles lock");
+        let (s, _) = self
+            .changed
+            .wait_timeout_while(s, timeout, |s| !s.busy.is_empty())
+            .expect("handles lock");
+        if s.busy.is_empty() {
+            return Ok(());
+        }
+        let mut names: Vec<String> = s
+            .ops
+            .values()
+            .filter(|op| op.error.is_none() && !op.outstanding.is_empty())
+            .map(|op| op.tensor.clone())
+            .collect();
+        names.sort();
+        Err(names)
+    }
+
     /// Starts an operation on a tensor of these partitions; refuses a tensor that is
     /// already in flight.
     pub fn start(

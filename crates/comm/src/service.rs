@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
-use sumflow_client::{ServerClient, ServerOptions};
+use sumflow_client::server::Reply;
+use sumflow_client::{ClientError, ServerClient, ServerOptions};
 use sumflow_plan::lanes;
 use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
 use sumflow_plan::partition::{Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
@@ -16,7 +17,7 @@ use sumflow_plan::scheduler::prophet::ProphetConfig;
 use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
-    BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, ReduceOp as WireOp,
+    BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Message, ReduceOp as WireOp,
     Registration, Role,
 };
 use tracing::{info, warn};
@@ -417,6 +418,10 @@ pub struct CommunicationService {
     declare_timeout: Duration,
     local: (u32, u32),
     tracer: Arc<Tracer>,
+    /// What `join` needs to open its own connection to each server.
+    token: JobToken,
+    name: String,
+    connect_timeout: Duration,
 }
 
 impl CommunicationService {
@@ -557,6 +562,9 @@ impl CommunicationService {
             declare_timeout: cfg.declare_timeout,
             local,
             tracer,
+            token: cfg.token.clone(),
+            name: cfg.name.clone(),
+            connect_timeout: cfg.connect_timeout,
         })
     }
 
@@ -1004,7 +1012,107 @@ impl CommunicationService {
 
     /// Waits until every worker reaches this barrier.
     pub fn barrier(&self, timeout: Duration) -> Result<(), CommError> {
-        Ok(self.job.barrier(BarrierGroup::Workers, timeout)?)
+        self.job.barrier(BarrierGroup::Workers, timeout)?;
+        Ok(())
+    }
+
+    /// Horovod's `join()`: this worker has finished its data. Until every worker has
+    /// joined, the others' rounds complete without it, as if it pushed zeros; returns
+    /// the rank of the worker that joined last, the same on every worker.
+    ///
+    /// Operations of this worker still in flight are waited for first (the others'
+    /// rounds complete without the workers that joined, so they do complete). Then, on
+    /// a connection of its own to each server: `Join(1)` and its acknowledgement from
+    /// every server; a join barrier of the coordinator, whose last worker is the answer;
+    /// `Join(0)` and its acknowledgements; and a second join barrier, so that no worker
+    /// pushes again while another is still joined on some server. Each wait is bounded
+    /// by `timeout` and its error names what it waited for.
+    pub fn join(&self, timeout: Duration) -> Result<u32, CommError> {
+        if let Some(e) = self.job_error() {
+            return Err(e);
+        }
+        self.handles.wait_idle(timeout).map_err(|tensors| {
+            CommError::Client(
+                format!(
+                    "join(): timed out after {:.1}s waiting for this worker's operations in \
+                     flight to complete (tensors {})",
+                    timeout.as_secs_f64(),
+                    tensors.join(", ")
+                ),
+                ErrorCode::Timeout,
+            )
+        })?;
+        let opts = ServerOptions {
+            connect_timeout: self.connect_timeout,
+            reply_timeout: Some(timeout),
+            ..ServerOptions::default()
+        };
+        let mut controls = Vec::new();
+        for s in &self.job.cluster_map().servers {
+            let what = format!("server {} ({})", s.rank, s.addr());
+            let c = ServerClient::connect(&s.addr(), &self.token, self.rank(), &self.name, &opts)
+                .map_err(|e| join_error(&format!("connecting to {what}"), e))?;
+            controls.push((what, c));
+        }
+        let result = self
+            .join_step(&mut controls, true, timeout)
+            .and_then(|last| {
+                info!(last, "every worker has joined");
+                self.join_step(&mut controls, false, timeout).map(|_| last)
+            });
+        for (_, mut c) in controls {
+            // After a failure this worker may still be joined there: leave join first.
+            if result.is_err() {
+                let _ = c.tx.send_raw(&Message::Join { joined: false }, &[]);
+            }
+            let _ = c.shutdown("join done");
+        }
+        result
+    }
+
+    /// Joins (`joined`) or leaves join on every server, then waits in a join barrier;
+    /// returns the rank of the worker that entered the barrier last.
+    fn join_step(
+        &self,
+        controls: &mut [(String, ServerClient)],
+        joined: bool,
+        timeout: Duration,
+    ) -> Result<u32, CommError> {
+        let step = if joined { "joining" } else { "leaving join" };
+        for (what, c) in controls.iter_mut() {
+            c.tx.send_raw(&Message::Join { joined }, &[])
+                .map_err(|e| join_error(&format!("telling {what} of {step}"), e))?;
+        }
+        for (what, c) in controls.iter_mut() {
+            match c.rx.recv() {
+                Ok(Reply::JoinAck { joined: j }) if j == joined => {}
+                Ok(other) => {
+                    return Err(CommError::Client(
+                        format!(
+                            "join(): {what} answered {step} with {other:?}, not its \
+                             acknowledgement"
+                        ),
+                        ErrorCode::Internal,
+                    ))
+                }
+                Err(e) => {
+                    return Err(join_error(
+                        &format!("waiting for {what} to acknowledge {step}"),
+                        e,
+                    ))
+                }
+            }
+        }
+        let barrier = if joined {
+            "waiting for every worker to join"
+        } else {
+            "waiting for every worker to leave join"
+        };
+        let last = self
+            .job
+            .barrier(BarrierGroup::Join, timeout)
+            .map_err(|e| join_error(barrier, e))?;
+        Ok(last.rank)
     }
 
     /// One line per server: the bytes of declared tensors it sums and its target share.
@@ -1060,6 +1168,11 @@ impl CommunicationService {
         }
         Ok(self.job.leave(reason)?)
     }
+}
+
+/// A failure of one step of `join`, naming the step.
+fn join_error(step: &str, e: ClientError) -> CommError {
+    CommError::Client(format!("join(): {step}: {e}"), e.code())
 }
 
 /// (rank among the workers of this machine, number of them).

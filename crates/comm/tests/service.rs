@@ -739,3 +739,42 @@ fn a_trace_directory_that_cannot_be_made_is_an_io_error_and_a_bad_window_an_inva
     assert!(matches!(e, CommError::Invalid(_)), "{e}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn a_joined_worker_counts_as_zeros_until_every_worker_joined() {
+    let lasts = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&lasts);
+    run_job(3, 1, move |rank, addr| {
+        let c = worker(addr, rank);
+        let id = c.declare("x", Dtype::F32, 5000).unwrap();
+        let mine = |r: u32| vec![r as f32 + 1.0; 5000];
+        let mut d = mine(rank);
+        let h = push_pull(&c, id, &mut d, 0, ReduceOp::Sum);
+        c.wait(h, Duration::from_secs(20)).unwrap();
+        assert_eq!(d[0], 6.0);
+        let last = if rank == 2 {
+            c.join(Duration::from_secs(20)).unwrap()
+        } else {
+            // Worker 2 counts as zeros; Average still divides by 3.
+            let mut d = mine(rank);
+            let h = push_pull(&c, id, &mut d, 0, ReduceOp::Sum);
+            c.wait(h, Duration::from_secs(20)).unwrap();
+            assert_eq!((d[0], d[4999]), (3.0, 3.0), "worker {rank}");
+            let mut d = mine(rank);
+            let h = push_pull(&c, id, &mut d, 0, ReduceOp::Average);
+            c.wait(h, Duration::from_secs(20)).unwrap();
+            assert_eq!(d[0], 1.0, "worker {rank}");
+            c.join(Duration::from_secs(20)).unwrap()
+        };
+        seen.lock().unwrap().push(last);
+        // Back in step: worker 2's next round of "x" is the others' next one.
+        let mut d = mine(rank);
+        let h = push_pull(&c, id, &mut d, 0, ReduceOp::Sum);
+        c.wait(h, Duration::from_secs(20)).unwrap();
+        assert_eq!(d[0], 6.0, "worker {rank} after the join");
+        c.shutdown("done").unwrap();
+    });
+    let lasts = lasts.lock().unwrap();
+    assert_eq!(lasts.len(), 3);
+    assert!(lasts.iter().all(|&l| l == lasts[0] && l != 2), "{lasts:?}");
+}

@@ -72,13 +72,16 @@ struct Member {
     conn: Option<ConnId>,
     status: Status,
     /// Highest barrier id entered so far, per group (`group_index`).
-    last_barrier: [Option<u64>; 2],
+    last_barrier: [Option<u64>; 3],
 }
 
 #[derive(Debug)]
 struct Barrier {
     group: BarrierGroup,
     waiters: BTreeSet<NodeId>,
+    /// The node that entered last so far (`BarrierDone` names it: `join()` returns the
+    /// rank of the worker that joined last).
+    last: Option<NodeId>,
 }
 
 /// One declared tensor: what its first declaration fixed, and who has declared it since.
@@ -393,7 +396,7 @@ impl Membership {
                     name: reg.name.clone(),
                     conn: Some(*conn),
                     status: Status::Live,
-                    last_barrier: [None; 2],
+                    last_barrier: [None; 3],
                 };
                 self.members.insert(id, member);
                 assigned.push((*conn, rank));
@@ -479,14 +482,13 @@ impl Membership {
             );
             return self.send(conn, Message::error(ErrorCode::NodeFailed, Some(id), msg));
         }
-        self.barriers
-            .entry(id)
-            .or_insert_with(|| Barrier {
-                group,
-                waiters: BTreeSet::new(),
-            })
-            .waiters
-            .insert(node);
+        let b = self.barriers.entry(id).or_insert_with(|| Barrier {
+            group,
+            waiters: BTreeSet::new(),
+            last: None,
+        });
+        b.waiters.insert(node);
+        b.last = Some(node);
         self.try_complete(id);
     }
 
@@ -656,9 +658,17 @@ impl Membership {
                 b.waiters.len()
             ),
         );
+        // A barrier completed by a departure: the last of those who entered it.
+        let last = b
+            .last
+            .filter(|n| b.waiters.contains(n))
+            .or_else(|| b.waiters.last().copied());
+        let Some(last) = last else {
+            return;
+        };
         for n in b.waiters {
             if let Some(conn) = self.members.get(&n).and_then(|m| m.conn) {
-                self.send(conn, Message::BarrierDone { id });
+                self.send(conn, Message::BarrierDone { id, last });
             }
         }
     }
@@ -917,6 +927,7 @@ fn group_index(group: BarrierGroup) -> usize {
     match group {
         BarrierGroup::Workers => 0,
         BarrierGroup::All => 1,
+        BarrierGroup::Join => 2,
     }
 }
 
@@ -924,6 +935,7 @@ fn group_name(group: BarrierGroup) -> &'static str {
     match group {
         BarrierGroup::Workers => "workers",
         BarrierGroup::All => "all-nodes",
+        BarrierGroup::Join => "join",
     }
 }
 

@@ -341,7 +341,13 @@ fn barriers_complete_when_every_live_member_arrives() {
     assert!(sent(&a, 1).is_empty());
     let a = h.send(2, barrier(2, BarrierGroup::Workers), 11);
     for conn in [1, 2] {
-        assert_eq!(sent(&a, conn), [&Message::BarrierDone { id: 2 }]);
+        assert_eq!(
+            sent(&a, conn),
+            [&Message::BarrierDone {
+                id: 2,
+                last: worker(1)
+            }]
+        );
     }
     assert!(
         sent(&a, 101).is_empty(),
@@ -352,7 +358,13 @@ fn barriers_complete_when_every_live_member_arrives() {
     h.send(101, barrier(3, BarrierGroup::All), 13);
     let a = h.send(2, barrier(3, BarrierGroup::All), 14);
     for conn in [1, 2, 101] {
-        assert_eq!(sent(&a, conn), [&Message::BarrierDone { id: 3 }]);
+        assert_eq!(
+            sent(&a, conn),
+            [&Message::BarrierDone {
+                id: 3,
+                last: worker(1)
+            }]
+        );
     }
 
     let a = h.send(101, barrier(4, BarrierGroup::Workers), 15);
@@ -493,8 +505,47 @@ fn a_leave_can_complete_the_barrier_that_waited_for_the_leaver() {
     h.send(1, barrier(2, BarrierGroup::Workers), 10);
     h.send(2, barrier(2, BarrierGroup::Workers), 11);
     let a = h.send(3, Message::Shutdown { reason: "".into() }, 12);
-    assert_eq!(sent(&a, 1), [&Message::BarrierDone { id: 2 }]);
-    assert_eq!(sent(&a, 2), [&Message::BarrierDone { id: 2 }]);
+    // The leaver completed it; the last to enter was worker 1.
+    let done = Message::BarrierDone {
+        id: 2,
+        last: worker(1),
+    };
+    assert_eq!(sent(&a, 1), [&done]);
+    assert_eq!(sent(&a, 2), [&done]);
+}
+
+#[test]
+fn join_barriers_name_the_last_worker_to_arrive() {
+    // Worker 2 first, then worker 0, then worker 1: worker 1 arrived last.
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    h.send(3, barrier(2, BarrierGroup::Join), 10);
+    h.send(1, barrier(2, BarrierGroup::Join), 11);
+    let a = h.send(2, barrier(2, BarrierGroup::Join), 12);
+    for conn in [1, 2, 3] {
+        assert_eq!(
+            sent(&a, conn),
+            [&Message::BarrierDone {
+                id: 2,
+                last: worker(1)
+            }]
+        );
+    }
+    // Servers are no members of join barriers.
+    let a = h.send(101, barrier(5, BarrierGroup::Join), 13);
+    let e = errors(&a, 101);
+    assert_eq!((e[0].code, e[0].key), (ErrorCode::UnexpectedOp, Some(5)));
+    assert!(e[0].message.contains("join barrier 5"), "{}", e[0].message);
+    // The next join barrier: worker 2 last this time.
+    h.send(1, barrier(5, BarrierGroup::Join), 14);
+    h.send(2, barrier(5, BarrierGroup::Join), 15);
+    let a = h.send(3, barrier(5, BarrierGroup::Join), 16);
+    assert_eq!(
+        sent(&a, 1),
+        [&Message::BarrierDone {
+            id: 5,
+            last: worker(2)
+        }]
+    );
 }
 
 #[test]

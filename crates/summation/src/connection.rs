@@ -222,6 +222,12 @@ impl Connection<'_> {
                     round,
                     wants_sum,
                 } => self.pull(key, round, wants_sum),
+                Message::Join { joined } => {
+                    let what = if joined { "joined" } else { "left join" };
+                    info!(worker = self.worker, "worker {what}");
+                    self.shared.join(self.worker, joined, self.tx.clone());
+                    Ok(())
+                }
                 Message::Heartbeat { seq } => {
                     let _ = self
                         .tx

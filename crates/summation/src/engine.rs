@@ -21,7 +21,7 @@
 //! keeping what that drops in the key's residual when the key asks for error feedback.
 //! Compressed keys are only summed (the wire decoder refuses any other op on them).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
 use crossbeam_channel::Receiver;
@@ -30,7 +30,7 @@ use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
 use crate::buffer::AlignedBuf;
 use crate::directory::KeyMeta;
-use crate::messages::{Command, Outgoing, Replier};
+use crate::messages::{Command, JoinAck, Outgoing, Replier};
 use crate::pool::PooledBuf;
 use crate::reduce::Reducer;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
@@ -65,6 +65,8 @@ pub struct Engine {
     workers: u32,
     keys: HashMap<u64, KeyState>,
     gone: BTreeMap<u32, Arc<str>>,
+    /// Workers that have joined: keys created meanwhile start with them joined.
+    joined: BTreeSet<u32>,
     dirty: Vec<u64>,
 }
 
@@ -76,6 +78,7 @@ impl Engine {
             workers,
             keys: HashMap::new(),
             gone: BTreeMap::new(),
+            joined: BTreeSet::new(),
             dirty: Vec::new(),
         }
     }
@@ -115,6 +118,11 @@ impl Engine {
                 wants_sum,
                 reply,
             } => self.on_pull(key, round, worker, wants_sum, reply),
+            Command::Join {
+                worker,
+                joined,
+                ack,
+            } => self.on_join(worker, joined, &ack),
             Command::WorkerGone { worker, reason } => self.worker_gone(worker, reason),
         }
     }
@@ -135,7 +143,11 @@ impl Engine {
             Some(_) if meta.codec.feedback => vec![0.0; meta.elements() as usize],
             _ => Vec::new(),
         };
-        let rounds = RoundTracker::new(self.workers, meta.members.clone());
+        let mut rounds = RoundTracker::new(self.workers, meta.members.clone());
+        for &w in &self.joined {
+            // A new key has no rounds: joining it cannot fail or complete anything.
+            let _ = rounds.join(w);
+        }
         self.keys.insert(
             key,
             KeyState {
@@ -170,7 +182,7 @@ impl Engine {
         if let Err(e) = k.rounds.admit(worker, "push", round) {
             return refuse(key, e, reply);
         }
-        if let Some(why) = blocker(&self.gone, &k.rounds, round) {
+        if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.key_round(worker, round)) {
             return fail_pull(key, round, &why, reply);
         }
         if let Some(first) = k.round_op.filter(|&first| first != op) {
@@ -208,14 +220,35 @@ impl Engine {
         }
         // A round that can no longer complete is reported as such, whatever else is
         // wrong with the pull: the departed worker is the news.
-        if let Some(why) = blocker(&self.gone, &k.rounds, round) {
+        if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.key_round(worker, round)) {
             return fail_pull(key, round, &why, &reply);
         }
         match k.rounds.pull(worker, round) {
             Err(e) => refuse(key, e, &reply),
-            Ok(PullOutcome::Ready) => answer(key, k, wants_sum, &reply),
+            Ok(PullOutcome::Ready) => answer(key, k, worker, wants_sum, &reply),
             Ok(PullOutcome::Wait) => k.waiting.push((worker, wants_sum, reply)),
         }
+    }
+
+    /// A worker joined (its rounds of every key complete without it, which may complete
+    /// some now) or leaves join; acknowledged once every engine has applied it.
+    fn on_join(&mut self, worker: u32, joined: bool, ack: &JoinAck) {
+        if !joined {
+            self.joined.remove(&worker);
+            for k in self.keys.values_mut() {
+                k.rounds.leave(worker);
+            }
+            return ack.applied();
+        }
+        self.joined.insert(worker);
+        for (&key, k) in &mut self.keys {
+            match k.rounds.join(worker) {
+                Ok(false) => {}
+                Ok(true) => complete_round(&self.reducer, &mut self.scratch, key, k),
+                Err(e) => refuse(key, e, ack.reply()),
+            }
+        }
+        ack.applied();
     }
 
     fn worker_gone(&mut self, worker: u32, reason: Arc<str>) {
@@ -226,8 +259,9 @@ impl Engine {
                 continue;
             }
             if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.current()) {
-                for (_, _, reply) in k.waiting.drain(..) {
-                    fail_pull(*key, k.rounds.current(), &why, &reply);
+                for (w, _, reply) in k.waiting.drain(..) {
+                    let round = k.rounds.own_round(w, k.rounds.current());
+                    fail_pull(*key, round, &why, &reply);
                 }
             }
         }
@@ -321,28 +355,30 @@ fn complete_round(reducer: &Reducer, scratch: &mut Scratch, key: u64, k: &mut Ke
 fn finish_round(key: u64, k: &mut KeyState, out: AlignedBuf) {
     k.round_op = None;
     k.sum = Arc::new(out);
-    for (_, wants_sum, reply) in std::mem::take(&mut k.waiting) {
-        answer(key, k, wants_sum, &reply);
+    for (worker, wants_sum, reply) in std::mem::take(&mut k.waiting) {
+        answer(key, k, worker, wants_sum, &reply);
     }
 }
 
-/// Answers a pull of the last completed round: its sum, or only the notice.
-fn answer(key: u64, k: &KeyState, wants_sum: bool, reply: &Replier) {
+/// Answers `worker`'s pull of the last completed round, in the worker's own numbering:
+/// its sum, or only the notice.
+fn answer(key: u64, k: &KeyState, worker: u32, wants_sum: bool, reply: &Replier) {
+    let round = k.rounds.own_round(worker, k.rounds.completed());
     if wants_sum {
-        return send_sum(key, k, reply);
+        return send_sum(key, k, round, reply);
     }
     let _ = reply.send(Outgoing::Message(Message::PullReply {
         key,
-        round: k.rounds.completed(),
+        round,
         dtype: k.meta.dtype,
         codec: k.meta.codec.codec,
     }));
 }
 
-fn send_sum(key: u64, k: &KeyState, reply: &Replier) {
+fn send_sum(key: u64, k: &KeyState, round: u64, reply: &Replier) {
     let _ = reply.send(Outgoing::Sum {
         key,
-        round: k.rounds.completed(),
+        round,
         dtype: k.meta.dtype,
         codec: k.meta.codec.codec,
         data: Arc::clone(&k.sum),
@@ -385,7 +421,9 @@ fn refuse(key: u64, e: RoundError, reply: &Replier) {
     let code = match e {
         RoundError::DuplicatePush { .. } => ErrorCode::DuplicatePush,
         RoundError::DuplicatePull { .. } => ErrorCode::DuplicatePull,
-        RoundError::OutOfSequence { .. } => ErrorCode::RoundOutOfSequence,
+        RoundError::OutOfSequence { .. }
+        | RoundError::Joined { .. }
+        | RoundError::JoinedMidRound { .. } => ErrorCode::RoundOutOfSequence,
         // A rank outside the key's members, as BadRank is one outside the job's.
         RoundError::NotMember { .. } => ErrorCode::BadRank,
     };
@@ -1068,6 +1106,110 @@ mod tests {
         assert_eq!((err.code, err.key), (ErrorCode::NodeFailed, Some(2)));
         assert!(
             err.message.contains("worker 2 (w2) left"),
+            "{}",
+            err.message
+        );
+    }
+
+    /// Applies a `Join` as every engine would, and checks its acknowledgement is the
+    /// next reply.
+    fn join(e: &mut Engine, worker: u32, joined: bool, tx: &Replier, rx: &Receiver<Outgoing>) {
+        let ack = Arc::new(JoinAck::new(joined, 1, tx.clone()));
+        e.on_join(worker, joined, &ack);
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::JoinAck { joined: j })) => assert_eq!(j, joined),
+            _ => panic!("expected the JoinAck"),
+        }
+    }
+
+    #[test]
+    fn a_joined_worker_counts_as_zeros_and_comes_back_in_its_own_numbering() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        // Round 1: workers 0 and 1 push; worker 2 joins instead, completing it.
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        e.push(1, 1, 1, data(&pool, &[10, 20, 30]), &tx);
+        assert!(rx.try_recv().is_err(), "worker 2 has not pushed round 1");
+        let ack = Arc::new(JoinAck::new(true, 2, tx.clone()));
+        e.on_join(2, true, &ack);
+        assert_eq!(sum_of(&rx), vec![11, 22, 33], "joining completed round 1");
+        assert!(
+            rx.try_recv().is_err(),
+            "one of two engines applied the join"
+        );
+        ack.applied();
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Outgoing::Message(Message::JoinAck { joined: true }))
+        ));
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![11, 22, 33]);
+        // Round 2 without worker 2; a key declared now counts it joined from the start.
+        e.init(2, meta(Dtype::I32, 3), None);
+        for w in 0..2 {
+            e.push(1, 2, w, data(&pool, &[w as i32 + 1, 0, 0]), &tx);
+            e.push(2, 1, w, data(&pool, &[5, 5, 5]), &tx);
+        }
+        for w in 0..2 {
+            e.pull(1, 2, w, tx.clone());
+            assert_eq!(sum_of(&rx), vec![3, 0, 0]);
+            e.pull(2, 1, w, tx.clone());
+            assert_eq!(sum_of(&rx), vec![10, 10, 10]);
+        }
+        // A joined worker's push is refused, and summed nowhere.
+        e.push(1, 2, 2, data(&pool, &[100, 100, 100]), &tx);
+        let (fatal, err) = error(&rx);
+        assert!(fatal);
+        assert_eq!(err.code, ErrorCode::RoundOutOfSequence);
+        assert!(
+            err.message.contains("worker 2 has joined"),
+            "{}",
+            err.message
+        );
+        // Worker 2 leaves join: its round 1 of key 1 is the key's round 3, its round 1 of
+        // key 2 the key's round 2, and the answers name its own rounds.
+        join(&mut e, 2, false, &tx, &rx);
+        e.push(1, 3, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 3, 1, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 1, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.on_pull(1, 1, 2, false, tx.clone());
+        assert_eq!(notice_of(&rx), 1, "worker 2's own round");
+        e.pull(1, 3, 0, tx.clone());
+        match rx.try_recv() {
+            Ok(Outgoing::Sum { round, data, .. }) => {
+                assert_eq!(round, 3);
+                assert_eq!(&data[..4], &3i32.to_le_bytes());
+            }
+            _ => panic!("expected round 3's sum"),
+        }
+        e.push(2, 1, 2, data(&pool, &[1, 2, 3]), &tx);
+        e.push(2, 2, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.push(2, 2, 1, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(2, 1, 2, tx.clone());
+        match rx.try_recv() {
+            Ok(Outgoing::Sum { round, .. }) => assert_eq!(round, 1),
+            _ => panic!("expected a sum"),
+        }
+    }
+
+    #[test]
+    fn joining_in_the_middle_of_a_round_is_refused() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        let ack = Arc::new(JoinAck::new(true, 1, tx.clone()));
+        e.on_join(0, true, &ack);
+        let (fatal, err) = error(&rx);
+        assert!(fatal);
+        assert_eq!(
+            (err.code, err.key),
+            (ErrorCode::RoundOutOfSequence, Some(1))
+        );
+        assert!(
+            err.message.contains("pushed but not pulled"),
             "{}",
             err.message
         );

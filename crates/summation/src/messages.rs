@@ -3,6 +3,7 @@
 //! [`Replier`] of the connection that asked, whose writer thread sends each [`Outgoing`] in
 //! the order it arrives. Both sides depend on this module, not on each other.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use crossbeam_channel::Sender;
@@ -36,10 +37,49 @@ pub enum Command {
         wants_sum: bool,
         reply: Replier,
     },
+    /// A worker joined (`joined` true: its rounds complete without it) or leaves join;
+    /// every engine gets one, and the last to apply it acknowledges.
+    Join {
+        worker: u32,
+        joined: bool,
+        ack: Arc<JoinAck>,
+    },
     /// A worker left or failed: rounds it has not pushed can never complete.
     WorkerGone { worker: u32, reason: Arc<str> },
     /// The server is stopping.
     Stop,
+}
+
+/// The acknowledgement of a worker's `Join`, sent once every engine has applied it.
+pub struct JoinAck {
+    joined: bool,
+    remaining: AtomicUsize,
+    reply: Replier,
+}
+
+impl JoinAck {
+    /// An acknowledgement owed once `engines` engines have applied the `Join`.
+    pub fn new(joined: bool, engines: usize, reply: Replier) -> JoinAck {
+        JoinAck {
+            joined,
+            remaining: AtomicUsize::new(engines),
+            reply,
+        }
+    }
+
+    /// One engine has applied it; the last one sends the acknowledgement.
+    pub fn applied(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            let _ = self.reply.send(Outgoing::Message(Message::JoinAck {
+                joined: self.joined,
+            }));
+        }
+    }
+
+    /// Where engines refuse what cannot be joined.
+    pub fn reply(&self) -> &Replier {
+        &self.reply
+    }
 }
 
 /// What a connection's writer thread sends.

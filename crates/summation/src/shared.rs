@@ -13,7 +13,7 @@ use tracing::info;
 
 use crate::accounting::Traffic;
 use crate::directory::KeyDirectory;
-use crate::messages::Command;
+use crate::messages::{Command, JoinAck, Replier};
 
 /// Per-connection limits.
 #[derive(Clone, Debug)]
@@ -96,6 +96,19 @@ impl Shared {
     pub fn engine(&self, engine: usize, cmd: Command) {
         // A send fails only once the engine stopped, i.e. the server is shutting down.
         let _ = self.engines[engine].send(cmd);
+    }
+
+    /// Tells every engine that `worker` joined (or leaves join); the last engine to apply
+    /// it answers `JoinAck` on `reply`.
+    pub fn join(&self, worker: u32, joined: bool, reply: Replier) {
+        let ack = Arc::new(JoinAck::new(joined, self.engines.len(), reply));
+        for e in &self.engines {
+            let _ = e.send(Command::Join {
+                worker,
+                joined,
+                ack: Arc::clone(&ack),
+            });
+        }
     }
 
     /// Sends `Stop` to every engine.

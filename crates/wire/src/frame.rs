@@ -48,6 +48,8 @@ ops! {
     Pull = 0x13,
     PullReply = 0x14,
     PushAck = 0x15,
+    Join = 0x16,
+    JoinAck = 0x17,
     Barrier = 0x20,
     BarrierDone = 0x21,
     Heartbeat = 0x22,

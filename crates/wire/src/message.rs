@@ -133,6 +133,10 @@ const MAX_MEMBERS_BYTES: usize = 4 + 4 * MAX_NODES;
 pub enum BarrierGroup {
     Workers = 1,
     All = 2,
+    /// The workers' barriers of `join()`: workers only, numbered apart from the
+    /// [`Workers`](BarrierGroup::Workers) group's, so that a worker waiting in `join()`
+    /// never meets another in an ordinary barrier.
+    Join = 3,
 }
 
 /// What a node tells the coordinator when it joins.
@@ -237,6 +241,16 @@ pub enum Message {
         key: u64,
         round: u64,
     },
+    /// A worker has joined (`joined` true: it has finished its data, and the key's rounds
+    /// complete without it, as if it pushed nothing) or leaves join (false). The server
+    /// answers `JoinAck` once every engine applied it.
+    Join {
+        joined: bool,
+    },
+    /// The server has applied the worker's `Join` to every key.
+    JoinAck {
+        joined: bool,
+    },
     /// Payload: the round's result; none for a pull that did not want it.
     PullReply {
         key: u64,
@@ -250,6 +264,9 @@ pub enum Message {
     },
     BarrierDone {
         id: u64,
+        /// The node whose arrival completed the barrier (the last to enter it); for a
+        /// barrier that a departure completed, the last of those still waiting.
+        last: NodeId,
     },
     Heartbeat {
         seq: u64,
@@ -283,6 +300,8 @@ impl Message {
             Message::Push { .. } => Op::Push,
             Message::Pull { .. } => Op::Pull,
             Message::PushAck { .. } => Op::PushAck,
+            Message::Join { .. } => Op::Join,
+            Message::JoinAck { .. } => Op::JoinAck,
             Message::PullReply { .. } => Op::PullReply,
             Message::Barrier { .. } => Op::Barrier,
             Message::BarrierDone { .. } => Op::BarrierDone,
@@ -448,8 +467,11 @@ impl Message {
             Message::Barrier { id, group } => {
                 e.u64(*id).u8(*group as u8);
             }
-            Message::BarrierDone { id } => {
-                e.u64(*id);
+            Message::BarrierDone { id, last } => {
+                e.u64(*id).u8(last.role as u8).u32(last.rank);
+            }
+            Message::Join { joined } | Message::JoinAck { joined } => {
+                e.u8(u8::from(*joined));
             }
             Message::Heartbeat { seq } | Message::HeartbeatAck { seq } => {
                 e.u64(*seq);
@@ -658,10 +680,23 @@ impl Message {
                 group: match d.u8("group")? {
                     1 => BarrierGroup::Workers,
                     2 => BarrierGroup::All,
+                    3 => BarrierGroup::Join,
                     v => return Err(d.bad("group", format!("unknown barrier group {v}"))),
                 },
             },
-            Op::BarrierDone => Message::BarrierDone { id: d.u64("id")? },
+            Op::BarrierDone => Message::BarrierDone {
+                id: d.u64("id")?,
+                last: NodeId {
+                    role: role(&mut d)?,
+                    rank: d.u32("last_rank")?,
+                },
+            },
+            Op::Join => Message::Join {
+                joined: flag(&mut d, "joined")?,
+            },
+            Op::JoinAck => Message::JoinAck {
+                joined: flag(&mut d, "joined")?,
+            },
             Op::Heartbeat => Message::Heartbeat { seq: d.u64("seq")? },
             Op::HeartbeatAck => Message::HeartbeatAck { seq: d.u64("seq")? },
             Op::NodeFailed => Message::NodeFailed {

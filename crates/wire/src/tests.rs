@@ -272,7 +272,27 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
             },
             vec![],
         ),
-        (Message::BarrierDone { id: 11 }, vec![]),
+        (
+            Message::Barrier {
+                id: 14,
+                group: BarrierGroup::Join,
+            },
+            vec![],
+        ),
+        (
+            Message::BarrierDone {
+                id: 11,
+                last: NodeId {
+                    role: Role::Worker,
+                    rank: 3,
+                },
+            },
+            vec![],
+        ),
+        (Message::Join { joined: true }, vec![]),
+        (Message::Join { joined: false }, vec![]),
+        (Message::JoinAck { joined: true }, vec![]),
+        (Message::JoinAck { joined: false }, vec![]),
         (Message::Heartbeat { seq: 1 }, vec![]),
         (Message::HeartbeatAck { seq: 1 }, vec![]),
         (
@@ -365,6 +385,28 @@ fn body_err(op: Op, body: &[u8]) -> WireError {
     .to_vec();
     bytes.extend_from_slice(body);
     decode_frame(&bytes, 1 << 20).unwrap_err()
+}
+
+#[test]
+fn malformed_join_and_barrier_done_bodies_are_refused() {
+    for op in [Op::Join, Op::JoinAck] {
+        let e = body_err(op, &[2]);
+        assert_eq!(e.code(), ErrorCode::BadFrame);
+        assert!(e.to_string().contains("joined"), "{e}");
+        assert!(e.to_string().contains("2 is not 0 or 1"), "{e}");
+        assert_eq!(body_err(op, &[]).code(), ErrorCode::BadFrame);
+        assert_eq!(body_err(op, &[1, 0]).code(), ErrorCode::BadFrame);
+    }
+    let done = |role: u8| [&7u64.to_le_bytes()[..], &[role], &2u32.to_le_bytes()].concat();
+    let e = body_err(Op::BarrierDone, &done(9));
+    assert!(e.to_string().contains("role"), "{e}");
+    // The id alone, as before this field: truncated.
+    assert_eq!(
+        body_err(Op::BarrierDone, &7u64.to_le_bytes()).code(),
+        ErrorCode::BadFrame
+    );
+    let e = body_err(Op::Barrier, &[&7u64.to_le_bytes()[..], &[4]].concat());
+    assert!(e.to_string().contains("unknown barrier group 4"), "{e}");
 }
 
 #[test]

@@ -63,6 +63,7 @@ from sumflow.torch.ops import (
     broadcast_async_,
     broadcast_object,
     declare_tensors,
+    join,
     poll,
     push_pull,
     push_pull_async,
@@ -210,15 +211,6 @@ def cuda_built() -> bool:
 def rocm_built() -> bool:
     """False: ROCm tensors are not supported."""
     return False
-
-
-def join(device: int = -1) -> int:
-    """Not supported yet: a joined worker would have to take part, with zeros, in the
-    operations of the others, which needs summation rounds that know who has joined."""
-    raise NotImplementedError(
-        "sumflow.torch.join is not supported yet: give every worker the same number of "
-        "steps (e.g. with a DistributedSampler that pads)"
-    )
 
 
 __all__ = [

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -205,6 +206,21 @@ def wait(handle: int) -> Any:
         return work.wait()
     finally:
         _get(handle, pop=True)
+
+
+def quiesce(timeout: float) -> None:
+    """Waits until the driver has taken up every agreed operation issued so far (its data
+    stage issued, or its failure known), so that every sum of this worker is in the core
+    (``join()``, which then waits for the core's)."""
+    with _lock:
+        pending = [w for w in _works.values() if isinstance(w, NegotiatedWork)]
+    deadline = time.monotonic() + timeout
+    for work in pending:
+        if not work.ready.wait(max(0.0, deadline - time.monotonic())):
+            raise SumflowTimeoutError(
+                f"join(): '{work.name}' has had no agreement from every worker within "
+                f"{timeout:.0f} s"
+            )
 
 
 def reset() -> None:

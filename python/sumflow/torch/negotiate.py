@@ -10,6 +10,13 @@ the disagreeing workers, and the job goes on; nothing of the operation's data wa
 
 The table of a name always has the same layout (``WIDTH + extra`` words per worker), so
 it is declared once and reused by every later operation of that name.
+
+A worker that has called ``join()`` pushes nothing: the servers complete its rounds
+without it, so its row reads all zeros. A valid row never does (its first word is 1, and
+its kind and dtype codes start at 1), so a zero row means that member has joined. Sums
+(allreduce, grouped allreduce, a process set's barrier) go on without it, the joined
+worker counting as zeros, as in Horovod; gathering and scattering operations need every
+worker's data and fail on every worker that has not joined.
 """
 
 from __future__ import annotations
@@ -171,15 +178,29 @@ def _spell(groups: dict[str, list[int]]) -> str:
     )
 
 
-def check(request: Request, rows: Sequence[Row | None]) -> list[Row]:
-    """The members' rows once they all agree with each other; otherwise a
-    ``HorovodInternalError`` naming the operation, what differs, and on which workers."""
+#: Kinds that go on while some workers have joined, the joined ones counting as zeros.
+SUMS = frozenset({"allreduce", "grouped_allreduce"})
+
+
+def check(
+    request: Request, rows: Sequence[Row | None], ranks: Sequence[int] | None = None
+) -> list[Row]:
+    """The rows of the members that asked, once they all agree with each other; otherwise
+    a ``HorovodInternalError`` naming the operation, what differs, and on which workers.
+
+    A member without a row has joined (``join()``): a sum goes on without it (its rows
+    are left out of the result), any other kind raises naming the joined workers by
+    their ``ranks`` (the members' worker ranks; positions if not given)."""
     present = list(rows)
     missing = [i for i, row in enumerate(present) if row is None]
-    if missing:
+    if missing and (request.kind not in SUMS or len(missing) == len(present)):
+        joined = [ranks[i] for i in missing] if ranks is not None else missing
+        who = "worker" + ("s " if len(joined) > 1 else " ") + ", ".join(map(str, joined))
         raise HorovodInternalError(
-            f"{request.kind} '{request.name}': the members at positions {missing} of the set "
-            "sent no request for it"
+            f"{request.kind} '{request.name}': {who} {'have' if len(joined) > 1 else 'has'} "
+            f"joined (hvd.join()) and sent no request for it: {request.kind} needs every "
+            "worker's data, so it cannot run while a worker has joined; only allreduce goes "
+            "on, the joined workers counting as zeros"
         )
     got = [row for row in present if row is not None]
     compared = ["kind", "dtype", "op", "root"]

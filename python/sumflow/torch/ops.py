@@ -233,7 +233,7 @@ def negotiated(
 
     def begin() -> _work.Work:
         try:
-            rows = negotiate.check(request, negotiate.decode(table, group.ranks))
+            rows = negotiate.check(request, negotiate.decode(table, group.ranks), group.ranks)
         except BaseException:
             timeline.phase(request.name, None)
             raise
@@ -524,6 +524,20 @@ def broadcast_object(
     if rt.service.rank == root_rank:
         return obj
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+
+
+def join(device: int = -1) -> int:
+    """Horovod's ``join()``: this worker has finished its data. Until every worker has
+    joined, the others' allreduces go on with this worker counting as zeros (Average still
+    divides by the number of workers), and their gathering operations (allgather,
+    broadcast, alltoall, reducescatter) raise ``HorovodInternalError``. Blocks until every
+    worker has joined and returns the rank of the worker that joined last, the same on
+    every worker; then every operation works as before. Operations of this worker still in
+    flight are waited for first. ``device`` plays no part (tensors meet in host memory)."""
+    del device
+    rt = _runtime.current()
+    _work.quiesce(rt.timeout)
+    return int(rt.service.join(rt.timeout))
 
 
 def barrier(process_set: Any = None) -> None:

@@ -71,7 +71,8 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
                 (Some(key), Ok(()))
             }
             Ok(Reply::InitAck { key }) => (Some(key), Ok(())),
-            Ok(Reply::HeartbeatAck { .. }) => (None, Ok(())),
+            // Joins travel on connections of their own (CommunicationService::join).
+            Ok(Reply::HeartbeatAck { .. } | Reply::JoinAck { .. }) => (None, Ok(())),
             Err(ClientError::Remote {
                 key: Some(key),
                 code,
