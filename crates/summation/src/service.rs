@@ -368,6 +368,15 @@ impl ServerHandle {
                 }
             }
         }
+        {
+            let dir = self.shared.directory.read().expect("directory lock");
+            info!(
+                "keys: {} live at the end, at most {} at once, {} freed once every worker retired them",
+                dir.len(),
+                dir.peak(),
+                dir.freed()
+            );
+        }
         let traffic = self.shared.traffic.snapshot();
         let total = traffic.total();
         info!(
