@@ -339,6 +339,13 @@ impl ServerHandle {
         self.shared.traffic.snapshot()
     }
 
+    /// Keys live now, the most live at once, and how many were freed because every
+    /// worker of theirs retired them.
+    pub fn key_counts(&self) -> (usize, usize, u64) {
+        let dir = self.shared.directory.read().expect("directory lock");
+        (dir.len(), dir.peak(), dir.freed())
+    }
+
     /// Asks the server to stop; `wait` returns once it has.
     pub fn shutdown(&self) {
         stop(&self.shared, self.addr);
