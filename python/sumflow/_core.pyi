@@ -286,6 +286,13 @@ class CommunicationService:
         meets no pushed range is skipped (an empty push: no bytes cross the wire), one that
         meets no pulled range is left as it is (only its completion is awaited). Bytes of
         a pushed partition outside this worker's ranges must hold the op's identity."""
+    def retire(self, tensor_id: int) -> None:
+        """Retires tensor ``tensor_id``: this worker will never push it again. Raises
+        ``ValueError`` while an operation on it is in flight. Servers free its keys, and
+        the coordinator its name, once every worker of it has retired it; declaring the
+        name again makes a new tensor with a new id (ids are never reused)."""
+    def live_tensors(self) -> int:
+        """Tensors declared by this worker and not retired."""
     def poll(self, handle: int) -> bool:
         """True once the operation has finished; raises its error if it failed."""
     def wait(self, handle: int, timeout: float) -> None:

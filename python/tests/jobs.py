@@ -104,13 +104,16 @@ def local_job(
     colocated: bool = True,
     machines: int | None = None,
     heartbeat_timeout: float = 10.0,
+    service_logs: list[str] | None = None,
 ) -> Iterator[Job]:
     """Starts a coordinator, one colocated server per machine (unless `colocated` is
-    False) and `cpu_servers` CPU servers; stops them all on exit."""
+    False) and `cpu_servers` CPU servers; stops them all on exit. ``service_logs``: given,
+    the services log at info level, and their logs (the coordinator's first) are appended
+    to it once they stopped."""
     machines = machines or workers
     token = secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
-    env.update(SUMFLOW_JOB_TOKEN=token, RUST_LOG="warn")
+    env.update(SUMFLOW_JOB_TOKEN=token, RUST_LOG="warn" if service_logs is None else "info")
     servers = (machines if colocated else 0) + cpu_servers
     addr_file = tmp_path / f"coordinator-{secrets.token_hex(4)}"
     procs: list[subprocess.Popen[str]] = []
@@ -159,10 +162,12 @@ def local_job(
                 p.terminate()
         for p in procs:
             try:
-                p.communicate(timeout=10)
+                _, err = p.communicate(timeout=10)
             except subprocess.TimeoutExpired:
                 p.kill()
-                p.communicate()
+                _, err = p.communicate()
+            if service_logs is not None:
+                service_logs.append(err)
 
 
 @dataclass
@@ -185,12 +190,18 @@ def run_worker_processes(
     heartbeat_timeout: float = 10.0,
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
+    service_logs: list[str] | None = None,
 ) -> list[Outcome]:
     """Runs `argv` as `workers` worker processes of a local job, with the environment
     sumflow-run gives workers (and MASTER_ADDR/MASTER_PORT for a gloo process group);
-    returns how each ended."""
+    returns how each ended. ``service_logs``: as for ``local_job``."""
     with local_job(
-        tmp_path, workers, cpu_servers, colocated=colocated, heartbeat_timeout=heartbeat_timeout
+        tmp_path,
+        workers,
+        cpu_servers,
+        colocated=colocated,
+        heartbeat_timeout=heartbeat_timeout,
+        service_logs=service_logs,
     ) as job:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

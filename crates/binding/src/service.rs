@@ -422,6 +422,21 @@ impl PyCommunicationService {
         Ok(handle)
     }
 
+    /// Retires tensor `tensor_id`: this worker will never push it again. Raises
+    /// `ValueError` while an operation on it is in flight. Servers free its keys, and the
+    /// coordinator its name, once every worker of it has retired it; declaring the name
+    /// again makes a new tensor with a new id (ids are never reused).
+    fn retire(&self, py: Python<'_>, tensor_id: u32) -> PyResult<()> {
+        let svc = Arc::clone(&self.svc);
+        py.detach(|| svc.retire(tensor_id))
+            .map_err(|e| py_err(py, e))
+    }
+
+    /// Tensors declared by this worker and not retired.
+    fn live_tensors(&self) -> usize {
+        self.svc.live_tensors()
+    }
+
     /// True once the operation has finished; raises its error if it failed.
     fn poll(&self, py: Python<'_>, handle: u64) -> PyResult<bool> {
         self.svc.poll(handle).map_err(|e| py_err(py, e))

@@ -311,6 +311,34 @@ impl CoordinatorClient {
         inner.wait_for_tensor_id(name, &spec, timeout)
     }
 
+    /// Tells the coordinator that this worker will never use tensor `name` (id
+    /// `tensor_id`) again, and forgets the name here: a later [`declare`](Self::declare)
+    /// of it asks the coordinator anew. The coordinator removes the name once every worker
+    /// that declared it has retired it, and answers a new declaration of the name by a
+    /// worker that retired it only then, with a new id (ids are never reused).
+    pub fn undeclare(&self, name: &str, tensor_id: u32) -> Result<()> {
+        let inner = &self.conn.inner;
+        {
+            let mut st = inner.lock();
+            inner.check_declare(&st)?;
+            match st.tensors.get(name) {
+                Some(d) if d.id == Some(tensor_id) => {
+                    st.tensors.remove(name);
+                }
+                _ => {
+                    return Err(ClientError::Invalid(format!(
+                        "tensor '{name}' is not tensor {tensor_id} here: only a tensor this \
+                         worker declared and was given that id can be retired"
+                    )))
+                }
+            }
+        }
+        inner.send(&Message::Undeclare {
+            name: name.to_string(),
+            tensor_id,
+        })
+    }
+
     /// Refuses, before anything is sent, a declaration the coordinator could never accept.
     fn check_declaration(&self, name: &str, dtype: Dtype, elements: u64) -> Result<()> {
         let why = if self.role == Role::Server {

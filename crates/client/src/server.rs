@@ -340,6 +340,14 @@ impl ServerSender {
         io::write_message(&mut self.stream, &msg).map_err(|e| wire(&self.peer, e))
     }
 
+    /// Retires `key`: this worker will never push or pull it again (after its last pull
+    /// of the key on this connection). No reply; the server frees the key once every
+    /// worker of it has retired it.
+    pub fn retire(&mut self, key: u64) -> Result<()> {
+        io::write_message(&mut self.stream, &Message::Retire { key })
+            .map_err(|e| wire(&self.peer, e))
+    }
+
     /// Sends any frame as is (tests use it to send what a correct client would not).
     pub fn send_raw(&mut self, msg: &Message, payload: &[u8]) -> Result<()> {
         io::write_data(&mut self.stream, msg, payload).map_err(|e| wire(&self.peer, e))

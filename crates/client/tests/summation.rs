@@ -731,3 +731,55 @@ fn a_joined_worker_counts_as_zeros_and_goes_on_in_its_own_round_numbers() {
     }
     stop(h);
 }
+
+/// Waits until the server's key counts (live, peak, freed) are `want`.
+fn counts_become(h: &ServerHandle, want: (usize, usize, u64)) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while h.key_counts() != want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "key counts {:?}, expected {want:?}",
+            h.key_counts()
+        );
+        thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn a_key_is_freed_once_every_worker_retired_it_and_never_pushed_again() {
+    let (h, addr) = start(2, 1);
+    let data = encode(Dtype::I32, [1, 2, 3, 4].into_iter());
+    let mut clients: Vec<ServerClient> = (0..2).map(|w| worker(&addr, w)).collect();
+    for c in &mut clients {
+        for key in [1, 2] {
+            c.tx.init_key(key, Dtype::I32, 16, None).unwrap();
+            assert!(matches!(c.rx.recv().unwrap(), Reply::InitAck { key: k } if k == key));
+        }
+    }
+    let sums: Vec<Pulled> = thread::scope(|s| {
+        let threads: Vec<_> = clients
+            .iter_mut()
+            .map(|c| s.spawn(|| c.push_pull(1, 1, Dtype::I32, &data).unwrap()))
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    for p in &sums {
+        assert_eq!(p.data, encode(Dtype::I32, [2, 4, 6, 8].into_iter()));
+    }
+    assert_eq!(h.key_counts(), (2, 2, 0));
+    // Worker 0 retires key 1: it stays for worker 1, then goes with worker 1's retire.
+    clients[0].tx.retire(1).unwrap();
+    clients[0].heartbeat(1).unwrap();
+    assert_eq!(h.key_counts(), (2, 2, 0));
+    clients[1].tx.retire(1).unwrap();
+    counts_become(&h, (1, 2, 1));
+    // A key every worker retired is unknown again; one this worker retired, refused.
+    clients[0].tx.retire(2).unwrap();
+    clients[0].tx.push(2, 1, Dtype::I32, &data).unwrap();
+    let err = clients[0].rx.recv().unwrap_err();
+    expect_refused(err, ErrorCode::UnknownKey, "key 2, which worker 0 retired");
+    clients[1].tx.push(1, 2, Dtype::I32, &data).unwrap();
+    let err = clients[1].rx.recv().unwrap_err();
+    expect_refused(err, ErrorCode::UnknownKey, "every worker retired it");
+    stop(h);
+}

@@ -135,6 +135,11 @@ impl Residuals {
             .insert(key, residual);
     }
 
+    /// Drops the residual of a retired key.
+    pub fn forget(&self, key: u64) {
+        self.by_key.lock().expect("residuals lock").remove(&key);
+    }
+
     /// Moves a tensor's residuals from the keys of one layout to those of another (a new
     /// partition size), so that what feedback holds survives re-partitioning.
     pub fn relayout(&self, old: &[Partition], new: &[Partition]) {

@@ -67,6 +67,16 @@ impl Handles {
         Err(names)
     }
 
+    /// Whether tensor `tensor_id` has an operation whose partitions are not all done, or
+    /// whose buffer a stage thread is still touching (a failed one's).
+    pub fn in_flight(&self, tensor_id: u32) -> bool {
+        let s = self.state.lock().expect("handles lock");
+        s.busy.contains(&tensor_id)
+            || s.ops
+                .values()
+                .any(|op| op.tensor_id == tensor_id && op.in_use > 0)
+    }
+
     /// Starts an operation on a tensor of these partitions; refuses a tensor that is
     /// already in flight.
     pub fn start(

@@ -215,6 +215,9 @@ struct Tensor {
     /// The last round pushed, per layout generation: each generation's keys count their
     /// own rounds on the servers.
     rounds: Vec<u64>,
+    /// Partitions of earlier layouts (partition sizes) it was pushed under: their keys
+    /// live on the servers too, until retired.
+    earlier: Vec<Partition>,
 }
 
 impl Tensor {
@@ -230,6 +233,7 @@ impl Tensor {
             group,
             parts,
             rounds: Vec::new(),
+            earlier: Vec::new(),
         }
     }
 
@@ -679,13 +683,7 @@ impl CommunicationService {
             &decl.travel(),
             self.declare_timeout,
         )?;
-        if id > MAX_TENSOR_ID {
-            return Err(CommError::Invalid(format!(
-                "tensor '{name}' is the job's declaration number {id}: at most {} tensors \
-                 can be declared",
-                u64::from(MAX_TENSOR_ID) + 1
-            )));
-        }
+        check_tensor_id(name, id)?;
         Ok(id)
     }
 
@@ -778,8 +776,12 @@ impl CommunicationService {
                     parts.insert(*id, laid);
                 }
             }
+            let current = table.generation;
             for (id, laid) in parts {
                 let t = table.tensors.get_mut(&id).expect("laid out");
+                if t.rounds.get(current).is_some_and(|r| *r > 0) {
+                    t.earlier.extend_from_slice(&t.parts);
+                }
                 let old = std::mem::replace(&mut t.parts, laid);
                 if t.compression.is_some_and(|c| c.feedback) {
                     self.pipeline.relayout_residuals(&old, &t.parts);
@@ -936,6 +938,53 @@ impl CommunicationService {
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
+    }
+
+    /// Retires tensor `id`: this worker will never push it again. Refused while an
+    /// operation on it is in flight (wait for it first). Sends `Retire` for each of its
+    /// keys this worker pushed (under every partition size it was pushed under) on the
+    /// key's lane, after everything sent for the key before; tells the coordinator; and
+    /// forgets the tensor here. Servers free a key, and the coordinator the name, once
+    /// every worker of it has retired it. A later declaration of the same name is a new
+    /// tensor with a new id, answered once every worker that declared the old one has
+    /// retired it (ids are never reused: keys embed them, and a server may still hold the
+    /// old keys for a worker yet to retire them).
+    pub fn retire(&self, id: u32) -> Result<(), CommError> {
+        if let Some(e) = self.job_error() {
+            return Err(e);
+        }
+        let mut table = self.table.lock().expect("table lock");
+        let t = table.tensors.get(&id).ok_or_else(|| {
+            CommError::Invalid(format!(
+                "tensor id {id} is not declared here: never declared, or already retired"
+            ))
+        })?;
+        if self.handles.in_flight(id) {
+            return Err(CommError::Invalid(format!(
+                "tensor '{}' has an operation in flight: wait for it before retiring the \
+                 tensor",
+                t.name
+            )));
+        }
+        let mut keys: Vec<(u64, usize)> = Vec::new();
+        if t.rounds.get(table.generation).is_some_and(|r| *r > 0) {
+            keys.extend(t.parts.iter().map(|p| (p.key, p.server as usize)));
+        }
+        keys.extend(t.earlier.iter().map(|p| (p.key, p.server as usize)));
+        keys.sort_unstable();
+        keys.dedup();
+        self.pipeline.retire(&t.name, &keys)?;
+        self.job.undeclare(&t.name, id)?;
+        if let Some(group) = t.group {
+            table.groups[group].retain(|member| *member != id);
+        }
+        table.tensors.remove(&id);
+        Ok(())
+    }
+
+    /// Tensors declared here and not retired.
+    pub fn live_tensors(&self) -> usize {
+        self.table.lock().expect("table lock").tensors.len()
     }
 
     /// Whether the operation finished; its error if it failed.
@@ -1175,6 +1224,21 @@ fn join_error(step: &str, e: ClientError) -> CommError {
     CommError::Client(format!("join(): {step}: {e}"), e.code())
 }
 
+/// Refuses a tensor id that keys cannot carry (24 bits: `MAX_TENSOR_ID`). Ids are never
+/// reused, retired tensors' included, so this bounds the declarations of a job's life.
+fn check_tensor_id(name: &str, id: u32) -> Result<(), CommError> {
+    if id > MAX_TENSOR_ID {
+        return Err(CommError::Invalid(format!(
+            "tensor '{name}' was given id {id}, past the last id a key can carry \
+             (MAX_TENSOR_ID = {MAX_TENSOR_ID}): a job declares at most {} tensors over its \
+             life, retired ones included, since ids are never reused; name tensors that \
+             recur (an unnamed operation declares new ones each call)",
+            u64::from(MAX_TENSOR_ID) + 1
+        )));
+    }
+    Ok(())
+}
+
 /// (rank among the workers of this machine, number of them).
 fn local_rank(map: &ClusterMap, rank: u32) -> (u32, u32) {
     let Some(me) = map.workers.get(rank as usize) else {
@@ -1188,4 +1252,21 @@ fn local_rank(map: &ClusterMap, rank: u32) -> (u32, u32) {
         .collect();
     let local = peers.iter().position(|r| *r == rank).unwrap_or(0) as u32;
     (local, peers.len() as u32)
+}
+
+#[cfg(test)]
+mod retire_tests {
+    use super::*;
+
+    #[test]
+    fn an_id_past_what_keys_carry_is_refused_naming_the_limit() {
+        assert!(check_tensor_id("t", MAX_TENSOR_ID).is_ok());
+        let e = check_tensor_id("allreduce.noname.9", MAX_TENSOR_ID + 1).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("MAX_TENSOR_ID = 16777215") && msg.contains("never reused"),
+            "{msg}"
+        );
+        assert!(msg.contains("'allreduce.noname.9'"), "{msg}");
+    }
 }

@@ -778,3 +778,79 @@ fn a_joined_worker_counts_as_zeros_until_every_worker_joined() {
     assert_eq!(lasts.len(), 3);
     assert!(lasts.iter().all(|&l| l == lasts[0] && l != 2), "{lasts:?}");
 }
+
+#[test]
+fn a_retired_tensor_frees_its_keys_and_its_name_and_in_flight_ones_are_refused() {
+    let job = job(2, 1);
+    let threads: Vec<_> = (0..2u32)
+        .map(|w| {
+            let addr = job.addr.clone();
+            thread::spawn(move || {
+                let c = worker(&addr, w);
+                // 3000 f32 in 4 KiB partitions: three keys.
+                let old = c.declare("t", Dtype::F32, 3000).unwrap();
+                let mut data = vec![1.0f32; 3000];
+                if w == 0 {
+                    let h = push_pull(&c, old, &mut data, 0, ReduceOp::Sum);
+                    // Worker 1 pushes only after the barrier: the operation is in flight.
+                    let e = c.retire(old).unwrap_err();
+                    assert!(e.to_string().contains("in flight"), "{e}");
+                    c.barrier(Duration::from_secs(10)).unwrap();
+                    c.wait(h, Duration::from_secs(20)).unwrap();
+                } else {
+                    c.barrier(Duration::from_secs(10)).unwrap();
+                    let h = push_pull(&c, old, &mut data, 0, ReduceOp::Sum);
+                    c.wait(h, Duration::from_secs(20)).unwrap();
+                }
+                assert!(data.iter().all(|v| *v == 2.0));
+                assert_eq!(c.live_tensors(), 1);
+                c.retire(old).unwrap();
+                assert_eq!(c.live_tensors(), 0);
+                let e = c.retire(old).unwrap_err();
+                assert!(e.to_string().contains("already retired"), "{e}");
+                // SAFETY: refused before anything is queued.
+                let e =
+                    unsafe { c.push_pull(old, data.as_mut_ptr().cast(), 12000, 0, ReduceOp::Sum) }
+                        .unwrap_err();
+                assert!(e.to_string().contains("never declared"), "{e}");
+                // The name again, in another layout: a new tensor with a new id, answered
+                // once both workers retired the old one.
+                let new = c.declare("t", Dtype::F32, 10).unwrap();
+                assert_ne!(new, old);
+                let mut small = vec![w as f32; 10];
+                let h = push_pull(&c, new, &mut small, 0, ReduceOp::Sum);
+                c.wait(h, Duration::from_secs(20)).unwrap();
+                assert!(small.iter().all(|v| *v == 1.0));
+                c.shutdown("done").unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    // Every server saw the workers' frames in order: the old tensor's keys (at least
+    // three partitions, a CPU server's cut into a piece per lane) are freed, and the new
+    // one's (one partition, maybe in pieces) live.
+    let servers = job.servers.join().unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let (live, freed) = servers.iter().fold((0, 0), |(l, f), s| {
+            let (live, _, freed) = s.key_counts();
+            (l + live, f + freed)
+        });
+        if freed >= 3 && (1..=2).contains(&live) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "live {live}, freed {freed}"
+        );
+        thread::sleep(Duration::from_millis(10));
+    }
+    for s in servers {
+        s.shutdown();
+        s.wait();
+    }
+    job.coordinator.shutdown();
+    let _ = job.coordinator.wait();
+}

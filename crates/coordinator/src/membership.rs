@@ -97,6 +97,12 @@ struct Tensor {
     first: u32,
     /// Ranks of every worker that declared it with the same dtype and size.
     declared_by: BTreeSet<u32>,
+    /// Ranks of the workers that retired it (`Undeclare`); the name leaves the table once
+    /// this holds every declarer.
+    retired_by: BTreeSet<u32>,
+    /// Declarations of the name by workers that already retired this tensor: a new
+    /// tensor under the same name, answered once every declarer has retired this one.
+    queued: Vec<(ConnId, NodeId, Form)>,
 }
 
 impl Tensor {
@@ -153,6 +159,12 @@ pub struct Membership {
     /// Declared tensors by name; ids are 0, 1, 2, ... in the order names first arrived.
     tensors: HashMap<String, Tensor>,
     max_tensors: usize,
+    /// The next tensor id. Ids are never reused, retired tensors' included: a server may
+    /// still hold a retired tensor's keys (they embed the id) for workers yet to retire it.
+    next_id: u32,
+    /// The most names the table held at once, and how many left it once retired.
+    peak_tensors: usize,
+    retired_tensors: u64,
     /// The declaration error that ended the job's agreement on tensors. Every later
     /// declaration gets it again: the table can no longer be trusted.
     declare_error: Option<ErrorReply>,
@@ -177,6 +189,9 @@ impl Membership {
             failed: Vec::new(),
             tensors: HashMap::new(),
             max_tensors: MAX_TENSORS,
+            next_id: 0,
+            peak_tensors: 0,
+            retired_tensors: 0,
             declare_error: None,
             out: Vec::new(),
         }
@@ -193,6 +208,12 @@ impl Membership {
     pub fn declarers(&self, name: &str) -> Option<Vec<u32>> {
         let t = self.tensors.get(name)?;
         Some(t.declared_by.iter().copied().collect())
+    }
+
+    /// Names in the tensor table now (live tensors: declared and not yet retired by every
+    /// worker that declared them).
+    pub fn live_tensors(&self) -> usize {
+        self.tensors.len()
     }
 
     /// A connection finished the token handshake as `peer`.
@@ -231,6 +252,7 @@ impl Membership {
                 elements,
                 compression,
             } => self.declare(conn, name, Form::new(dtype, elements, compression)),
+            Message::Undeclare { name, tensor_id } => self.undeclare(conn, name, tensor_id),
             Message::Shutdown { reason } => self.leave(conn, &reason),
             Message::Error(e) => {
                 let who = self.describe(conn);
@@ -504,6 +526,19 @@ impl Membership {
         let Some(t) = self.tensors.get_mut(&name) else {
             return self.first_declaration(conn, node, name, form);
         };
+        if t.retired_by.contains(&node.rank) {
+            // This worker is done with the tensor and declares the name anew, while
+            // others still use it: the new tensor waits until every declarer retired the
+            // old one, so that no worker still on the old one is given the new id.
+            let old = t.id;
+            t.queued.push((conn, node, form));
+            let line = format!(
+                "{} declared tensor '{name}' again after retiring tensor {old}; answered once \
+                 every worker that declared it has retired it",
+                self.node_name(node),
+            );
+            return self.log(Level::DEBUG, line);
+        }
         if t.form() != form {
             let msg = self.mismatch_text(&name, &form, node);
             return self.declaration_failed(conn, ErrorCode::KeyMismatch, msg);
@@ -511,6 +546,55 @@ impl Membership {
         t.declared_by.insert(node.rank);
         let tensor_id = t.id;
         self.send(conn, Message::Declared { name, tensor_id });
+    }
+
+    /// A worker will not use tensor `name` (`tensor_id`) again: once every worker that
+    /// declared it has said so, the name leaves the table (so the table's limit counts
+    /// live tensors only) and declarations of the name queued meanwhile are answered, as
+    /// first declarations, with a new id. A frame that names no live tensor of this
+    /// worker's is logged and otherwise ignored.
+    fn undeclare(&mut self, conn: ConnId, name: String, tensor_id: u32) {
+        let Some(node) = self.conns.get(&conn).and_then(|c| c.node) else {
+            let who = self.describe(conn);
+            return self.log(
+                Level::WARN,
+                format!("{who} retired tensor '{name}' before joining the job; ignored"),
+            );
+        };
+        let who = self.node_name(node);
+        let ignored = match self.tensors.get_mut(&name) {
+            None => Some("no such tensor is live".to_string()),
+            Some(t) if t.id != tensor_id => Some(format!("the name is tensor {}", t.id)),
+            Some(t) if !t.declared_by.contains(&node.rank) => {
+                Some("it never declared it".to_string())
+            }
+            Some(t) => (!t.retired_by.insert(node.rank)).then(|| "it retired it before".into()),
+        };
+        if let Some(why) = ignored {
+            return self.log(
+                Level::WARN,
+                format!("{who} retired tensor '{name}' ({tensor_id}), but {why}; ignored"),
+            );
+        }
+        let t = &self.tensors[&name];
+        if t.retired_by.len() < t.declared_by.len() {
+            return;
+        }
+        let t = self.tensors.remove(&name).expect("checked above");
+        self.retired_tensors += 1;
+        self.log(
+            Level::DEBUG,
+            format!(
+                "tensor '{name}' ({tensor_id}) retired by every worker that declared it; \
+                 the name is free"
+            ),
+        );
+        for (conn, _, form) in t.queued {
+            // A worker may have failed or left meanwhile: the declaration dies with it.
+            if self.conns.contains_key(&conn) {
+                self.declare(conn, name.clone(), form);
+            }
+        }
     }
 
     /// The worker on `conn` if it may declare now; otherwise refuses the declaration.
@@ -541,7 +625,8 @@ impl Membership {
         let Some(id) = self.next_tensor_id() else {
             let msg = format!(
                 "{who} declared tensor '{name}', but the job already has {} tensors, the most the \
-                 coordinator keeps: does a tensor's name change from step to step?",
+                 coordinator keeps (retired tensors do not count): does a tensor's name change \
+                 from step to step?",
                 self.tensors.len()
             );
             return self.declaration_failed(conn, ErrorCode::ResourceExhausted, msg);
@@ -557,8 +642,12 @@ impl Membership {
             compression: form.compression,
             first: node.rank,
             declared_by: BTreeSet::from([node.rank]),
+            retired_by: BTreeSet::new(),
+            queued: Vec::new(),
         };
         self.tensors.insert(name.clone(), t);
+        self.next_id += 1;
+        self.peak_tensors = self.peak_tensors.max(self.tensors.len());
         self.send(
             conn,
             Message::Declared {
@@ -568,11 +657,14 @@ impl Membership {
         );
     }
 
+    /// The next id, unless the table is full. Ids run on past retired tensors' (never
+    /// reused); the workers refuse one beyond what a key can carry (2^24 ids,
+    /// `sumflow_plan::layout::MAX_TENSOR_ID`), naming the limit.
     fn next_tensor_id(&self) -> Option<u32> {
-        if self.tensors.len() >= self.max_tensors {
+        if self.tensors.len() >= self.max_tensors || self.next_id == u32::MAX {
             return None;
         }
-        u32::try_from(self.tensors.len()).ok()
+        Some(self.next_id)
     }
 
     /// "tensor 'x' declared as f16 x 4 by worker 1 'b', but as f32 x 4 by worker 0 'a': ...",
@@ -805,6 +897,17 @@ impl Membership {
     }
 
     fn finish(&mut self, reason: String) {
+        self.log(
+            Level::INFO,
+            format!(
+                "tensor table: {} live at the end, at most {} at once, {} retired by every \
+                 worker that declared them, {} ids given",
+                self.tensors.len(),
+                self.peak_tensors,
+                self.retired_tensors,
+                self.next_id
+            ),
+        );
         self.log(Level::INFO, format!("stopping: {reason}"));
         let mut conns: Vec<ConnId> = self.conns.keys().copied().collect();
         conns.sort();

@@ -898,3 +898,90 @@ fn a_full_tensor_table_ends_the_job_naming_the_tensor() {
         "{msg}"
     );
 }
+
+fn undeclare(name: &str, tensor_id: u32) -> Message {
+    Message::Undeclare {
+        name: name.into(),
+        tensor_id,
+    }
+}
+
+#[test]
+fn a_name_leaves_the_table_once_every_declarer_retired_it() {
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    // Workers 0 and 1 declare it (a tensor of two members, say); worker 2 never does.
+    h.send(1, declare("t", Dtype::F32, 4), 10);
+    h.send(2, declare("t", Dtype::F32, 4), 10);
+    h.send(1, declare("u", Dtype::F32, 4), 10);
+    assert_eq!(h.m.live_tensors(), 2);
+    let a = h.send(1, undeclare("t", 0), 11);
+    assert!(sent(&a, 1).is_empty(), "no reply");
+    assert_eq!(
+        h.m.declarers("t"),
+        Some(vec![0, 1]),
+        "worker 1 still uses it"
+    );
+    // A frame naming another id, or a worker that never declared it, changes nothing.
+    let a = h.send(2, undeclare("t", 1), 12);
+    assert!(
+        logs(&a).contains("but the name is tensor 0; ignored"),
+        "{}",
+        logs(&a)
+    );
+    let a = h.send(3, undeclare("t", 0), 12);
+    assert!(logs(&a).contains("never declared it"), "{}", logs(&a));
+    let a = h.send(1, undeclare("t", 0), 12);
+    assert!(logs(&a).contains("retired it before"), "{}", logs(&a));
+    assert!(h.m.declarers("t").is_some());
+    h.send(2, undeclare("t", 0), 13);
+    assert_eq!(h.m.declarers("t"), None);
+    assert_eq!(h.m.live_tensors(), 1);
+    // The name is free; a new declaration gets a new id: ids are never reused.
+    let a = h.send(3, declare("t", Dtype::I32, 8), 14);
+    assert_eq!(declared(&a, 3, "t"), Some(2));
+}
+
+#[test]
+fn a_fast_worker_s_new_declaration_waits_for_the_slow_one_to_retire() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    h.send(1, declare("t", Dtype::F32, 4), 10);
+    h.send(2, declare("t", Dtype::F32, 4), 10);
+    // Worker 0 is done with tensor 0 and declares the name again, in another layout.
+    h.send(1, undeclare("t", 0), 11);
+    let a = h.send(1, declare("t", Dtype::F32, 8), 12);
+    assert!(
+        sent(&a, 1).is_empty(),
+        "not the old id, and no mismatch: worker 1 still uses tensor 0"
+    );
+    // Worker 1, still on tensor 0, is answered as before.
+    let a = h.send(2, declare("t", Dtype::F32, 4), 13);
+    assert_eq!(declared(&a, 2, "t"), Some(0));
+    // Worker 1 retires it: worker 0's declaration is answered with a new id.
+    let a = h.send(2, undeclare("t", 0), 14);
+    assert_eq!(declared(&a, 1, "t"), Some(1));
+    let a = h.send(2, declare("t", Dtype::F32, 8), 15);
+    assert_eq!(declared(&a, 2, "t"), Some(1));
+}
+
+#[test]
+fn the_table_limit_counts_live_tensors_only() {
+    let (mut h, _) = Harness::running(&cfg(1, 1));
+    h.m.limit_tensors(2);
+    for i in 0..10u32 {
+        let name = format!("allreduce.noname.{i}");
+        let a = h.send(1, declare(&name, Dtype::F32, 4), 10);
+        assert_eq!(declared(&a, 1, &name), Some(i), "ids run on");
+        h.send(1, undeclare(&name, i), 11);
+    }
+    assert_eq!(h.m.live_tensors(), 0);
+    h.send(1, declare("a", Dtype::F32, 4), 12);
+    h.send(1, declare("b", Dtype::F32, 4), 12);
+    let a = h.send(1, declare("c", Dtype::F32, 4), 12);
+    let e = errors(&a, 1);
+    assert_eq!(e[0].code, ErrorCode::ResourceExhausted);
+    assert!(
+        e[0].message.contains("retired tensors do not count"),
+        "{}",
+        e[0].message
+    );
+}

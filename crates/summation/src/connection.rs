@@ -25,7 +25,7 @@ use sumflow_wire::{
 use tracing::{debug, info, warn};
 
 use crate::buffer::AlignedBuf;
-use crate::directory::{DeclareError, Declared};
+use crate::directory::{DeclareError, Declared, RetireError, Retired};
 use crate::messages::{Command, Outgoing, Replier};
 use crate::shared::Shared;
 use sumflow_wire::message::DATA_META_LEN;
@@ -228,6 +228,7 @@ impl Connection<'_> {
                     self.shared.join(self.worker, joined, self.tx.clone());
                     Ok(())
                 }
+                Message::Retire { key } => self.retire(key),
                 Message::Heartbeat { seq } => {
                     let _ = self
                         .tx
@@ -308,6 +309,9 @@ impl Connection<'_> {
         };
         let declared = {
             let mut dir = self.shared.directory.write().expect("directory lock");
+            if dir.retired_by(key, self.worker) {
+                return Err(self.retired(key, "InitKey"));
+            }
             let declared =
                 dir.declare(key, dtype, byte_len, codec, members.as_deref(), self.worker);
             if let Ok(Declared::New(meta)) = &declared {
@@ -457,20 +461,69 @@ impl Connection<'_> {
     }
 
     fn meta(&self, key: u64, op: &str) -> Result<crate::directory::KeyMeta, Interrupted> {
-        self.shared
-            .directory
-            .read()
-            .expect("directory lock")
-            .get(key)
-            .ok_or_else(|| {
-                Interrupted::Refused(Message::error(
-                    ErrorCode::UnknownKey,
+        let dir = self.shared.directory.read().expect("directory lock");
+        if dir.retired_by(key, self.worker) {
+            return Err(self.retired(key, op));
+        }
+        dir.get(key).ok_or_else(|| {
+            Interrupted::Refused(Message::error(
+                ErrorCode::UnknownKey,
+                Some(key),
+                format!(
+                    "{op} for key {key}, which is not live on this server: no worker has \
+                     initialised it (send InitKey first), or every worker retired it"
+                ),
+            ))
+        })
+    }
+
+    /// The refusal of `op` on a key this worker has retired.
+    fn retired(&self, key: u64, op: &str) -> Interrupted {
+        Interrupted::Refused(Message::error(
+            ErrorCode::UnknownKey,
+            Some(key),
+            format!(
+                "{op} for key {key}, which worker {} retired: a retired key is never pushed, \
+                 pulled or initialised again",
+                self.worker
+            ),
+        ))
+    }
+
+    /// The worker will never push or pull `key` again. Its pulls of the key went to the
+    /// engine before this (frames of a connection are handled in order), so the engine
+    /// answers them first; once every worker of the key retired it, the key is freed.
+    fn retire(&mut self, key: u64) -> Result<(), Interrupted> {
+        let mut dir = self.shared.directory.write().expect("directory lock");
+        let (meta, last) = match dir.retire(key, self.worker, self.shared.workers) {
+            Ok(Retired::Waiting(meta)) => (meta, false),
+            Ok(Retired::Freed(meta)) => (meta, true),
+            Err(e) => {
+                let code = match e {
+                    RetireError::Unknown { .. } => ErrorCode::UnknownKey,
+                    RetireError::NotMember { .. } => ErrorCode::BadRank,
+                    RetireError::Twice { .. } => ErrorCode::UnexpectedOp,
+                };
+                return Err(Interrupted::Refused(Message::error(
+                    code,
                     Some(key),
-                    format!(
-                        "{op} for key {key}, which no worker has initialised (send InitKey first)"
-                    ),
-                ))
-            })
+                    e.to_string(),
+                )));
+            }
+        };
+        // Queued under the lock, as Init is: the engine hears of the key's end in order.
+        self.shared.engine(
+            meta.engine,
+            Command::Retire {
+                key,
+                worker: self.worker,
+                last,
+            },
+        );
+        if last {
+            debug!(key, "key freed: every worker retired it");
+        }
+        Ok(())
     }
 }
 
@@ -495,7 +548,8 @@ fn key_of(m: &Message) -> Option<u64> {
         | Message::Push { key, .. }
         | Message::Pull { key, .. }
         | Message::PushAck { key, .. }
-        | Message::PullReply { key, .. } => Some(*key),
+        | Message::PullReply { key, .. }
+        | Message::Retire { key } => Some(*key),
         Message::Error(e) => e.key,
         _ => None,
     }

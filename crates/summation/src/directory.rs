@@ -133,6 +133,37 @@ fn members_text(members: Option<&[u32]>) -> String {
     }
 }
 
+/// Why a worker's `Retire` of a key is refused.
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum RetireError {
+    #[error(
+        "worker {worker} retired key {key}, which is not live on this server: never \
+         initialised, or already retired by every worker of it"
+    )]
+    Unknown { key: u64, worker: u32 },
+    #[error(
+        "worker {worker} retired key {key}, but the key's rounds count only its members, \
+         workers {members:?}"
+    )]
+    NotMember {
+        key: u64,
+        worker: u32,
+        members: Vec<u32>,
+    },
+    #[error("worker {worker} retired key {key} twice")]
+    Twice { key: u64, worker: u32 },
+}
+
+/// The outcome of a valid retirement.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Retired {
+    /// Other workers of the key have not retired it yet: it stays.
+    Waiting(KeyMeta),
+    /// The last worker of the key retired it: it is gone from the directory, and its
+    /// engine must free it.
+    Freed(KeyMeta),
+}
+
 /// The outcome of a valid declaration.
 #[derive(Debug, PartialEq, Eq)]
 pub enum Declared {
@@ -147,6 +178,11 @@ pub struct KeyDirectory {
     keys: HashMap<u64, KeyMeta>,
     engine_bytes: Vec<u64>,
     memory_limit: Option<u64>,
+    /// Live keys that some of their workers have retired: those workers, in retiring order.
+    retiring: HashMap<u64, Vec<u32>>,
+    /// The most keys live at once, and how many were freed after every worker retired them.
+    peak: usize,
+    freed: u64,
 }
 
 impl KeyDirectory {
@@ -156,7 +192,75 @@ impl KeyDirectory {
             keys: HashMap::new(),
             engine_bytes: vec![0; engines],
             memory_limit,
+            retiring: HashMap::new(),
+            peak: 0,
+            freed: 0,
         }
+    }
+
+    /// Keys live now.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// Whether no key is live.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The most keys that were live at once.
+    pub fn peak(&self) -> usize {
+        self.peak
+    }
+
+    /// Keys freed so far because every worker of theirs retired them.
+    pub fn freed(&self) -> u64 {
+        self.freed
+    }
+
+    /// Whether `worker` has retired `key`, which is still live for others.
+    pub fn retired_by(&self, key: u64, worker: u32) -> bool {
+        !self.retiring.is_empty()
+            && self
+                .retiring
+                .get(&key)
+                .is_some_and(|by| by.contains(&worker))
+    }
+
+    /// `worker` will never push or pull `key` again. Once every worker of the key (its
+    /// members, or all `workers` of the job) has retired it, the key leaves the directory,
+    /// its bytes no longer count against the memory limit, and the caller must have its
+    /// engine free it.
+    pub fn retire(&mut self, key: u64, worker: u32, workers: u32) -> Result<Retired, RetireError> {
+        let Some(meta) = self.keys.get(&key) else {
+            return Err(RetireError::Unknown { key, worker });
+        };
+        if let Some(members) = meta.members.as_deref() {
+            if members.binary_search(&worker).is_err() {
+                return Err(RetireError::NotMember {
+                    key,
+                    worker,
+                    members: members.to_vec(),
+                });
+            }
+        }
+        let quorum = meta
+            .members
+            .as_deref()
+            .map_or(workers as usize, <[u32]>::len);
+        let by = self.retiring.entry(key).or_default();
+        if by.contains(&worker) {
+            return Err(RetireError::Twice { key, worker });
+        }
+        by.push(worker);
+        if by.len() < quorum {
+            return Ok(Retired::Waiting(meta.clone()));
+        }
+        self.retiring.remove(&key);
+        let meta = self.keys.remove(&key).expect("checked above");
+        self.engine_bytes[meta.engine] -= meta.footprint();
+        self.freed += 1;
+        Ok(Retired::Freed(meta))
     }
 
     pub fn get(&self, key: u64) -> Option<KeyMeta> {
@@ -231,6 +335,7 @@ impl KeyDirectory {
         }
         self.engine_bytes[engine] += meta.footprint();
         self.keys.insert(key, meta.clone());
+        self.peak = self.peak.max(self.keys.len());
         Ok(Declared::New(meta))
     }
 }
@@ -338,6 +443,39 @@ mod tests {
         };
         // Summed as 10 values: accumulator and sum of 10 f32 each.
         assert_eq!(m.footprint(), 80);
+    }
+
+    #[test]
+    fn a_key_is_freed_once_every_worker_of_it_retired_it() {
+        let mut d = KeyDirectory::new(2, Some(100));
+        d.declare(1, Dtype::I32, 40, KeyCodec::RAW, None, 0)
+            .unwrap();
+        d.declare(2, Dtype::I32, 8, KeyCodec::RAW, Some(&[0, 2]), 0)
+            .unwrap();
+        assert_eq!((d.len(), d.peak()), (2, 2));
+        // A key of every worker: all three must retire it.
+        assert!(matches!(d.retire(1, 1, 3), Ok(Retired::Waiting(_))));
+        assert!(d.retired_by(1, 1) && !d.retired_by(1, 0));
+        assert_eq!(
+            d.retire(1, 1, 3),
+            Err(RetireError::Twice { key: 1, worker: 1 })
+        );
+        assert!(matches!(d.retire(1, 0, 3), Ok(Retired::Waiting(_))));
+        assert!(matches!(d.retire(1, 2, 3), Ok(Retired::Freed(_))));
+        assert_eq!(d.get(1), None);
+        assert!(!d.retired_by(1, 1));
+        assert_eq!((d.len(), d.peak(), d.freed()), (1, 2, 1));
+        // Its bytes no longer count against the limit: 80 of 100 bytes fit again.
+        d.declare(3, Dtype::I32, 40, KeyCodec::RAW, None, 0)
+            .unwrap();
+        let e = d.retire(1, 0, 3).unwrap_err();
+        assert!(e.to_string().contains("not live on this server"), "{e}");
+        // A key of members: only they retire it, and the two of them free it.
+        let e = d.retire(2, 1, 3).unwrap_err();
+        assert!(matches!(e, RetireError::NotMember { .. }), "{e}");
+        assert!(matches!(d.retire(2, 2, 3), Ok(Retired::Waiting(_))));
+        assert!(matches!(d.retire(2, 0, 3), Ok(Retired::Freed(_))));
+        assert_eq!(d.engine_bytes().iter().sum::<u64>(), 80);
     }
 
     #[test]

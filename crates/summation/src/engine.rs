@@ -57,6 +57,8 @@ struct KeyState {
     /// Pulls of the round now accumulating: the worker, and whether it wants the sum or
     /// only the notice that the round is complete.
     waiting: Vec<(u32, bool, Replier)>,
+    /// Workers that retired the key (it stays until all of its workers have).
+    retired: Vec<u32>,
 }
 
 pub struct Engine {
@@ -124,7 +126,37 @@ impl Engine {
                 ack,
             } => self.on_join(worker, joined, &ack),
             Command::WorkerGone { worker, reason } => self.worker_gone(worker, reason),
+            Command::Retire { key, worker, last } => self.retire(key, worker, last),
         }
+    }
+
+    /// `worker` retired `key`; with `last` every worker of it has, and the key is freed:
+    /// its buffers, staged pushes and round state. Pulls still waiting then (or waiting
+    /// for a round a retired worker never pushed) can never be answered, and fail.
+    fn retire(&mut self, key: u64, worker: u32, last: bool) {
+        let Some(k) = self.keys.get_mut(&key) else {
+            return;
+        };
+        k.retired.push(worker);
+        if last {
+            let k = self.keys.remove(&key).expect("present");
+            let why = format!("every worker of key {key} retired it");
+            for (_, _, reply) in &k.waiting {
+                fail_pull(key, k.rounds.current(), &why, reply);
+            }
+            return;
+        }
+        if let Some(why) = retired_blocker(key, k, k.rounds.current()) {
+            for (_, _, reply) in k.waiting.drain(..) {
+                fail_pull(key, k.rounds.current(), &why, &reply);
+            }
+        }
+    }
+
+    /// Keys this engine holds now.
+    #[cfg(test)]
+    pub(crate) fn live_keys(&self) -> usize {
+        self.keys.len()
     }
 
     fn init(&mut self, key: u64, meta: KeyMeta, initial: Option<AlignedBuf>) {
@@ -161,6 +193,7 @@ impl Engine {
                 round_op: None,
                 sum: Arc::new(sum),
                 waiting: Vec::new(),
+                retired: Vec::new(),
             },
         );
     }
@@ -183,6 +216,9 @@ impl Engine {
             return refuse(key, e, reply);
         }
         if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.key_round(worker, round)) {
+            return fail_pull(key, round, &why, reply);
+        }
+        if let Some(why) = retired_blocker(key, k, round) {
             return fail_pull(key, round, &why, reply);
         }
         if let Some(first) = k.round_op.filter(|&first| first != op) {
@@ -221,6 +257,9 @@ impl Engine {
         // A round that can no longer complete is reported as such, whatever else is
         // wrong with the pull: the departed worker is the news.
         if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.key_round(worker, round)) {
+            return fail_pull(key, round, &why, &reply);
+        }
+        if let Some(why) = retired_blocker(key, k, round) {
             return fail_pull(key, round, &why, &reply);
         }
         match k.rounds.pull(worker, round) {
@@ -406,6 +445,22 @@ fn blocker(gone: &BTreeMap<u32, Arc<str>>, rounds: &RoundTracker, round: u64) ->
         .map(|(_, reason)| reason.to_string())
         .collect();
     (!missing.is_empty()).then(|| missing.join("; "))
+}
+
+/// Names the workers that retired `key` without pushing `round`, which can then never
+/// complete, if any.
+fn retired_blocker(key: u64, k: &KeyState, round: u64) -> Option<String> {
+    if k.retired.is_empty() || round <= k.rounds.completed() {
+        return None;
+    }
+    let missing: Vec<u32> = k
+        .retired
+        .iter()
+        .copied()
+        .filter(|w| !k.rounds.has_pushed(*w, round))
+        .collect();
+    (!missing.is_empty())
+        .then(|| format!("worker(s) {missing:?} retired key {key} without pushing round {round}"))
 }
 
 /// Tells a worker its round can never complete; its connection stays open.
@@ -993,6 +1048,70 @@ mod tests {
             rx.try_recv(),
             Ok(Outgoing::Message(Message::Error(_)))
         ));
+    }
+
+    #[test]
+    fn a_key_is_freed_once_every_worker_retired_it() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![2, 3, 4]);
+        e.retire(1, 0, false);
+        assert_eq!(e.live_keys(), 1, "worker 1 has not retired it");
+        // Worker 1's last pull is still answered after worker 0 retired.
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![2, 3, 4]);
+        // A round worker 0 will never push cannot complete: worker 1 is told at once.
+        e.push(1, 2, 1, data(&pool, &[1, 1, 1]), &tx);
+        let (fatal, err) = error(&rx);
+        assert!(!fatal);
+        assert_eq!(err.code, ErrorCode::NodeFailed);
+        assert!(
+            err.message
+                .contains("worker(s) [0] retired key 1 without pushing round 2"),
+            "{}",
+            err.message
+        );
+        e.retire(1, 1, true);
+        assert_eq!(e.live_keys(), 0);
+        // Anything about it now is about an unknown key.
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(error(&rx).1.code, ErrorCode::UnknownKey);
+    }
+
+    #[test]
+    fn retiring_with_a_pull_pending_fails_what_cannot_complete() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        // Worker 0 pushed and waits; worker 1 retires without pushing: the pull fails.
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        assert!(rx.try_recv().is_err());
+        e.retire(1, 1, false);
+        let (_, err) = error(&rx);
+        assert_eq!(err.code, ErrorCode::NodeFailed);
+        assert!(err.message.contains("retired key 1"), "{}", err.message);
+        // A pull pending when the last worker retires fails too, and the key is gone.
+        let mut e = engine(2);
+        e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
+        e.pull(1, 1, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![2, 3, 4]);
+        e.push(1, 2, 0, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(1, 2, 0, tx.clone());
+        e.retire(1, 1, false);
+        let (_, err) = error(&rx);
+        assert!(
+            err.message.contains("without pushing round 2"),
+            "{}",
+            err.message
+        );
+        e.retire(1, 0, true);
+        assert_eq!(e.live_keys(), 0);
     }
 
     #[test]

@@ -44,6 +44,9 @@ pub enum Command {
         joined: bool,
         ack: Arc<JoinAck>,
     },
+    /// `worker` will never push or pull `key` again (its pulls of the key were queued
+    /// before this). With `last`, every worker of the key has retired it: free it.
+    Retire { key: u64, worker: u32, last: bool },
     /// A worker left or failed: rounds it has not pushed can never complete.
     WorkerGone { worker: u32, reason: Arc<str> },
     /// The server is stopping.

@@ -339,6 +339,13 @@ impl ServerHandle {
         self.shared.traffic.snapshot()
     }
 
+    /// Keys live now, the most live at once, and how many were freed because every
+    /// worker of theirs retired them.
+    pub fn key_counts(&self) -> (usize, usize, u64) {
+        let dir = self.shared.directory.read().expect("directory lock");
+        (dir.len(), dir.peak(), dir.freed())
+    }
+
     /// Asks the server to stop; `wait` returns once it has.
     pub fn shutdown(&self) {
         stop(&self.shared, self.addr);
@@ -367,6 +374,15 @@ impl ServerHandle {
                     warn!(error = %e, "could not leave the job gracefully");
                 }
             }
+        }
+        {
+            let dir = self.shared.directory.read().expect("directory lock");
+            info!(
+                "keys: {} live at the end, at most {} at once, {} freed once every worker retired them",
+                dir.len(),
+                dir.peak(),
+                dir.freed()
+            );
         }
         let traffic = self.shared.traffic.snapshot();
         let total = traffic.total();

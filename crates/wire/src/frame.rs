@@ -42,6 +42,10 @@ ops! {
     ClusterMap = 0x05,
     Declare = 0x06,
     Declared = 0x07,
+    // Retiring tensors that will never be used again: worker -> coordinator (the name)
+    // and worker -> server (each key). Listed here, apart from their neighbours by code.
+    Undeclare = 0x08,
+    Retire = 0x18,
     InitKey = 0x10,
     InitAck = 0x11,
     Push = 0x12,

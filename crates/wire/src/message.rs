@@ -204,6 +204,20 @@ pub enum Message {
         name: String,
         tensor_id: u32,
     },
+    /// A worker will never push the tensor again: the coordinator removes the name from
+    /// its table once every worker that declared it has sent this. `tensor_id` is the id
+    /// the worker was given, so a stale or mistaken frame cannot remove another tensor.
+    /// No reply.
+    Undeclare {
+        name: String,
+        tensor_id: u32,
+    },
+    /// A worker will never push or pull `key` again; it follows the worker's last pull of
+    /// the key on the same connection. The server frees the key once every worker of the
+    /// key (its members, or every worker) has retired it. No reply.
+    Retire {
+        key: u64,
+    },
     /// Payload: the initial value (`byte_len` bytes) when `init` is [`KeyInit::Value`], the
     /// member list (part of the decoded message, not a streamed payload) when it is
     /// [`KeyInit::Members`], else empty. `byte_len` is the key's uncompressed length;
@@ -295,6 +309,8 @@ impl Message {
             Message::ClusterMap { .. } => Op::ClusterMap,
             Message::Declare { .. } => Op::Declare,
             Message::Declared { .. } => Op::Declared,
+            Message::Undeclare { .. } => Op::Undeclare,
+            Message::Retire { .. } => Op::Retire,
             Message::InitKey { .. } => Op::InitKey,
             Message::InitAck { .. } => Op::InitAck,
             Message::Push { .. } => Op::Push,
@@ -401,6 +417,12 @@ impl Message {
             }
             Message::Declared { name, tensor_id } => {
                 e.string(name).u32(*tensor_id);
+            }
+            Message::Undeclare { name, tensor_id } => {
+                e.string(name).u32(*tensor_id);
+            }
+            Message::Retire { key } => {
+                e.u64(*key);
             }
             Message::InitKey {
                 key,
@@ -555,6 +577,11 @@ impl Message {
                 name: tensor_name(&mut d)?,
                 tensor_id: d.u32("tensor_id")?,
             },
+            Op::Undeclare => Message::Undeclare {
+                name: tensor_name(&mut d)?,
+                tensor_id: d.u32("tensor_id")?,
+            },
+            Op::Retire => Message::Retire { key: d.u64("key")? },
             Op::InitKey => {
                 let key = d.u64("key")?;
                 let byte_len = d.u64("byte_len")?;

@@ -114,6 +114,14 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
             vec![],
         ),
         (
+            Message::Undeclare {
+                name: "allreduce.noname.7".into(),
+                tensor_id: 12,
+            },
+            vec![],
+        ),
+        (Message::Retire { key: 12 << 32 | 3 }, vec![]),
+        (
             Message::InitKey {
                 key: 5,
                 dtype: Dtype::F16,
@@ -720,6 +728,44 @@ fn declarations_without_a_name_or_elements_are_rejected_with_the_field_named() {
     };
     let e = decode_frame(&named.encode(0), 1 << 20).unwrap_err();
     assert!(e.to_string().contains("Declared frame: field name"), "{e}");
+}
+
+#[test]
+fn retiring_frames_are_checked() {
+    // Undeclare: a name and an id, the name not empty, nothing after them.
+    let good = Message::Undeclare {
+        name: "w".into(),
+        tensor_id: 9,
+    }
+    .encode(0);
+    assert_eq!(good[5], 0x08);
+    let body = &good[HEADER_LEN..];
+    assert!(matches!(
+        body_err(Op::Undeclare, &body[..body.len() - 1]),
+        WireError::Truncated {
+            field: "tensor_id",
+            ..
+        }
+    ));
+    let e = body_err(Op::Undeclare, &[body, &[0][..]].concat());
+    assert!(matches!(e, WireError::TrailingBytes { .. }), "{e}");
+    let empty = Message::Undeclare {
+        name: String::new(),
+        tensor_id: 9,
+    };
+    let e = decode_frame(&empty.encode(0), 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("Undeclare frame: field name"), "{e}");
+    // Retire: exactly one key.
+    let good = Message::Retire { key: 5 }.encode(0);
+    assert_eq!(good[5], 0x18);
+    let body = &good[HEADER_LEN..];
+    assert!(matches!(
+        body_err(Op::Retire, &body[..7]),
+        WireError::Truncated { field: "key", .. }
+    ));
+    let e = body_err(Op::Retire, &[body, &[0][..]].concat());
+    assert!(matches!(e, WireError::TrailingBytes { .. }), "{e}");
+    assert_eq!(e.code(), ErrorCode::BadFrame);
 }
 
 #[test]

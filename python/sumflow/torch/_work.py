@@ -5,6 +5,9 @@ An operation is a ``Work``: ``poll`` says whether it is done, ``wait`` returns i
 ``NegotiatedWork`` first agrees on the operation with every worker (``negotiate.py``);
 once the agreement arrives, the driver thread starts the data stage, so the caller's
 ``*_async`` never blocks on other workers and operations still overlap each other.
+
+A work knows the tensors it declared; those of a ``transient`` operation (an unnamed one,
+whose names never recur) are retired once it is synchronized (``declarations.release``).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sumflow import SumflowTimeoutError
-from sumflow.torch import _runtime
+from sumflow.torch import _runtime, declarations
 
 
 class Work:
@@ -25,6 +28,8 @@ class Work:
 
     #: The name the operation was issued under (for "already in flight" checks).
     name: str = ""
+    #: Whether its tensors are retired once it is synchronized (an unnamed operation).
+    transient: bool = False
 
     def poll(self) -> bool:
         raise NotImplementedError
@@ -32,14 +37,32 @@ class Work:
     def wait(self) -> Any:
         raise NotImplementedError
 
+    def settled(self, ok: bool) -> list[int]:
+        """The ids of the tensors it declared that no operation uses any more, once its
+        wait returned (``ok``) or raised."""
+        return []
+
 
 class CoreWork(Work):
     """Sums in the core (their handles), then ``finish()``, whose value is the result."""
 
-    def __init__(self, name: str, cores: list[int], finish: Callable[[], Any]) -> None:
+    def __init__(
+        self,
+        name: str,
+        cores: list[int],
+        finish: Callable[[], Any],
+        tensors: list[int] | None = None,
+    ) -> None:
         self.name = name
         self.cores = cores
         self.finish = finish
+        #: The ids of the tensors its sums are of.
+        self.tensors = tensors or []
+
+    def settled(self, ok: bool) -> list[int]:
+        # Every core was waited for, failed or not; a timed-out one may still be in flight
+        # (then the core refuses to retire it, and it stays).
+        return list(self.tensors)
 
     def poll(self) -> bool:
         service = _runtime.current().service
@@ -61,13 +84,30 @@ class NegotiatedWork(Work):
     """An agreement to reach (a core sum of the request table), then the data stage that
     ``start(table)`` issues; both run on the driver thread."""
 
-    def __init__(self, name: str, core: int, start: Callable[[], Work]) -> None:
+    def __init__(
+        self,
+        name: str,
+        core: int,
+        start: Callable[[], Work],
+        agreement: int | None = None,
+        transient: bool = False,
+    ) -> None:
         self.name = name
         self.core = core
         self.start = start
+        #: The id of the agreement's table.
+        self.agreement = agreement
+        self.transient = transient
+        self.agreed = False
         self.ready = threading.Event()
         self.data: Work | None = None
         self.error: BaseException | None = None
+
+    def settled(self, ok: bool) -> list[int]:
+        table = [self.agreement] if self.agreement is not None and self.agreed else []
+        if self.data is None:
+            return table
+        return table + self.data.settled(ok) if ok else table
 
     def run(self) -> None:
         rt = _runtime.running()
@@ -75,6 +115,7 @@ class NegotiatedWork(Work):
             if rt is None:
                 raise RuntimeError("sumflow was shut down before the operation was agreed")
             rt.service.wait(self.core, rt.timeout)
+            self.agreed = True
             self.data = self.start()
         except BaseException as e:  # handed to the caller's wait()
             self.error = e
@@ -202,10 +243,15 @@ def poll(handle: int) -> bool:
 
 def wait(handle: int) -> Any:
     work = _get(handle, pop=False)
+    ok = False
     try:
-        return work.wait()
+        result = work.wait()
+        ok = True
+        return result
     finally:
         _get(handle, pop=True)
+        if work.transient:
+            declarations.release(work.settled(ok))
 
 
 def quiesce(timeout: float) -> None:

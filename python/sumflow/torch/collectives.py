@@ -369,7 +369,8 @@ def _fused_sum(
                 offset += t.numel()
         return [t for t in out if t is not None]
 
-    return _work.CoreWork(name, [c for _, _, w in works for c in w.cores], finish)
+    cores = [c for _, _, w in works for c in w.cores]
+    return _work.CoreWork(name, cores, finish, [t for _, _, w in works for t in w.tensors])
 
 
 def _scattered_sum(

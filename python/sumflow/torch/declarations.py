@@ -2,11 +2,22 @@
 core. A layout is (dtype, element count, compression); a name used with another layout is
 declared again under a name of its own (``_core_name``), so each call stands alone as in
 Horovod, and every worker running the same program computes the same names.
+
+Declarations come in two kinds. Pinned ones (the declared fast path: ``DistributedOptimizer``,
+the DDP hook, ``declare_tensors``, ``push_pull``) live as long as the job. Replacing ones
+(what an agreed operation declares: its agreement table, its data, its relay regions) hold
+one layout per name at a time: a name used with a new layout retires the previous one (its
+keys on the servers, its name at the coordinator) and declares the new one under the name's
+next generation, ``<name>~<g>``, so that the new tensor never shares a name with one a
+slower worker may still be using. A named tensor reused in the same layout costs nothing:
+no retirement, no message. ``release`` retires the tensors of an operation that cannot
+recur (an unnamed one) once it is synchronized.
 """
 
 from __future__ import annotations
 
 import threading
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -30,6 +41,12 @@ Layout = tuple[torch.dtype, int, CoreSpec | None]
 
 _declared: dict[str, dict[Layout, int]] = {}
 _first_layout: dict[str, Layout] = {}
+#: The layout of each name declared by the replacing kind (at most one per name).
+_replaceable: dict[str, Layout] = {}
+#: How many times each name's replaceable layout was replaced: its generation.
+_generation: dict[str, int] = {}
+#: Every declared id's (name, layout).
+_owner: dict[int, tuple[str, Layout]] = {}
 _declared_lock = threading.Lock()
 
 
@@ -38,6 +55,15 @@ def reset() -> None:
     with _declared_lock:
         _declared.clear()
         _first_layout.clear()
+        _replaceable.clear()
+        _generation.clear()
+        _owner.clear()
+
+
+def live() -> int:
+    """Tensors this worker has declared and not retired."""
+    with _declared_lock:
+        return len(_owner)
 
 
 def check_dtype(tensor: torch.Tensor, what: str) -> str:
@@ -55,15 +81,18 @@ def check_dtype(tensor: torch.Tensor, what: str) -> str:
 
 def _core_name(name: str, layout: Layout) -> str:
     """The name the core knows a layout of `name` by: the name itself for the first layout
-    it was used with, the name and the layout after that. Every worker running the same
-    program computes the same one, so a name may change shape, dtype or compression."""
+    it was used with, the name and the layout after that, either followed by ``~<g>`` from
+    the name's first replacement on. Every worker running the same program computes the
+    same one, so a name may change shape, dtype or compression."""
     with _declared_lock:
         first = _first_layout.setdefault(name, layout)
+        generation = _generation.get(name, 0)
+    suffix = f"~{generation}" if generation else ""
     if first == layout:
-        return name
+        return f"{name}{suffix}"
     dtype, numel, compression = layout
     spec = "" if compression is None else f":{compression[0]}:{compression[1]}:{compression[2]}"
-    return f"{name}@{DTYPES[dtype]}x{numel}{spec}"
+    return f"{name}@{DTYPES[dtype]}x{numel}{spec}{suffix}"
 
 
 def declare(
@@ -72,15 +101,20 @@ def declare(
     compression: CoreSpec | None = None,
     members: list[int] | None = None,
     home: int | None = None,
+    *,
+    replace: bool = False,
 ) -> int:
     """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
     first use. A name used with another layout gets keys of its own for it: each call
     stands alone, as in Horovod. ``members``: the process set's workers, whose rounds
     alone its keys count (None: every worker); ``home``: the worker that takes its bytes,
-    whose machine then keeps its keys."""
+    whose machine then keeps its keys. ``replace``: a new layout retires the name's
+    previous replaceable one (see the module's doc)."""
     check_dtype(tensor, name)
     layout = (tensor.dtype, tensor.numel(), compression)
-    return declare_layouts([(name, layout, members)], together=False, homes=[home])[0]
+    return declare_layouts(
+        [(name, layout, members)], together=False, homes=[home], replace=replace
+    )[0]
 
 
 def declare_layouts(
@@ -88,19 +122,30 @@ def declare_layouts(
     *,
     together: bool = True,
     homes: Sequence[int | None] | None = None,
+    replace: bool = False,
 ) -> list[int]:
     """The ids of tensors (name, layout, members), declaring those not yet known.
     ``together``: placed over the servers as one group (BytePS Eq. 1 and 2), which every
     worker must declare alike; otherwise each is placed alone: on the machine of its
     worker in ``homes`` (the worker that takes its bytes), or from its keys, so workers
-    may each declare only the tensors they use."""
+    may each declare only the tensors they use. ``replace``: each name holds one
+    replaceable layout at a time, a new one retiring the previous (whose operation, under
+    Horovod's one-operation-per-name rule, has been synchronized); without it the
+    declarations are pinned, never retired."""
     if together and homes is not None:
         raise ValueError("tensors placed together have no home of their own")
     with _declared_lock:
         known = [_declared.get(name, {}).get(layout) for name, layout, _ in specs]
+        if not replace:
+            # A layout pinned now is never retired, whichever kind declared it first.
+            for name, layout, _ in specs:
+                if _replaceable.get(name) == layout:
+                    del _replaceable[name]
     fresh = [i for i, tid in enumerate(known) if tid is None]
     if fresh:
         service = _runtime.current().service
+        if replace:
+            _retire_replaced([specs[i][0] for i in fresh])
         wanted = []
         for i in fresh:
             name, layout, members = specs[i]
@@ -118,8 +163,64 @@ def declare_layouts(
             for i, tid in zip(fresh, ids):
                 name, layout, _ = specs[i]
                 _declared.setdefault(name, {})[layout] = tid
+                _owner[tid] = (name, layout)
+                if replace:
+                    _replaceable[name] = layout
                 known[i] = tid
     return [tid for tid in known if tid is not None]
+
+
+def _retire_replaced(names: list[str]) -> None:
+    """Retires the replaceable layout of each of `names` that has one, and moves the name
+    to its next generation, under which its new layout is declared. Every worker running
+    the same program replaces a name's layouts in the same order, so all compute the same
+    generations."""
+    retiring = []
+    with _declared_lock:
+        for name in dict.fromkeys(names):
+            old = _replaceable.pop(name, None)
+            if old is None:
+                continue
+            _generation[name] = _generation.get(name, 0) + 1
+            tid = _declared[name].pop(old)
+            del _owner[tid]
+            retiring.append((name, tid))
+    _retire(retiring)
+
+
+def release(tids: list[int]) -> None:
+    """Retires the tensors `tids` of an operation that cannot recur (an unnamed one), once
+    it is synchronized, and forgets their names here. Pinned tensors are left alone."""
+    retiring = []
+    with _declared_lock:
+        for tid in tids:
+            owner = _owner.get(tid)
+            if owner is None or _replaceable.get(owner[0]) != owner[1]:
+                continue
+            name, layout = owner
+            del _owner[tid]
+            del _replaceable[name]
+            layouts = _declared[name]
+            del layouts[layout]
+            if not layouts:
+                del _declared[name]
+                _first_layout.pop(name, None)
+                _generation.pop(name, None)
+            retiring.append((name, tid))
+    _retire(retiring)
+
+
+def _retire(retiring: list[tuple[str, int]]) -> None:
+    rt = _runtime.running()
+    if rt is None:
+        return
+    for name, tid in retiring:
+        try:
+            rt.service.retire(tid)
+        except ValueError as e:
+            # Still in flight (an operation whose wait timed out): its keys stay, and its
+            # name at the coordinator; the job goes on with them.
+            warnings.warn(f"tensor '{name}' could not be retired: {e}", stacklevel=3)
 
 
 def declare_group(

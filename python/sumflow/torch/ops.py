@@ -42,6 +42,9 @@ Max = ReduceOp("Max")
 Product = ReduceOp("Product")
 
 _unnamed: dict[str, itertools.count[int]] = {}
+#: Names given to unnamed calls and not yet issued: their tensors are retired once the
+#: operation is synchronized, since the names never recur.
+_unnamed_fresh: set[str] = set()
 _unnamed_lock = threading.Lock()
 
 
@@ -50,6 +53,7 @@ def _reset() -> None:
     declarations.reset()
     with _unnamed_lock:
         _unnamed.clear()
+        _unnamed_fresh.clear()
     _work.reset()
 
 
@@ -64,7 +68,18 @@ def _auto_name(kind: str, name: str | None, group: Group | None = None) -> str:
         return f"{prefix}{name}"
     with _unnamed_lock:
         counter = _unnamed.setdefault(prefix, itertools.count())
-        return f"{prefix}noname.{next(counter)}"
+        full = f"{prefix}noname.{next(counter)}"
+        _unnamed_fresh.add(full)
+        return full
+
+
+def _take_unnamed(name: str) -> bool:
+    """Whether `name` was given to an unnamed call (once: the operation is issued now)."""
+    with _unnamed_lock:
+        if name in _unnamed_fresh:
+            _unnamed_fresh.discard(name)
+            return True
+        return False
 
 
 def declare_tensors(named: Sequence[tuple[str, torch.Tensor]], *, api: str = "allreduce") -> None:
@@ -94,13 +109,17 @@ def sum_work(
     group: Group,
     takes: bool = True,
     home: int | None = None,
+    *,
+    replace: bool = False,
 ) -> _work.CoreWork:
     """Reduces `output` across the group's workers in place, after compression: Sum or
     Average, or Min, Max or Product by the servers' kernels (uncompressed only); the
     work's result is `output`. Integers are averaged as Horovod does: the sum is divided
     and truncated toward zero. ``takes`` False: this worker only contributes, and
     `output` is left as it was (a reduce-scatter's rows of another worker); ``home``: the
-    worker that takes it, on whose machine its keys are then kept."""
+    worker that takes it, on whose machine its keys are then kept. ``replace``: declared
+    as an agreed operation's data, a new layout retiring the name's previous one
+    (``declarations``); otherwise pinned (the declared fast path)."""
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
@@ -110,7 +129,8 @@ def sum_work(
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
     host = _staging.to_host(name, wire)
-    tid = declare(name, host, core_spec(compressor, wire), group.members, home)
+    spec = core_spec(compressor, wire)
+    tid = declare(name, host, spec, group.members, home, replace=replace)
     float_average = op is Average and wire.is_floating_point()
     on_servers = _SERVER_OPS.get(op)
     if on_servers is not None and compression is not Compression.none:
@@ -142,7 +162,7 @@ def sum_work(
             _scale(output, post)
         return output
 
-    return _work.CoreWork(name, [core], finish)
+    return _work.CoreWork(name, [core], finish, [tid])
 
 
 #: Reductions other than sums, done by the servers' kernels.
@@ -219,13 +239,14 @@ def negotiated(
     group's workers: returns its handle at once; ``start`` gets every member's row, in
     member order, and issues the data stage."""
     _work.check_not_in_flight(request.name)
+    transient = _take_unnamed(request.name)
     rt = _runtime.current()
     width = negotiate.WIDTH + len(request.extra)
     table = negotiate.encode(request, group.rank, group.size, width)
     # The phase begins before the agreement's push, so that it holds every event it causes.
     timeline.phase(request.name, f"NEGOTIATE_{request.kind.upper()}")
     try:
-        tid = declare(f"agree.{request.name}", table, None, group.members)
+        tid = declare(f"agree.{request.name}", table, None, group.members, replace=True)
         core = rt.service.push_pull(tid, table, table.data_ptr(), table.numel() * 8, 0, False)
     except BaseException:
         timeline.phase(request.name, None)
@@ -246,7 +267,7 @@ def negotiated(
         _ends_phase(request.name, work)
         return work
 
-    return _work.register(_work.NegotiatedWork(request.name, core, begin))
+    return _work.register(_work.NegotiatedWork(request.name, core, begin, tid, transient))
 
 
 def _op_code(op: ReduceOp) -> int:
@@ -304,7 +325,9 @@ def allreduce_work(
     carrier = _INT_CARRIERS.get(output.dtype)
     scales = (prescale_factor, postscale_factor)
     if carrier is None:
-        return sum_work(name, output, op, priority, compression, *scales, group, takes, home)
+        return sum_work(
+            name, output, op, priority, compression, *scales, group, takes, home, replace=True
+        )
 
     def narrow(wide_result: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
@@ -312,8 +335,10 @@ def allreduce_work(
         return output
 
     wide = output.to(carrier)
-    wide_work = sum_work(name, wide, op, priority, compression, *scales, group, takes, home)
-    return wide_work.then(narrow)
+    work = sum_work(
+        name, wide, op, priority, compression, *scales, group, takes, home, replace=True
+    )
+    return work.then(narrow)
 
 
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
@@ -423,6 +448,8 @@ def push_pull_async(
     (the declaration is checked, a mismatch is ``DeclarationMismatchError``)."""
     del version  # BytePS's argument; sumflow counts rounds itself.
     full = _auto_name("push_pull", name)
+    # The declared fast path: its tensors are pinned, named or not.
+    _take_unnamed(full)
     _work.check_not_in_flight(full)
     return issue_declared(
         full, tensor, Average if average else Sum, priority, Compression.none, 1.0, 1.0

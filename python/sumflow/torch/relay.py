@@ -54,11 +54,13 @@ def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) 
     live = [r for r in regions if r.data.numel()]
     # The core counts int32 words: a region of another length travels in a padded copy.
     buffers = [r.data if r.data.numel() % 4 == 0 else _padded(r) for r in live]
-    # Placed one by one: each worker declares only the regions it pushes or takes.
+    # Placed one by one: each worker declares only the regions it pushes or takes. A
+    # region whose size changed since its name's last operation retires its old layout.
     ids = declarations.declare_layouts(
         [(r.name, (torch.int32, b.numel() // 4, None), r.members) for r, b in zip(live, buffers)],
         together=False,
         homes=[r.home for r in live],
+        replace=True,
     )
     service = _runtime.current().service
     cores = [
@@ -79,7 +81,7 @@ def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) 
                 r.data.copy_(buf[: r.data.numel()])
         return finish()
 
-    return _work.CoreWork(name, cores, done)
+    return _work.CoreWork(name, cores, done, ids)
 
 
 def _padded(region: Region) -> torch.Tensor:

@@ -194,6 +194,7 @@ impl Pipeline {
                     sender: Mutex::new(tx),
                     queue: LaneQueue::default(),
                     index,
+                    retired: Mutex::default(),
                 });
                 receivers.push(rx);
             }
@@ -315,6 +316,37 @@ impl Pipeline {
     /// to its keys under another (see [`Residuals::relayout`]).
     pub fn relayout_residuals(&self, old: &[Partition], new: &[Partition]) {
         self.shared.residuals.relayout(old, new);
+    }
+
+    /// Sends `Retire` for each (key, server) on the key's lane, and forgets the keys'
+    /// residuals and lane state. The caller has made sure nothing of these keys is queued
+    /// or in flight (their operations are done): their frames are all written, so the
+    /// `Retire` follows them on the connection.
+    pub fn retire(&self, tensor: &Arc<str>, keys: &[(u64, usize)]) -> Result<(), CommError> {
+        let sh = &self.shared;
+        if sh.stop.load(Ordering::Acquire) {
+            return Err(CommError::Shutdown);
+        }
+        for &(key, server) in keys {
+            if let Some(why) = sh.dead[server].lock().expect("dead lock").clone() {
+                return Err(lost(tensor, &sh.server_names[server], &why));
+            }
+            let lane = &sh.lanes[sh.lane_of(server, key)];
+            let sent = {
+                let mut tx = lane.sender.lock().expect("sender lock");
+                let before = tx.bytes_sent();
+                let sent = tx.retire(key);
+                sh.wire.sent(key, tensor, tx.bytes_sent() - before);
+                sent
+            };
+            if let Err(e) = sent {
+                server_lost(sh, server, &e.to_string());
+                return Err(lost(tensor, &sh.server_names[server], &e.to_string()));
+            }
+            lane.retired.lock().expect("retired lock").push(key);
+            sh.residuals.forget(key);
+        }
+        Ok(())
     }
 
     /// The name of a server, for messages.

@@ -24,6 +24,8 @@ pub(super) struct Lane {
     pub(super) queue: LaneQueue<(Order, Instant, PartTask)>,
     /// Its index among its server's lanes, for the trace.
     pub(super) index: usize,
+    /// Keys retired on this lane, for its push thread to forget.
+    pub(super) retired: Mutex<Vec<u64>>,
 }
 
 /// Sends the partitions started for `lane`, in the order they started.
@@ -35,9 +37,14 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
         sender,
         queue,
         index,
+        retired,
     } = &sh.lanes[lane];
     let (server, index) = (*server, *index);
     while !sh.stop.load(Ordering::Acquire) {
+        // Retired keys never come back (tensor ids are never reused).
+        for key in retired.lock().expect("retired lock").drain(..) {
+            initialised.remove(&key);
+        }
         let Some((order, started, task)) = queue.pop(POLL) else {
             continue;
         };
