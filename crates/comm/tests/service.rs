@@ -8,7 +8,8 @@ use std::time::Duration;
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::trace::TraceConfig;
 use sumflow_comm::{
-    CommConfig, CommError, CommunicationService, Compression, Declaration, ReduceOp, WireBytes,
+    CommConfig, CommError, CommunicationService, Compression, Declaration, Exchange, ReduceOp,
+    WireBytes,
 };
 use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
 use sumflow_plan::partition::WHOLE_TENSOR_BYTES;
@@ -853,4 +854,67 @@ fn a_retired_tensor_frees_its_keys_and_its_name_and_in_flight_ones_are_refused()
     }
     job.coordinator.shutdown();
     let _ = job.coordinator.wait();
+}
+
+#[test]
+fn an_exchange_pushes_and_takes_back_only_the_partitions_of_its_ranges() {
+    // 3000 f32 in 4 KiB partitions: three keys. Worker 0 contributes only the first
+    // partition (skipping the others' rounds); worker 1 takes back only the first.
+    run_job(2, 0, move |w, addr| {
+        let c = worker(addr, w);
+        let id = c.declare("x", Dtype::F32, 3000).unwrap();
+        let mut d = vec![w as f32 + 1.0; 3000];
+        let (pushes, pulls) = match w {
+            0 => (Some(vec![0..100]), None),
+            _ => (None, Some(vec![0..100])),
+        };
+        let exchange = Exchange { pushes, pulls };
+        let before = c
+            .wire_bytes()
+            .0
+            .iter()
+            .map(|k| k.bytes.received)
+            .sum::<u64>();
+        // SAFETY: waited on before `d` is touched again.
+        let h = unsafe {
+            c.push_exchange(
+                id,
+                (d.as_mut_ptr().cast(), 12000),
+                0,
+                ReduceOp::Sum,
+                &exchange,
+            )
+        }
+        .unwrap();
+        c.wait(h, Duration::from_secs(20)).unwrap();
+        let received = c
+            .wire_bytes()
+            .0
+            .iter()
+            .map(|k| k.bytes.received)
+            .sum::<u64>()
+            - before;
+        let first = 4096 / 4;
+        // The first partition holds both workers' values; the others only worker 1's.
+        assert!(d[..first].iter().all(|v| *v == 3.0), "worker {w}");
+        assert!(d[first..].iter().all(|v| *v == 2.0), "worker {w}");
+        if w == 1 {
+            // One partition's sum and two notices (and acknowledgements), not three sums.
+            assert!((4096..6000).contains(&received), "{received} bytes");
+        }
+        // A range outside the tensor is refused before anything is sent.
+        let bad = Exchange {
+            pushes: Some(vec![0..12001]),
+            pulls: None,
+        };
+        // SAFETY: refused before anything is queued.
+        let e =
+            unsafe { c.push_exchange(id, (d.as_mut_ptr().cast(), 12000), 0, ReduceOp::Sum, &bad) }
+                .unwrap_err();
+        assert!(
+            e.to_string().contains("outside the tensor's 12000 bytes"),
+            "{e}"
+        );
+        c.shutdown("done").unwrap();
+    });
 }
