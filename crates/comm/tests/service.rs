@@ -864,9 +864,10 @@ fn an_exchange_pushes_and_takes_back_only_the_partitions_of_its_ranges() {
         let c = worker(addr, w);
         let id = c.declare("x", Dtype::F32, 3000).unwrap();
         let mut d = vec![w as f32 + 1.0; 3000];
+        let first_bytes = std::iter::once(0..100).collect::<Vec<_>>();
         let (pushes, pulls) = match w {
-            0 => (Some(Vec::from([0..100])), None),
-            _ => (None, Some(Vec::from([0..100]))),
+            0 => (Some(first_bytes), None),
+            _ => (None, Some(first_bytes)),
         };
         let exchange = Exchange { pushes, pulls };
         let before = c
@@ -904,7 +905,7 @@ fn an_exchange_pushes_and_takes_back_only_the_partitions_of_its_ranges() {
         }
         // A range outside the tensor is refused before anything is sent.
         let bad = Exchange {
-            pushes: Some(Vec::from([0..12001])),
+            pushes: Some(std::iter::once(0..12001).collect()),
             pulls: None,
         };
         // SAFETY: refused before anything is queued.
