@@ -16,7 +16,16 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _runtime, _staging, _work, declarations, negotiate, process_sets, timeline
+from sumflow.torch import (
+    _runtime,
+    _staging,
+    _work,
+    declarations,
+    negotiate,
+    process_sets,
+    relay,
+    timeline,
+)
 from sumflow.torch.compression import Compression, Compressor, bind, core_spec
 from sumflow.torch.declarations import DTYPES as DTYPES
 from sumflow.torch.declarations import check_dtype, declare
@@ -471,8 +480,8 @@ def broadcast_async_(
     tensor: torch.Tensor, root_rank: int, name: str | None = None, process_set: Any = None
 ) -> int:
     """Starts overwriting `tensor` with root_rank's on every worker; returns a handle.
-    Every dtype is carried bit for bit (its bytes, summed with zeros from all but the
-    root)."""
+    Every dtype is carried bit for bit: the root pushes its bytes once, the others take
+    them (``relay.py``)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"broadcast needs a torch.Tensor, not {type(tensor).__name__}")
     group = process_sets.group_of(process_set, "broadcast")
@@ -498,8 +507,6 @@ def broadcast_async_(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        from sumflow.torch import relay
-
         landing = relay.host_bytes(tensor)
         region = relay.Region(full, landing, rank == root_rank, group.members)
 
