@@ -1,7 +1,8 @@
 """A worker process for test_retire.py: `python retire_worker.py OUTDIR`.
 
 Runs many operations whose tensors cannot recur or change layout (unnamed allreduces,
-allgathers of varying sizes, unnamed and named, a name alternating between two shapes),
+allgathers of varying sizes, unnamed and named, unnamed reducescatters, alltoalls and
+broadcasts, a name alternating between two shapes),
 checks every result exactly, and writes OUTDIR/rank<r>.json: the failures (none expected)
 and how many tensors this worker holds at the end, in Python and in the core.
 """
@@ -21,6 +22,7 @@ from sumflow.torch import _runtime, declarations
 UNNAMED_ALLREDUCES = 300
 ALLGATHERS = 100
 ALTERNATIONS = 60
+OTHERS = 20
 
 
 def main(out: Path) -> None:
@@ -45,6 +47,20 @@ def main(out: Path) -> None:
                 got = hvd.allgather(mine, name=name)
                 if not torch.equal(got, want):
                     failures.append(f"{label} allgather {i}: {got.tolist()} != {want.tolist()}")
+        for i in range(OTHERS):
+            whole = torch.arange(4 * size, dtype=torch.int32).reshape(2 * size, 2) + i
+            got = hvd.reducescatter(whole, op=hvd.Sum)
+            want = (whole * size)[2 * rank : 2 * rank + 2]
+            if not torch.equal(got, want):
+                failures.append(f"reducescatter {i}: {got.tolist()} != {want.tolist()}")
+            sent = torch.full((size, 3), rank * 100 + i, dtype=torch.int64)
+            got = hvd.alltoall(sent)
+            want = torch.cat([torch.full((1, 3), r * 100 + i) for r in range(size)])
+            if not torch.equal(got, want):
+                failures.append(f"alltoall {i}: {got.tolist()} != {want.tolist()}")
+            got = hvd.broadcast(torch.full((3,), float(rank + i)), root_rank=0)
+            if not torch.equal(got, torch.full((3,), float(i))):
+                failures.append(f"broadcast {i}: {got.tolist()}")
         for i in range(ALTERNATIONS):
             shape = (4,) if i % 2 == 0 else (2, 3)
             got = hvd.allreduce(torch.full(shape, float(rank + 1)), name="alternating", op=hvd.Sum)

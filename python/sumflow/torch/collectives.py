@@ -391,6 +391,7 @@ def _scattered_sum(
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     cores: list[int] = []
+    declared: list[int] = []
     finishes = []
     for dtype, members in by_dtype.items():
         label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
@@ -416,6 +417,7 @@ def _scattered_sum(
                 home=group.ranks[w],
             )
             cores += work.cores
+            declared += work.tensors
             if w == rank:
                 finishes.append((members, work))
 
@@ -432,7 +434,7 @@ def _scattered_sum(
                 offset += n
         return [out.get(i, t.new_empty((0, *t.shape[1:]))) for i, t in enumerate(tensors)]
 
-    return _work.CoreWork(name, cores, finish)
+    return _work.CoreWork(name, cores, finish, declared)
 
 
 def grouped_allreduce_async(
