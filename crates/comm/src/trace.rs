@@ -609,16 +609,7 @@ impl Tracer {
             "start_time_since_epoch_in_micros": u64::try_from(self.wall_ns(began) / 1000)
                 .unwrap_or(u64::MAX),
         });
-        self.write(&path, &tracks, &events, &meta)
-            .map_err(|source| TraceError::Write {
-                path: path.clone(),
-                source,
-            })?;
-        let file = TraceFile {
-            path,
-            recorded: note,
-            events: events.len(),
-        };
+        let file = self.save(path, &tracks, &events, &meta, note)?;
         info!("{file}");
         Ok(Some(file))
     }
@@ -803,16 +794,7 @@ impl Tracer {
             "truncated_at_step": truncated_at,
             "clock": CLOCK,
         });
-        self.write(&path, &tracks, &events, &meta)
-            .map_err(|source| TraceError::Write {
-                path: path.clone(),
-                source,
-            })?;
-        let file = TraceFile {
-            path,
-            recorded: note,
-            events: events.len(),
-        };
+        let file = self.save(path, &tracks, &events, &meta, note)?;
         if window == Window::Before {
             warn!("{file}");
         } else {
@@ -823,6 +805,27 @@ impl Tracer {
 
     /// Streams the file to a temporary name (`path` + `.partial`) and renames it, so a
     /// reader never sees half.
+    /// Writes the file and describes it (`note`: which steps it holds).
+    fn save(
+        &self,
+        path: PathBuf,
+        tracks: &BTreeMap<u32, (String, &'static str)>,
+        events: &[Event],
+        meta: &serde_json::Value,
+        note: String,
+    ) -> Result<TraceFile, TraceError> {
+        self.write(&path, tracks, events, meta)
+            .map_err(|source| TraceError::Write {
+                path: path.clone(),
+                source,
+            })?;
+        Ok(TraceFile {
+            path,
+            recorded: note,
+            events: events.len(),
+        })
+    }
+
     fn write(
         &self,
         path: &Path,

@@ -27,6 +27,7 @@ use tracing::{debug, info, warn};
 use crate::buffer::AlignedBuf;
 use crate::directory::{DeclareError, Declared, RetireError, Retired};
 use crate::messages::{Command, Outgoing, Replier};
+use crate::pool::PooledBuf;
 use crate::shared::Shared;
 use sumflow_wire::message::DATA_META_LEN;
 
@@ -377,23 +378,39 @@ impl Connection<'_> {
                 ),
             )));
         }
-        if mode == PushMode::Skip {
-            let _ = self
-                .tx
-                .send(Outgoing::Message(Message::PushAck { key, round }));
-            self.shared.engine(
-                meta.engine,
-                Command::Push {
-                    key,
-                    round,
-                    worker: self.worker,
-                    op,
-                    data: None,
-                    reply: self.tx.clone(),
-                },
-            );
-            return Ok(());
-        }
+        // A skip carries nothing to read or check.
+        let data = match mode {
+            PushMode::Skip => None,
+            _ => Some(self.read_push(key, (dtype, codec), &meta, payload_len)?),
+        };
+        // Acknowledged on receipt, not on summation: the worker's credit must not wait for
+        // the other workers (see crates/plan/src/scheduler/credit.rs).
+        let _ = self
+            .tx
+            .send(Outgoing::Message(Message::PushAck { key, round }));
+        self.shared.engine(
+            meta.engine,
+            Command::Push {
+                key,
+                round,
+                worker: self.worker,
+                op,
+                data,
+                reply: self.tx.clone(),
+            },
+        );
+        Ok(())
+    }
+
+    /// Reads a push's payload into a pool buffer, checked whole: its length against the
+    /// key's, and a compressed one by its codec.
+    fn read_push(
+        &mut self,
+        key: u64,
+        (dtype, codec): (sumflow_wire::Dtype, Codec),
+        meta: &crate::directory::KeyMeta,
+        payload_len: usize,
+    ) -> Result<PooledBuf, Interrupted> {
         if payload_len as u64 != meta.payload_len() {
             let what = |bytes: u64| match codec {
                 Codec::Raw => format!("{dtype} x {} elements", bytes / dtype.size() as u64),
@@ -426,23 +443,7 @@ impl Connection<'_> {
                 ))
             })?;
         }
-        // Acknowledged on receipt, not on summation: the worker's credit must not wait for
-        // the other workers (see crates/plan/src/scheduler/credit.rs).
-        let _ = self
-            .tx
-            .send(Outgoing::Message(Message::PushAck { key, round }));
-        self.shared.engine(
-            meta.engine,
-            Command::Push {
-                key,
-                round,
-                worker: self.worker,
-                op,
-                data: Some(data),
-                reply: self.tx.clone(),
-            },
-        );
-        Ok(())
+        Ok(data)
     }
 
     fn pull(&mut self, key: u64, round: u64, wants_sum: bool) -> Result<(), Interrupted> {

@@ -336,6 +336,17 @@ def grouped_reducescatter(
     )
 
 
+def _by_dtype(name: str, tensors: list[torch.Tensor]) -> list[tuple[str, list[int]]]:
+    """The indices of `tensors` of each dtype, with the name their sum goes by: `name`
+    itself when they share one dtype, else `name.<dtype>`."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    if len(by_dtype) == 1:
+        return [(name, next(iter(by_dtype.values())))]
+    return [(f"{name}.{d}".replace("torch.", ""), ix) for d, ix in by_dtype.items()]
+
+
 def _fused_sum(
     name: str,
     tensors: list[torch.Tensor],
@@ -346,13 +357,9 @@ def _fused_sum(
 ) -> _work.CoreWork:
     """One sum per dtype over copies of `tensors` laid end to end; the work's result is
     the list of reduced tensors, shaped as given."""
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     works: list[tuple[list[int], torch.Tensor, _work.CoreWork]] = []
-    for dtype, members in by_dtype.items():
+    for label, members in _by_dtype(name, tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
-        label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
         work = ops.allreduce_work(
             label, flat, op, Compression.none, prescale_factor, postscale_factor, group
         )
@@ -387,14 +394,10 @@ def _scattered_sum(
     every worker pushes every share, and only the share's taker pulls it, from its own
     machine. The work's result is the list of this worker's slices."""
     size, rank = group.size, group.rank
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     cores: list[int] = []
     declared: list[int] = []
     finishes = []
-    for dtype, members in by_dtype.items():
-        label = name if len(by_dtype) == 1 else f"{name}.{dtype}".replace("torch.", "")
+    for label, members in _by_dtype(name, tensors):
         shares: list[list[torch.Tensor]] = [[] for _ in range(size)]
         for i in members:
             t = tensors[i].detach()
