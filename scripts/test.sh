@@ -78,7 +78,7 @@ step "end-to-end smoke run: sumflow-run, 2 workers + 1 CPU server, the digits ex
 sumflow-run -np 2 --servers 1 python examples/train_digits.py --epochs 8 --min-accuracy 0.9
 
 step "benchmark smoke runs"
-SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench reduce
+SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-reduce --bench reduce
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench goodput
 
 step "fuzz smoke run of the frame decoder"

@@ -148,6 +148,7 @@ class CommunicationService:
         push_window_bytes: int | None = None,
         prophet_stage_factor: float = ...,
         connections_per_cpu_server: int | None = None,
+        shared_memory: bool = True,
         join_timeout: float = ...,
         declare_timeout: float = ...,
         connect_timeout: float = ...,
@@ -179,7 +180,9 @@ class CommunicationService:
         Eq. 1 and 2, at most 8) connections go to each CPU-only server, each partition
         for it cut into one piece per connection (every worker must use the same value),
         so that TCP's per-connection fairness gives it its share of
-        every link; colocated servers get one.
+        every link; colocated servers get one. With ``shared_memory`` (every worker must
+        agree), a tensor whose workers all share this machine is summed in the machine's
+        shared memory (``/dev/shm``) instead of through a summation server.
 
         With ``trace_dir`` the worker records a Chrome trace of steps ``trace_start_step``
         (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most

@@ -359,6 +359,20 @@ CPU_SERVER_CONNECTIONS = _add(
         unset="BytePS's Eq. 1 and 2 share of the link",
     )
 )
+SHARED_MEMORY = _add(
+    Setting(
+        name="SUMFLOW_SHARED_MEMORY",
+        kind=choice(
+            ("on", "off"),
+            aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"},
+            ignore_case=True,
+        ),
+        doc="sum the tensors whose workers all share a machine in its shared memory "
+        "(/dev/shm), not through a summation server (the same on every worker)",
+        readers=(WORKER,),
+        default="on",
+    )
+)
 
 # ---- timeouts ---------------------------------------------------------------------------
 

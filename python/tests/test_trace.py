@@ -40,8 +40,9 @@ def thread_names(trace: dict[str, Any]) -> dict[int, str]:
     return {e["tid"]: e["args"]["name"] for e in by_phase(trace, "M") if e["name"] == "thread_name"}
 
 
-def run_job(out_dir: Path, steps: int, *window: str) -> str:
-    """Runs trace_worker.py for ``steps`` steps as 2 workers traced into ``out_dir`` with
+def run_job(out_dir: Path, steps: int, *window: str, machines: int = 2) -> str:
+    """Runs trace_worker.py for ``steps`` steps as 2 workers (on ``machines`` machines: with
+    one, they sum in its shared memory, not through a server) traced into ``out_dir`` with
     the launcher's ``window`` options; returns the launcher's output."""
     run = subprocess.run(
         [
@@ -50,6 +51,7 @@ def run_job(out_dir: Path, steps: int, *window: str) -> str:
             "sumflow.launcher",
             "-np",
             "2",
+            *(("--machine-per-worker",) if machines == 2 else ()),
             "--trace",
             str(out_dir),
             *window,
@@ -148,6 +150,28 @@ def test_a_traced_job_writes_each_workers_window_and_merges(tmp_path: Path) -> N
     assert len(merged["traceEvents"]) == sum(len(t["traceEvents"]) for t in traces.values())
     assert {e["pid"] for e in merged["traceEvents"]} == {1, 2}
     assert [w["rank"] for w in merged["otherData"]["sumflow_trace_merged"]] == [0, 1]
+
+
+def test_workers_of_one_machine_trace_their_shared_memory_stage(tmp_path: Path) -> None:
+    run_job(tmp_path, 5, "--trace-start-step", "2", "--trace-steps", "2", machines=1)
+    for rank in range(2):
+        trace = json.loads((tmp_path / f"sumflow-trace-rank{rank}.json").read_text())
+        names = thread_names(trace)
+        assert not [n for n in names.values() if n.startswith(("push →", "receive ←"))], names
+        # Each allreduce of "x" (and its agreement) on the shared-memory track, its
+        # phases inside it.
+        ops = on(trace, "shared memory", "allreduce.x")
+        assert len(ops) == 2, ops
+        assert all(e["args"]["mode"] == "two phases" for e in ops), ops
+        assert all(e["args"]["members"] == 2 for e in ops), ops
+        assert len(on(trace, "shared memory", "agree.allreduce.x")) == 2
+        for phase in ("copy in", "reduce slice", "take"):
+            inside = [
+                e
+                for e in on(trace, "shared memory", phase)
+                if any(op["ts"] - 1 <= e["ts"] and end(e) <= end(op) + 1 for op in ops)
+            ]
+            assert len(inside) == 2, (phase, inside)
 
 
 def test_a_job_ending_inside_the_window_writes_what_it_recorded(tmp_path: Path) -> None:
@@ -328,7 +352,7 @@ def partitions(trace: dict[str, Any], name: str) -> list[dict[str, Any]]:
 def test_a_timeline_shows_each_operation_above_the_partitions_it_caused(tmp_path: Path) -> None:
     run = subprocess.run(
         [
-            *(sys.executable, "-m", "sumflow.launcher", "-np", "2", "--servers", "1"),
+            *(sys.executable, "-m", "sumflow.launcher", "-np", "2", "--machine-per-worker"),
             *("--timeout", "60", sys.executable, TIMELINE_WORKER, str(tmp_path)),
         ],
         env=clean_env(),

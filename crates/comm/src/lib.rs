@@ -25,6 +25,7 @@ mod average;
 mod compression;
 mod error;
 mod handles;
+mod local;
 mod pipeline;
 mod queue;
 mod service;

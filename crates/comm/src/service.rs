@@ -26,6 +26,7 @@ use crate::accounting::{KeyBytes, WireBytes};
 use crate::compression::Compression;
 use crate::error::CommError;
 use crate::handles::Handles;
+use crate::local::{LocalOp, SharedMemory, LOCAL_KEY, LOCAL_SERVER};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
@@ -40,6 +41,7 @@ const JOB_ERROR_GRACE: Duration = Duration::from_millis(300);
 const LAYOUT_PARTITION_BYTES: &str = "sumflow.setting.partition_bytes (SUMFLOW_PARTITION_BYTES)";
 const LAYOUT_CPU_SERVER_LANES: &str =
     "sumflow.setting.cpu_server_connections (SUMFLOW_CPU_SERVER_CONNECTIONS)";
+const LAYOUT_SHARED_MEMORY: &str = "sumflow.setting.shared_memory (SUMFLOW_SHARED_MEMORY)";
 
 /// How a worker joins its job.
 #[derive(Clone, Debug)]
@@ -79,6 +81,10 @@ pub struct CommConfig {
     pub connect_timeout: Duration,
     /// Record a Chrome trace of a window of steps (see [`crate::trace`]); `None`: off.
     pub trace: Option<TraceConfig>,
+    /// Sum the tensors whose members all share this worker's machine in the machine's
+    /// shared memory rather than through a summation server (see [`crate::local`]). Every
+    /// worker of a job must agree.
+    pub shared_memory: bool,
 }
 
 impl CommConfig {
@@ -100,6 +106,7 @@ impl CommConfig {
             coordinator_options: CoordinatorOptions::default(),
             connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             trace: None,
+            shared_memory: true,
         }
     }
 
@@ -426,6 +433,8 @@ pub struct CommunicationService {
     token: JobToken,
     name: String,
     connect_timeout: Duration,
+    /// The shared-memory stage, unless turned off.
+    shared: Option<SharedMemory>,
 }
 
 impl CommunicationService {
@@ -517,6 +526,8 @@ impl CommunicationService {
         for (name, value) in [
             (LAYOUT_PARTITION_BYTES, partition_bytes),
             (LAYOUT_CPU_SERVER_LANES, u64::from(cpu_lanes)),
+            // A declaration has at least one element: 1 is off, 2 on.
+            (LAYOUT_SHARED_MEMORY, 1 + u64::from(cfg.shared_memory)),
         ] {
             job.declare(name, Dtype::I64, value, cfg.declare_timeout)?;
         }
@@ -525,6 +536,22 @@ impl CommunicationService {
             None => Tracer::without_window(job.rank(), &cfg.name),
         });
         let handles = Arc::new(Handles::default());
+        let shared = if cfg.shared_memory {
+            let shared = SharedMemory::open(
+                &map,
+                job.rank(),
+                &cfg.coordinator,
+                Arc::clone(&handles),
+                job.failures(),
+                Arc::clone(&tracer),
+            )?;
+            // Every worker has registered in its machine's area once all pass this.
+            job.barrier(BarrierGroup::Workers, cfg.declare_timeout)?;
+            shared.verify(&cfg.host_id)?;
+            Some(shared)
+        } else {
+            None
+        };
         let mut schedule = Schedule::new(cfg.scheduler, partition_bytes);
         if let Some(credit) = cfg.credit_bytes {
             schedule.credit_bytes = credit;
@@ -569,6 +596,7 @@ impl CommunicationService {
             token: cfg.token.clone(),
             name: cfg.name.clone(),
             connect_timeout: cfg.connect_timeout,
+            shared,
         })
     }
 
@@ -907,6 +935,33 @@ impl CommunicationService {
         // SAFETY: the caller's contract is exactly HostSlice::new's.
         let whole = unsafe { HostSlice::new(ptr, len) }
             .ok_or_else(|| CommError::Invalid(format!("tensor '{}': null buffer", t.name)))?;
+        if let Some(shared) = self.shared_for(t) {
+            let local = Partition {
+                key: LOCAL_KEY,
+                tensor: t.id,
+                offset: 0,
+                bytes: len as u64,
+                server: LOCAL_SERVER,
+            };
+            let handle = self.handles.start(t.id, &t.name, &[local])?;
+            let members: Arc<[u32]> = match &t.members {
+                Some(m) => Arc::clone(m),
+                None => Arc::from(shared.here()),
+            };
+            shared.submit(LocalOp {
+                handle,
+                tensor: t.id,
+                name: Arc::clone(&t.name),
+                data: whole,
+                dtype: t.dtype,
+                members,
+                op: op.on_servers(),
+                divisor,
+                contributes: exchange.pushes.as_ref().is_none_or(|p| !p.is_empty()),
+                pulls: exchange.pulls.clone(),
+            })?;
+            return Ok(handle);
+        }
         let handle = self.handles.start(t.id, &t.name, &t.parts)?;
         let generation = table_generation;
         if t.rounds.len() <= generation {
@@ -938,6 +993,14 @@ impl CommunicationService {
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
+    }
+
+    /// The shared-memory stage, when it sums this tensor: every member on this machine,
+    /// and raw elements (compressors exist for the network).
+    fn shared_for(&self, t: &Tensor) -> Option<&SharedMemory> {
+        self.shared
+            .as_ref()
+            .filter(|s| t.compression.is_none() && s.covers(t.members.as_deref()))
     }
 
     /// Retires tensor `id`: this worker will never push it again. Refused while an
@@ -974,6 +1037,9 @@ impl CommunicationService {
         keys.sort_unstable();
         keys.dedup();
         self.pipeline.retire(&t.name, &keys)?;
+        if let Some(shared) = &self.shared {
+            shared.retire(id);
+        }
         self.job.undeclare(&t.name, id)?;
         if let Some(group) = t.group {
             table.groups[group].retain(|member| *member != id);
@@ -1000,9 +1066,13 @@ impl CommunicationService {
         let deadline = Instant::now() + timeout;
         loop {
             let slice = JOB_ERROR_CHECK.min(deadline.saturating_duration_since(Instant::now()));
-            let result = self
-                .handles
-                .wait(handle, slice, |s| self.pipeline.server_name(s));
+            let result = self.handles.wait(handle, slice, |s| {
+                if s == LOCAL_SERVER as usize {
+                    "this machine's shared memory, with the tensor's other members".into()
+                } else {
+                    self.pipeline.server_name(s)
+                }
+            });
             match (result, self.job_error()) {
                 (Ok(()), _) => return Ok(()),
                 (Err(CommError::Timeout { .. }), Some(e)) => {
@@ -1109,6 +1179,9 @@ impl CommunicationService {
                 info!(last, "every worker has joined");
                 self.join_step(&mut controls, false, timeout).map(|_| last)
             });
+        if let (Err(_), Some(shared)) = (&result, &self.shared) {
+            shared.set_joined(false);
+        }
         for (_, mut c) in controls {
             // After a failure this worker may still be joined there: leave join first.
             if result.is_err() {
@@ -1151,6 +1224,12 @@ impl CommunicationService {
                     ))
                 }
             }
+        }
+        // The machine's other workers go on without this one from here (as the servers
+        // already do); set last, so that this worker reaches the barrier before a worker
+        // that was waiting for it can finish and join after it.
+        if let Some(shared) = &self.shared {
+            shared.set_joined(joined);
         }
         let barrier = if joined {
             "waiting for every worker to join"
@@ -1208,6 +1287,9 @@ impl CommunicationService {
     /// ([`Tracer::stop_interval`]). Calls after the first do nothing.
     pub fn shutdown(&self, reason: &str) -> Result<(), CommError> {
         self.pipeline.shutdown(reason);
+        if let Some(shared) = &self.shared {
+            shared.stop();
+        }
         // A trace that cannot be written must not fail leaving the job: it is logged.
         if let Err(e) = self.tracer.flush() {
             warn!("{e}");

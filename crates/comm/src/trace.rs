@@ -59,6 +59,7 @@ const LAST_PYTHON_TID: u32 = 999;
 /// Python tracks beyond the 900th sort after everything else.
 const OVERFLOW_PYTHON_TID: u32 = 1_000_000;
 const SCHEDULER_TID: u32 = 1_000;
+const SHARED_MEMORY_TID: u32 = 1_001;
 const FIRST_LANE_TID: u32 = 10_000;
 /// Thread ids per server: a push and a receive track for each of up to 50 lanes.
 const TIDS_PER_SERVER: u32 = 100;
@@ -166,6 +167,9 @@ pub enum Track {
     Push { server: u32, lane: u32 },
     /// What one lane receives from its server.
     Receive { server: u32, lane: u32 },
+    /// The shared-memory stage: each operation on a tensor summed in the machine's shared
+    /// memory, with its phases (copy in, reduce, take) inside it.
+    SharedMemory,
 }
 
 impl Track {
@@ -176,6 +180,7 @@ impl Track {
             Track::Scheduler => "scheduler",
             Track::Push { .. } => "push",
             Track::Receive { .. } => "receive",
+            Track::SharedMemory => "shared memory",
         }
     }
 
@@ -186,6 +191,7 @@ impl Track {
             Track::Scheduler => "scheduler".into(),
             Track::Push { server, lane } => format!("push → server {server} lane {lane}"),
             Track::Receive { server, lane } => format!("receive ← server {server} lane {lane}"),
+            Track::SharedMemory => "shared memory".into(),
         }
     }
 }
@@ -360,6 +366,7 @@ impl State {
         match track {
             Track::Steps => STEPS_TID,
             Track::Scheduler => SCHEDULER_TID,
+            Track::SharedMemory => SHARED_MEMORY_TID,
             Track::Push { server, lane } => {
                 FIRST_LANE_TID + server * TIDS_PER_SERVER + 2 * (*lane).min(49)
             }

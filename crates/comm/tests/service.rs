@@ -5,147 +5,17 @@ use std::sync::Arc;
 use std::thread;
 use std::time::Duration;
 
-use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::trace::TraceConfig;
 use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, Exchange, ReduceOp,
     WireBytes,
 };
-use sumflow_coordinator::{CoordinatorConfig, CoordinatorHandle, CoordinatorService};
 use sumflow_plan::partition::WHOLE_TENSOR_BYTES;
 use sumflow_plan::scheduler::SchedulerKind;
-use sumflow_summation::{
-    CoordinatorLink, Membership, ServerConfig, ServerHandle, SummationService,
-};
-use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, KeyCodec, KeyInit, Message, PushMode};
+use sumflow_wire::{Codec, Dtype, ErrorCode, KeyCodec, KeyInit, Message, PushMode};
 
-fn token() -> JobToken {
-    JobToken::new("service-test-token-abcdefgh").unwrap()
-}
-
-fn options() -> CoordinatorOptions {
-    CoordinatorOptions {
-        heartbeat_interval: Duration::from_millis(50),
-        heartbeat_timeout: Duration::from_secs(5),
-        connect_timeout: Duration::from_secs(5),
-        ..CoordinatorOptions::default()
-    }
-}
-
-struct Job {
-    coordinator: CoordinatorHandle,
-    addr: String,
-    servers: thread::JoinHandle<Vec<ServerHandle>>,
-}
-
-/// A coordinator, one server colocated with each of `workers` machines, and `cpu` more.
-fn job(workers: u32, cpu: u32) -> Job {
-    let mut cfg = CoordinatorConfig::new(
-        "127.0.0.1:0".parse().unwrap(),
-        workers,
-        workers + cpu,
-        token(),
-    );
-    cfg.heartbeat_timeout = Duration::from_millis(800);
-    cfg.join_timeout = Duration::from_secs(20);
-    let coordinator = CoordinatorService::start(cfg).unwrap();
-    let addr = coordinator.local_addr().to_string();
-    let coord = addr.clone();
-    let servers = thread::spawn(move || {
-        let starting: Vec<_> = (0..workers + cpu)
-            .map(|i| {
-                let coord = coord.clone();
-                thread::spawn(move || {
-                    let mut cfg = ServerConfig::standalone(1, token());
-                    let host_id = if i < workers {
-                        format!("machine-{i}")
-                    } else {
-                        format!("cpu-{i}")
-                    };
-                    cfg.membership = Membership::Coordinator(CoordinatorLink {
-                        addr: coord,
-                        advertise_host: "127.0.0.1".into(),
-                        host_id,
-                        requested_rank: Some(i),
-                        join_timeout: Duration::from_secs(20),
-                        options: options(),
-                    });
-                    SummationService::start(cfg).unwrap()
-                })
-            })
-            .collect();
-        starting.into_iter().map(|t| t.join().unwrap()).collect()
-    });
-    Job {
-        coordinator,
-        addr,
-        servers,
-    }
-}
-
-/// Worker `rank`'s configuration: partitions of 4 KiB, the default scheduler.
-fn config(addr: &str, rank: u32) -> CommConfig {
-    let mut cfg = CommConfig::new(addr, token(), &format!("machine-{rank}"));
-    cfg.rank = Some(rank);
-    cfg.name = format!("trainer {rank}");
-    cfg.partition_bytes = 4096;
-    cfg.coordinator_options = options();
-    cfg.declare_timeout = Duration::from_secs(10);
-    cfg
-}
-
-fn worker(addr: &str, rank: u32) -> CommunicationService {
-    CommunicationService::start(config(addr, rank)).unwrap()
-}
-
-/// Runs `body(rank, coordinator address)` on a thread per worker of a job with `workers`
-/// machines and `cpu` CPU servers, then ends the job.
-fn run_job(workers: u32, cpu: u32, body: impl Fn(u32, &str) + Send + Sync + 'static) {
-    let job = job(workers, cpu);
-    let body = Arc::new(body);
-    let threads: Vec<_> = (0..workers)
-        .map(|w| {
-            let (addr, body) = (job.addr.clone(), Arc::clone(&body));
-            thread::spawn(move || body(w, &addr))
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    finish(job);
-}
-
-fn finish(job: Job) {
-    for s in job.servers.join().unwrap() {
-        s.shutdown();
-        s.wait();
-    }
-    job.coordinator.shutdown();
-    let _ = job.coordinator.wait();
-}
-
-fn push_pull(
-    c: &CommunicationService,
-    id: u32,
-    data: &mut [f32],
-    priority: i64,
-    op: ReduceOp,
-) -> u64 {
-    // SAFETY: every caller waits on the handle before touching `data` again.
-    unsafe { c.push_pull(id, data.as_mut_ptr().cast(), data.len() * 4, priority, op) }.unwrap()
-}
-
-/// Sums `data[t]` as tensor `ids[t]` (priority t) for every t at once, and waits for all.
-fn sum_all(c: &CommunicationService, ids: &[u32], data: &mut [Vec<f32>], op: ReduceOp) {
-    let handles: Vec<u64> = data
-        .iter_mut()
-        .enumerate()
-        .map(|(t, d)| push_pull(c, ids[t], d, t as i64, op))
-        .collect();
-    for h in handles {
-        c.wait(h, Duration::from_secs(20)).unwrap();
-    }
-}
+mod common;
+use common::*;
 
 #[test]
 fn workers_sum_and_average_through_colocated_and_cpu_servers() {

@@ -24,11 +24,11 @@ use sumflow_wire::{
 };
 use tracing::{debug, info, warn};
 
-use crate::buffer::AlignedBuf;
 use crate::directory::{DeclareError, Declared, RetireError, Retired};
 use crate::messages::{Command, Outgoing, Replier};
 use crate::pool::PooledBuf;
 use crate::shared::Shared;
+use sumflow_reduce::buffer::AlignedBuf;
 use sumflow_wire::message::DATA_META_LEN;
 
 /// How long a pool wait sleeps between checks that the server is still running.

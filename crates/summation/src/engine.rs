@@ -28,12 +28,12 @@ use crossbeam_channel::Receiver;
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
-use crate::buffer::AlignedBuf;
 use crate::directory::KeyMeta;
 use crate::messages::{Command, JoinAck, Outgoing, Replier};
 use crate::pool::PooledBuf;
-use crate::reduce::Reducer;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
+use sumflow_reduce::buffer::AlignedBuf;
+use sumflow_reduce::Reducer;
 
 /// Commands queued beyond this are left for the next batch, bounding how long a staged
 /// push waits and how many pool buffers a batch holds.

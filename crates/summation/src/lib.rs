@@ -3,26 +3,24 @@
 //!
 //! Layout: `connection` validates and dispatches each worker's frames; `engine` threads
 //! own disjoint sets of keys ([`directory`]) and run the [`rounds`] protocol and the SIMD
-//! [`reduce`] kernels over page-aligned [`buffer`]s; the two speak only through the
+//! kernels of `sumflow-reduce` over its page-aligned buffers; the two speak only through the
 //! `messages` they exchange (commands to engines, replies to connections); [`accounting`]
 //! counts the bytes on the wire per key; [`service`] starts and stops it all.
 
 pub mod accounting;
-pub mod buffer;
 pub mod cli;
 mod connection;
 pub mod directory;
 mod engine;
 mod messages;
 mod pool;
-pub mod reduce;
 pub mod rounds;
 pub mod service;
 mod shared;
 
 pub use accounting::WireTraffic;
-pub use reduce::{Reducer, SimdLevel};
 pub use service::{
     CoordinatorLink, Membership, ServerConfig, ServerError, ServerHandle, SummationService,
 };
 pub use shared::{Settings, MAX_CONNECTIONS_PER_WORKER};
+pub use sumflow_reduce::{Reducer, SimdLevel};

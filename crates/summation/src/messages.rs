@@ -9,9 +9,9 @@ use std::sync::Arc;
 use crossbeam_channel::Sender;
 use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 
-use crate::buffer::AlignedBuf;
 use crate::directory::KeyMeta;
 use crate::pool::PooledBuf;
+use sumflow_reduce::buffer::AlignedBuf;
 
 /// What a connection's reader (or the service) asks of an engine thread.
 pub enum Command {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
 
-use crate::buffer::AlignedBuf;
+use sumflow_reduce::buffer::AlignedBuf;
 
 pub struct BufferPool {
     home: Sender<AlignedBuf>,
@@ -130,7 +130,7 @@ impl Drop for PooledBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::buffer::PAGE;
+    use sumflow_reduce::buffer::PAGE;
 
     #[test]
     fn buffers_come_home_when_dropped() {

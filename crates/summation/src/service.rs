@@ -13,8 +13,8 @@ use thiserror::Error;
 use tracing::{info, warn};
 
 use crate::engine::Engine;
-use crate::reduce::{Reducer, SimdLevel};
 use crate::shared::{Settings, Shared};
+use sumflow_reduce::{Reducer, SimdLevel};
 
 /// Commands an engine's queue holds before connections wait (back-pressure).
 const ENGINE_QUEUE: usize = 256;

@@ -47,6 +47,7 @@ class _Options(TypedDict, total=False):
     credit_bytes: int | None
     push_window_bytes: int | None
     connections_per_cpu_server: int | None
+    shared_memory: bool
     join_timeout: float
     heartbeat_timeout: float
     prophet_stage_factor: float
@@ -66,6 +67,7 @@ def _service_options() -> _Options:
         "credit_bytes": settings.CREDIT_BYTES.read(),
         "push_window_bytes": settings.PUSH_WINDOW_BYTES.read(),
         "connections_per_cpu_server": settings.CPU_SERVER_CONNECTIONS.read(),
+        "shared_memory": settings.SHARED_MEMORY.read() == "on",
         "join_timeout": settings.JOIN_TIMEOUT.read(),
         "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
         "prophet_stage_factor": settings.PROPHET_STAGE_FACTOR.read(),

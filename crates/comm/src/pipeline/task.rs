@@ -14,7 +14,7 @@ use sumflow_wire::{Dtype, KeyCodec, ReduceOp};
 #[derive(Clone, Copy, Debug)]
 pub struct HostSlice {
     ptr: NonNull<u8>,
-    pub(super) len: usize,
+    pub(crate) len: usize,
 }
 
 // SAFETY: a HostSlice is only created by `HostSlice::new`, whose caller promises the memory
@@ -40,13 +40,13 @@ impl HostSlice {
         HostSlice { ptr, len }
     }
 
-    pub(super) fn bytes(&self) -> &[u8] {
+    pub(crate) fn bytes(&self) -> &[u8] {
         // SAFETY: see `new`; only the push stage reads, before the reply exists.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 
     #[allow(clippy::mut_from_ref)]
-    pub(super) fn bytes_mut(&self) -> &mut [u8] {
+    pub(crate) fn bytes_mut(&self) -> &mut [u8] {
         // SAFETY: see `new`; only the receiver of this span's lane writes, once its sum
         // arrived: the server answers the Pull that the lane's push thread sends after the
         // whole push, on the same connection, so that thread has stopped reading the span

@@ -1,4 +1,5 @@
-//! Reduction kernels: combine pushed partitions into a key's accumulator, or
+//! sumflow's reduction kernels, shared by the summation servers and the workers'
+//! shared-memory stage: combine pushed partitions into a key's accumulator, or
 //! finish a round of pushes into the dtype-sized result in one pass, by a
 //! round's [`ReduceOp`]: sum, min, max or product.
 //!
@@ -36,6 +37,7 @@
 // SAFETY comment.
 #![deny(unsafe_op_in_unsafe_fn)]
 
+pub mod buffer;
 mod driver;
 mod portable;
 

@@ -2,7 +2,7 @@
 //! it) and a plain memory-bandwidth reference, on buffers far larger than any
 //! cache.
 //!
-//! `cargo bench -p sumflow-summation --bench reduce [-- --quick]`
+//! `cargo bench -p sumflow-reduce --bench reduce [-- --quick]`
 //!
 //! Environment: `SUMFLOW_BENCH_REPS` (repetitions, best kept; default 5),
 //! `SUMFLOW_BENCH_ALL_LEVELS=1` (every level the CPU runs, not just the best),
@@ -12,8 +12,8 @@ use std::hint::black_box;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
-use sumflow_summation::buffer::AlignedBuf;
-use sumflow_summation::reduce::{Reducer, SimdLevel};
+use sumflow_reduce::buffer::AlignedBuf;
+use sumflow_reduce::{Reducer, SimdLevel};
 use sumflow_wire::{Dtype, ReduceOp};
 
 /// Sources in the `reduce_into` round.

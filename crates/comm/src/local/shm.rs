@@ -1,0 +1,190 @@
+//! Shared memory between the processes of one machine: files in `/dev/shm` mapped by
+//! every process that opens them, and futexes on words inside them.
+//!
+//! Files rather than anonymous memory passed over sockets: every worker of the machine
+//! derives the same name from the job and the tensor, so no process has to hand the
+//! others anything. Each file is unlinked as soon as every process that needs it has
+//! mapped it (and by each process again at retirement, which tolerates its absence), so
+//! a crashed job leaves at most the files of the moment it crashed, named by its job id.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::{Path, PathBuf};
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU32, AtomicU64};
+use std::time::Duration;
+
+/// Where the machine's shared memory files live.
+pub const SHM_DIR: &str = "/dev/shm";
+
+/// A shared file mapped into this process.
+#[derive(Debug)]
+pub struct Segment {
+    path: PathBuf,
+    file: File,
+    base: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory shared with other processes anyway; every access
+// goes through atomics or through ranges the round protocol gives one writer at a time.
+unsafe impl Send for Segment {}
+// SAFETY: as for Send: `&Segment` hands out only atomics and raw pointers.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Opens (creating it if needed) the file at `path` with `len` bytes and maps it. Every
+    /// process of the machine opens the same path with the same length; a file of another
+    /// length is another job's or a bug, and refused. Pages are not reserved: call
+    /// [`reserve`](Self::reserve) on a range before writing it.
+    pub fn open(path: &Path, len: usize) -> io::Result<Segment> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .mode(0o600)
+            .open(path)?;
+        let size = file.metadata()?.len();
+        if size == 0 {
+            file.set_len(len as u64)?;
+        } else if size != len as u64 {
+            return Err(io::Error::other(format!(
+                "{} is {size} bytes, not the {len} this job expects: another job's file \
+                 of the same name?",
+                path.display()
+            )));
+        }
+        // SAFETY: a fresh shared mapping of a file we hold open, of its whole length;
+        // the kernel picks the address.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                file.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let base =
+            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        Ok(Segment {
+            path: path.to_path_buf(),
+            file,
+            base,
+            len,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// The first byte of the mapping (page aligned).
+    pub fn base(&self) -> *mut u8 {
+        self.base.as_ptr()
+    }
+
+    /// Allocates the pages of `offset..offset + len` in the file, so that writing them
+    /// cannot fail later. A full `/dev/shm` is an error here rather than a SIGBUS on the
+    /// first store to a page tmpfs cannot back.
+    pub fn reserve(&self, offset: usize, len: usize) -> io::Result<()> {
+        assert!(offset + len <= self.len, "reserve past the segment's end");
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: fallocate on a file descriptor we own, within the file's length.
+        let rc = unsafe {
+            libc::fallocate(
+                self.file.as_raw_fd(),
+                0,
+                offset as libc::off_t,
+                len as libc::off_t,
+            )
+        };
+        if rc == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        // Filesystems without fallocate (not tmpfs) fall back to faulting pages in.
+        if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+            return Ok(());
+        }
+        Err(e)
+    }
+
+    /// The 32-bit word at `offset` (4-byte aligned, inside the segment).
+    pub fn u32_at(&self, offset: usize) -> &AtomicU32 {
+        assert!(
+            offset.is_multiple_of(4) && offset + 4 <= self.len,
+            "bad word offset {offset}"
+        );
+        // SAFETY: in bounds and aligned (checked); the mapping lives as long as &self, and
+        // AtomicU32 has u32's layout, which any 4 bytes of shared memory may hold.
+        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU32>() }
+    }
+
+    /// The 64-bit word at `offset` (8-byte aligned, inside the segment).
+    pub fn u64_at(&self, offset: usize) -> &AtomicU64 {
+        assert!(
+            offset.is_multiple_of(8) && offset + 8 <= self.len,
+            "bad word offset {offset}"
+        );
+        // SAFETY: as for u32_at.
+        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU64>() }
+    }
+
+    /// Removes the file's name; the mapping stays valid. A name already gone is fine.
+    pub fn unlink(&self) {
+        unlink(&self.path);
+    }
+}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in open, unmapped once; nothing borrowed from it
+        // outlives &self.
+        unsafe {
+            libc::munmap(self.base.as_ptr().cast(), self.len);
+        }
+    }
+}
+
+/// Removes a shared file's name, if it is still there.
+pub fn unlink(path: &Path) {
+    let _ = std::fs::remove_file(path);
+}
+
+/// Sleeps while `word` holds `expected`, at most `timeout`; wakes early on
+/// [`wake_all`] from any process. Spurious returns are allowed (callers re-check).
+pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let ts = libc::timespec {
+        tv_sec: timeout.as_secs() as libc::time_t,
+        tv_nsec: timeout.subsec_nanos() as libc::c_long,
+    };
+    // SAFETY: FUTEX_WAIT on a live, aligned 32-bit word; shared (not PRIVATE) because
+    // other processes wake it; the timeout is relative.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT,
+            expected,
+            std::ptr::from_ref(&ts),
+        );
+    }
+}
+
+/// Wakes every process and thread sleeping in [`wait`] on `word`.
+pub fn wake_all(word: &AtomicU32) {
+    // SAFETY: FUTEX_WAKE on a live, aligned 32-bit word.
+    unsafe {
+        libc::syscall(libc::SYS_futex, word.as_ptr(), libc::FUTEX_WAKE, i32::MAX);
+    }
+}

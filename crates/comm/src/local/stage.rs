@@ -1,0 +1,605 @@
+//! The shared-memory stage: one thread per worker that carries out the rounds of the
+//! tensors whose members all share this machine, in the machine's shared memory.
+//!
+//! A round of a tensor with G members: each member copies its tensor into its slot and
+//! publishes the round (or publishes a skip); once every member has (a member that has
+//! joined and not pushed counts as skipping), either
+//! - **two phases**, when all G pushed and every one takes back the whole result (an
+//!   allreduce): member m reduces the m-th slice of the slots into the result, publishes
+//!   it, and once all slices are there copies the whole result into its tensor. Each byte
+//!   is read G + 1 times across the machine, whatever G;
+//! - **direct**, otherwise (a relay, a reduce-scatter share, a joined member): each member
+//!   reduces the ranges it takes straight from the contributors' slots into its tensor.
+//!
+//! A member then publishes that it consumed the round; a slot is written again only once
+//! every member that took part in its last round has consumed it. Rounds of different
+//! tensors progress independently, in any order across members, so no order of
+//! operations can deadlock: the thread sleeps on the machine's doorbell (a futex every
+//! change rings) and advances whatever it can.
+
+use std::collections::HashMap;
+use std::ops::Range;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use sumflow_client::coordinator::NodeFailure;
+use sumflow_reduce::Reducer;
+use sumflow_wire::{Dtype, ErrorCode, ReduceOp as WireOp, Role};
+
+use super::area::{MachineArea, PushFlags, TensorArea};
+use super::shm;
+use crate::average::scale_in_place;
+use crate::error::CommError;
+use crate::handles::Handles;
+use crate::pipeline::HostSlice;
+use crate::trace::{Arg, Tracer, Track};
+
+/// The handles' key and server of a shared-memory operation (its one "partition").
+pub const LOCAL_KEY: u64 = u64::MAX;
+pub const LOCAL_SERVER: u32 = u32::MAX;
+
+/// How long the stage sleeps at most before checking for failures again.
+const POLL: Duration = Duration::from_millis(100);
+
+/// One operation on a tensor all of whose members share this machine.
+#[derive(Debug)]
+pub struct LocalOp {
+    pub handle: u64,
+    pub tensor: u32,
+    pub name: Arc<str>,
+    pub data: HostSlice,
+    pub dtype: Dtype,
+    /// The members' ranks, ascending; this worker is one of them.
+    pub members: Arc<[u32]>,
+    pub op: WireOp,
+    pub divisor: Option<u32>,
+    /// Whether this worker contributes its tensor this round (else it skips it).
+    pub contributes: bool,
+    /// Byte ranges it takes back; `None`: all.
+    pub pulls: Option<Vec<Range<u64>>>,
+}
+
+pub enum Command {
+    Run(LocalOp),
+    /// The tensor is retired: unmap its area.
+    Retire(u32),
+    /// This worker left `join`: every tensor picks up at the round the others reached.
+    Resync,
+    Stop,
+}
+
+/// Who the workers of this job are, as the stage needs them.
+#[derive(Debug)]
+pub struct Peers {
+    pub rank: u32,
+    /// Local rank of each worker on this machine, by rank; `None` elsewhere.
+    pub local: Vec<Option<u32>>,
+}
+
+#[derive(Debug)]
+enum Phase {
+    Enter,
+    Pushed,
+    Reduced,
+}
+
+struct Pending {
+    op: LocalOp,
+    round: u64,
+    phase: Phase,
+    issued: Instant,
+    /// "two phases" or "direct", once known.
+    mode: &'static str,
+}
+
+struct Area {
+    area: TensorArea,
+    me: usize,
+    round: u64,
+    resync: bool,
+    slot_reserved: bool,
+    result_reserved: bool,
+}
+
+enum Step {
+    Blocked,
+    Moved,
+    Done,
+}
+
+pub struct Stage {
+    machine: Arc<MachineArea>,
+    /// Path prefix of this job's files on this machine.
+    prefix: PathBuf,
+    peers: Peers,
+    handles: Arc<Handles>,
+    failures: Receiver<NodeFailure>,
+    commands: Receiver<Command>,
+    tracer: Arc<Tracer>,
+    reducer: Reducer,
+    areas: HashMap<u32, Area>,
+    /// Workers the coordinator reported failed, with why.
+    failed: HashMap<u32, String>,
+}
+
+impl Stage {
+    pub fn new(
+        machine: Arc<MachineArea>,
+        prefix: PathBuf,
+        peers: Peers,
+        handles: Arc<Handles>,
+        failures: Receiver<NodeFailure>,
+        commands: Receiver<Command>,
+        tracer: Arc<Tracer>,
+    ) -> Stage {
+        Stage {
+            machine,
+            prefix,
+            peers,
+            handles,
+            failures,
+            commands,
+            tracer,
+            reducer: Reducer::detect(),
+            areas: HashMap::new(),
+            failed: HashMap::new(),
+        }
+    }
+
+    pub fn area_path(prefix: &std::path::Path, tensor: u32) -> PathBuf {
+        let mut p = prefix.as_os_str().to_owned();
+        p.push(format!("-t{tensor}"));
+        PathBuf::from(p)
+    }
+
+    /// The thread's body: until `Stop`, advance every operation it can, then sleep on the
+    /// doorbell.
+    pub fn run(mut self) {
+        let mut pending: Vec<Pending> = Vec::new();
+        loop {
+            let seen = self
+                .machine
+                .doorbell()
+                .load(std::sync::atomic::Ordering::Acquire);
+            loop {
+                match self.commands.try_recv() {
+                    Ok(Command::Run(op)) => {
+                        if let Some(p) = self.begin(op) {
+                            pending.push(p);
+                        }
+                    }
+                    Ok(Command::Retire(t)) => self.retire(t),
+                    Ok(Command::Resync) => self.areas.values_mut().for_each(|a| a.resync = true),
+                    Ok(Command::Stop) | Err(TryRecvError::Disconnected) => {
+                        return self.stop(pending)
+                    }
+                    Err(TryRecvError::Empty) => break,
+                }
+            }
+            while let Ok(f) = self.failures.try_recv() {
+                if f.node.role == Role::Worker {
+                    self.failed
+                        .insert(f.node.rank, format!("{} failed: {}", f.name, f.reason));
+                }
+            }
+            let mut moved = false;
+            let mut i = 0;
+            while i < pending.len() {
+                match self.advance(&mut pending[i]) {
+                    Ok(Step::Blocked) => i += 1,
+                    Ok(Step::Moved) => moved = true,
+                    Ok(Step::Done) => {
+                        moved = true;
+                        pending.swap_remove(i);
+                    }
+                    Err(e) => {
+                        let p = pending.swap_remove(i);
+                        self.handles.fail(p.op.handle, |_| e);
+                    }
+                }
+            }
+            if !moved {
+                shm::wait(self.machine.doorbell(), seen, POLL);
+            }
+        }
+    }
+
+    fn stop(&mut self, pending: Vec<Pending>) {
+        for p in pending {
+            self.handles.fail(p.op.handle, |_| CommError::Shutdown);
+        }
+        for (_, a) in self.areas.drain() {
+            a.area.unlink();
+        }
+    }
+
+    fn retire(&mut self, tensor: u32) {
+        match self.areas.remove(&tensor) {
+            Some(a) => a.area.unlink(),
+            None => shm::unlink(&Self::area_path(&self.prefix, tensor)),
+        }
+    }
+
+    /// Starts an operation: a tensor of one member completes at once.
+    fn begin(&mut self, op: LocalOp) -> Option<Pending> {
+        if op.members.len() == 1 {
+            if !op.contributes && self.handles.begin_access(op.handle) {
+                // A lone skipped round sums nothing: zeros, as the servers give.
+                for r in pulled(&op) {
+                    op.data.bytes_mut()[r].fill(0);
+                }
+                self.handles.end_access(op.handle, Some(LOCAL_KEY));
+            } else if self.handles.begin_access(op.handle) {
+                self.handles.end_access(op.handle, Some(LOCAL_KEY));
+            }
+            return None;
+        }
+        Some(Pending {
+            op,
+            round: 0,
+            phase: Phase::Enter,
+            issued: Instant::now(),
+            mode: "",
+        })
+    }
+
+    fn fail_text(&self, op: &LocalOp, what: String) -> CommError {
+        CommError::Failed {
+            tensor: op.name.to_string(),
+            code: ErrorCode::NodeFailed,
+            message: what,
+        }
+    }
+
+    /// Fails the operation if a member failed or the machine's shared memory broke.
+    fn check_peers(&self, op: &LocalOp) -> Result<(), CommError> {
+        if let Some(l) = self.machine.broken_by() {
+            return Err(self.fail_text(
+                op,
+                format!(
+                    "local worker {l} of this machine could not allocate shared memory in {} \
+                     (full? enlarge it, e.g. docker --shm-size, or set \
+                     SUMFLOW_SHARED_MEMORY=off)",
+                    shm::SHM_DIR
+                ),
+            ));
+        }
+        for m in op.members.iter() {
+            if let Some(why) = self.failed.get(m) {
+                return Err(self.fail_text(op, format!("member worker {m}: {why}")));
+            }
+        }
+        Ok(())
+    }
+
+    fn area(&mut self, op: &LocalOp) -> Result<&mut Area, CommError> {
+        if !self.areas.contains_key(&op.tensor) {
+            let path = Self::area_path(&self.prefix, op.tensor);
+            let area = TensorArea::open(&path, op.members.len(), op.data.len)
+                .map_err(|e| self.io_error(op, &path, e))?;
+            if area.attach() {
+                area.unlink();
+            }
+            let me = op
+                .members
+                .binary_search(&self.peers.rank)
+                .expect("the service checked membership");
+            self.areas.insert(
+                op.tensor,
+                Area {
+                    area,
+                    me,
+                    round: 0,
+                    resync: true,
+                    slot_reserved: false,
+                    result_reserved: false,
+                },
+            );
+        }
+        Ok(self.areas.get_mut(&op.tensor).expect("inserted"))
+    }
+
+    fn io_error(&self, op: &LocalOp, path: &std::path::Path, e: std::io::Error) -> CommError {
+        if let Some(l) = self.peers.local[self.peers.rank as usize] {
+            self.machine.break_down(l);
+        }
+        CommError::Io {
+            what: format!(
+                "tensor '{}': shared memory {} ({} bytes per member; set \
+                 SUMFLOW_SHARED_MEMORY=off to go through the summation servers instead)",
+                op.name,
+                path.display(),
+                op.data.len
+            ),
+            source: Arc::new(e),
+        }
+    }
+
+    fn joined(&self, rank: u32) -> bool {
+        self.peers.local[rank as usize].is_some_and(|l| self.machine.joined(l))
+    }
+
+    fn advance(&mut self, p: &mut Pending) -> Result<Step, CommError> {
+        match p.phase {
+            Phase::Enter => self.enter(p),
+            Phase::Pushed => self.pushed(p),
+            Phase::Reduced => self.reduced(p),
+        }
+    }
+
+    /// Copies this worker's tensor into its slot once every member is done with the
+    /// slot's last round, and publishes the push.
+    fn enter(&mut self, p: &mut Pending) -> Result<Step, CommError> {
+        self.check_peers(&p.op)?;
+        let handles = Arc::clone(&self.handles);
+        let a = self.area(&p.op)?;
+        if a.resync {
+            a.round = a.area.completed();
+            a.area.resync(a.me, a.round);
+            a.resync = false;
+        }
+        let round = a.round + 1;
+        let free = (0..p.op.members.len())
+            .all(|k| k == a.me || a.area.consumed(k) >= a.area.pushed(k).min(round - 1));
+        if !free {
+            return Ok(Step::Blocked);
+        }
+        let offset = a.area.slot_offset(a.me);
+        let len = p.op.data.len;
+        let mut contributes = p.op.contributes;
+        if contributes && !a.slot_reserved {
+            if let Err(e) = a.area.reserve(offset, len) {
+                let path = Self::area_path(&self.prefix, p.op.tensor);
+                return Err(self.io_error(&p.op, &path, e));
+            }
+            a.slot_reserved = true;
+        }
+        let began = Instant::now();
+        if contributes {
+            if handles.begin_access(p.op.handle) {
+                // SAFETY: the slot is this member's alone until it publishes the push, and
+                // no member reads it (every one consumed its last round, checked above);
+                // the caller's span is valid while access is held.
+                unsafe {
+                    std::ptr::copy_nonoverlapping(
+                        p.op.data.bytes().as_ptr(),
+                        a.area.at(offset),
+                        len,
+                    );
+                }
+                handles.end_access(p.op.handle, None);
+            } else {
+                // The operation failed meanwhile: take part without the buffer, so the
+                // others' round still completes.
+                contributes = false;
+            }
+        }
+        let pulls_all = p.op.pulls.is_none();
+        a.area.publish_push(
+            a.me,
+            round,
+            PushFlags {
+                contributes,
+                pulls_all,
+            },
+        );
+        a.round = round;
+        p.round = round;
+        p.phase = Phase::Pushed;
+        self.machine.ring();
+        if contributes {
+            self.tracer
+                .span(Track::SharedMemory, "copy in", began, Instant::now(), &[]);
+        }
+        Ok(Step::Moved)
+    }
+
+    /// Once every member pushed (or joined without pushing), reduces: this worker's
+    /// slice for two phases, its ranges for a direct round.
+    fn pushed(&mut self, p: &mut Pending) -> Result<Step, CommError> {
+        let members = Arc::clone(&p.op.members);
+        let joined: Vec<bool> = members.iter().map(|&r| self.joined(r)).collect();
+        let a = &self.areas[&p.op.tensor];
+        let round = p.round;
+        let arrived = (0..members.len())
+            .all(|k| a.area.pushed(k) >= round || (joined[k] && a.area.pushed(k) < round));
+        if !arrived {
+            self.check_peers(&p.op)?;
+            return Ok(Step::Blocked);
+        }
+        let took_part: Vec<usize> = (0..members.len())
+            .filter(|&k| a.area.pushed(k) == round)
+            .collect();
+        let two_phase = took_part.len() == members.len()
+            && took_part.iter().all(|&k| a.area.flags(k).pulls_all);
+        let sources: Vec<usize> = took_part
+            .into_iter()
+            .filter(|&k| a.area.flags(k).contributes)
+            .collect();
+        if !two_phase {
+            p.mode = "direct";
+            self.take(&p.op, &sources, None);
+            return Ok(self.consume(p));
+        }
+        p.mode = "two phases";
+        let began = Instant::now();
+        let es = p.op.dtype.size();
+        let slice = slice_of(p.op.data.len / es, members.len(), a.me);
+        let bytes = slice.start * es..slice.end * es;
+        let result = a.area.slot_offset(members.len());
+        let a = self.areas.get_mut(&p.op.tensor).expect("area");
+        if !a.result_reserved {
+            if let Err(e) = a.area.reserve(result, p.op.data.len) {
+                let path = Self::area_path(&self.prefix, p.op.tensor);
+                return Err(self.io_error(&p.op, &path, e));
+            }
+            a.result_reserved = true;
+        }
+        let a = &self.areas[&p.op.tensor];
+        if !bytes.is_empty() {
+            // SAFETY: the result's slice m is written by member m alone in this phase
+            // (no one reads the result before every slice is published); the slots are
+            // read only, their members published them and write them again only after
+            // this member consumes the round.
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(a.area.at(result + bytes.start), bytes.len())
+            };
+            let srcs = slot_views(&a.area, &sources, bytes.clone());
+            reduce(self.reducer, p.op.dtype, p.op.op, &srcs, out);
+        }
+        a.area.publish_reduced(a.me, round);
+        self.tracer.span(
+            Track::SharedMemory,
+            "reduce slice",
+            began,
+            Instant::now(),
+            &[("sources", Arg::Uint(sources.len() as u64))],
+        );
+        p.phase = Phase::Reduced;
+        self.machine.ring();
+        Ok(Step::Moved)
+    }
+
+    /// Once every slice is reduced, copies the result into the caller's tensor.
+    fn reduced(&mut self, p: &mut Pending) -> Result<Step, CommError> {
+        let a = &self.areas[&p.op.tensor];
+        let n = p.op.members.len();
+        if !(0..n).all(|k| a.area.reduced(k) >= p.round) {
+            self.check_peers(&p.op)?;
+            return Ok(Step::Blocked);
+        }
+        let result = a.area.slot_offset(n);
+        self.take(&p.op, &[], Some(result));
+        Ok(self.consume(p))
+    }
+
+    fn consume(&mut self, p: &Pending) -> Step {
+        let a = &self.areas[&p.op.tensor];
+        a.area.publish_consumed(a.me, p.round);
+        self.machine.ring();
+        self.tracer.span(
+            Track::SharedMemory,
+            p.op.name.to_string(),
+            p.issued,
+            Instant::now(),
+            &[
+                ("round", Arg::Uint(p.round)),
+                ("mode", Arg::Str(p.mode)),
+                ("bytes", Arg::Uint(p.op.data.len as u64)),
+                ("members", Arg::Uint(p.op.members.len() as u64)),
+            ],
+        );
+        Step::Done
+    }
+
+    /// Writes the round's result into the caller's ranges: copied from the result region
+    /// (`Some(offset)`), or reduced from the `sources`' slots; then averages, and
+    /// completes the operation's handle.
+    fn take(&self, op: &LocalOp, sources: &[usize], result: Option<usize>) {
+        if !self.handles.begin_access(op.handle) {
+            return;
+        }
+        let began = Instant::now();
+        let a = &self.areas[&op.tensor];
+        let buf = op.data.bytes_mut();
+        for r in pulled(op) {
+            match result {
+                Some(offset) => {
+                    // SAFETY: the result is complete (every slice published) and is not
+                    // written again before this member consumes the round.
+                    let src =
+                        unsafe { std::slice::from_raw_parts(a.area.at(offset + r.start), r.len()) };
+                    buf[r].copy_from_slice(src);
+                }
+                None if sources.is_empty() => buf[r].fill(0),
+                None => {
+                    let srcs = slot_views(&a.area, sources, r.clone());
+                    reduce(self.reducer, op.dtype, op.op, &srcs, &mut buf[r]);
+                }
+            }
+        }
+        for r in pulled(op) {
+            scale_in_place(op.dtype, &mut buf[r], op.divisor);
+        }
+        self.handles.end_access(op.handle, Some(LOCAL_KEY));
+        self.tracer
+            .span(Track::SharedMemory, "take", began, Instant::now(), &[]);
+    }
+}
+
+/// `out` = the sources reduced by `op`; zeros without sources (a round every member
+/// skipped, as the servers give), and a lone source's bytes as they are (the kernels
+/// copy a lone term unchanged too, but memcpy is the faster copy).
+fn reduce(reducer: Reducer, dtype: Dtype, op: WireOp, srcs: &[&[u8]], out: &mut [u8]) {
+    match srcs {
+        [] => out.fill(0),
+        [only] => out.copy_from_slice(only),
+        _ => reducer.reduce_into(dtype, op, None, srcs, out),
+    }
+}
+
+/// The `range` of each source member's slot.
+fn slot_views<'a>(area: &'a TensorArea, sources: &[usize], range: Range<usize>) -> Vec<&'a [u8]> {
+    sources
+        .iter()
+        .map(|&k| {
+            // SAFETY: member k published its slot for this round and writes it again only
+            // after every member consumed the round; the range lies inside the slot.
+            unsafe {
+                std::slice::from_raw_parts(area.at(area.slot_offset(k) + range.start), range.len())
+            }
+        })
+        .collect()
+}
+
+/// The element range member `m` of `g` reduces in two phases: equal slices of whole
+/// 64-element blocks (cache lines for every dtype), the last ones possibly short or empty.
+pub fn slice_of(elements: usize, g: usize, m: usize) -> Range<usize> {
+    let per = elements.div_ceil(g).next_multiple_of(64);
+    (m * per).min(elements)..((m + 1) * per).min(elements)
+}
+
+/// The byte ranges this operation takes, widened to whole elements, sorted and merged
+/// (an average must divide each byte once).
+fn pulled(op: &LocalOp) -> Vec<Range<usize>> {
+    let len = op.data.len;
+    let Some(ranges) = &op.pulls else {
+        return std::iter::once(0..len).collect();
+    };
+    let es = op.dtype.size();
+    let mut rs: Vec<Range<usize>> = ranges
+        .iter()
+        .map(|r| (r.start as usize / es * es)..(r.end as usize).next_multiple_of(es).min(len))
+        .collect();
+    rs.sort_by_key(|r| r.start);
+    let mut merged: Vec<Range<usize>> = Vec::with_capacity(rs.len());
+    for r in rs {
+        match merged.last_mut() {
+            Some(last) if r.start <= last.end => last.end = last.end.max(r.end),
+            _ => merged.push(r),
+        }
+    }
+    merged
+}
+
+#[cfg(test)]
+mod tests {
+    use super::slice_of;
+
+    #[test]
+    fn slices_cover_every_element_once() {
+        for n in [0, 1, 63, 64, 65, 1000, 4097] {
+            for g in 1..=9 {
+                let mut next = 0;
+                for m in 0..g {
+                    let s = slice_of(n, g, m);
+                    assert_eq!(s.start, next.min(n), "n={n} g={g} m={m}");
+                    next = s.end;
+                }
+                assert_eq!(next, n, "n={n} g={g}");
+            }
+        }
+    }
+}

@@ -1,0 +1,78 @@
+"""Workers of one machine sum in its shared memory (crates/comm/src/local): every
+collective exact without a byte through a socket, the same results through the server
+with ``SUMFLOW_SHARED_MEMORY=off``, no file left in /dev/shm, and a worker that dies is
+named within seconds."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+WORKER = HERE / "shared_memory_worker.py"
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+
+
+def ours() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("sumflow-")}
+
+
+def launch(np: int, argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sumflow.launcher", "-np", str(np), "--timeout", "60", *argv],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(("workers", "expect"), [(3, "shared"), (4, "shared"), (3, "servers")])
+def test_every_collective_is_exact_in_shared_memory_and_through_the_servers(
+    tmp_path: Path, workers: int, expect: str
+) -> None:
+    before = ours()
+    off = ["-x", "SUMFLOW_SHARED_MEMORY=off"] if expect == "servers" else []
+    run = launch(workers, [*off, sys.executable, str(WORKER), str(tmp_path), expect], clean_env())
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    for rank in range(workers):
+        assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", rank
+    assert ours() <= before, f"left in /dev/shm: {ours() - before}"
+
+
+DYING = """
+import os, sys, time, torch
+import sumflow.torch as hvd
+hvd.init()
+x = torch.ones(1 << 20)
+hvd.allreduce_(x, name="x")
+if hvd.rank() == 1:
+    os._exit(3)
+started = time.time()
+try:
+    hvd.allreduce_(x, name="x")
+except Exception as e:
+    print(f"rank {hvd.rank()} after {time.time() - started:.1f}s: {type(e).__name__}: {e}")
+    sys.exit(1)
+"""
+
+
+def test_a_worker_that_dies_is_named_within_seconds(tmp_path: Path) -> None:
+    script = tmp_path / "dying.py"
+    script.write_text(DYING)
+    started = time.monotonic()
+    run = launch(3, [sys.executable, str(script)], clean_env())
+    assert run.returncode != 0
+    out = run.stdout + run.stderr
+    assert time.monotonic() - started < 40, out[-3000:]
+    assert "worker 1" in out, out[-3000:]
+    assert "exited with code 3" in out, out[-3000:]
