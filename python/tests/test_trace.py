@@ -159,19 +159,27 @@ def test_workers_of_one_machine_trace_their_shared_memory_stage(tmp_path: Path) 
         names = thread_names(trace)
         assert not [n for n in names.values() if n.startswith(("push →", "receive ←"))], names
         # Each allreduce of "x" (and its agreement) on the shared-memory track, its
-        # phases inside it.
+        # phases inside it. An operation is recorded when it ends and a phase when it
+        # does, so at the window's edges an operation may lack its first phases, or a
+        # phase its operation.
         ops = on(trace, "shared memory", "allreduce.x")
-        assert len(ops) == 2, ops
+        assert 1 <= len(ops) <= 3, ops
         assert all(e["args"]["mode"] == "two phases" for e in ops), ops
         assert all(e["args"]["members"] == 2 for e in ops), ops
-        assert len(on(trace, "shared memory", "agree.allreduce.x")) == 2
-        for phase in ("copy in", "reduce slice", "take"):
-            inside = [
-                e
-                for e in on(trace, "shared memory", phase)
-                if any(op["ts"] - 1 <= e["ts"] and end(e) <= end(op) + 1 for op in ops)
+        assert on(trace, "shared memory", "agree.allreduce.x")
+        complete = 0
+        for op in ops:
+            phases = [
+                e["name"]
+                for e in sorted(by_phase(trace, "X"), key=lambda e: e["ts"])
+                if names[e["tid"]] == "shared memory"
+                and e["name"] in ("copy in", "reduce slice", "take")
+                and op["ts"] - 1 <= e["ts"]
+                and end(e) <= end(op) + 1
             ]
-            assert len(inside) == 2, (phase, inside)
+            assert phases[-1:] == ["take"], (op, phases)
+            complete += phases == ["copy in", "reduce slice", "take"]
+        assert complete >= 1, ops
 
 
 def test_a_job_ending_inside_the_window_writes_what_it_recorded(tmp_path: Path) -> None:

@@ -200,7 +200,11 @@ impl Stage {
                     }
                 }
             }
-            if !moved {
+            // One ring for everything this pass published: each wakes every stage of
+            // the machine.
+            if moved {
+                self.machine.ring();
+            } else {
                 shm::wait(self.machine.doorbell(), seen, POLL);
             }
         }
@@ -388,7 +392,6 @@ impl Stage {
         a.round = round;
         p.round = round;
         p.phase = Phase::Pushed;
-        self.machine.ring();
         if contributes {
             self.tracer
                 .span(Track::SharedMemory, "copy in", began, Instant::now(), &[]);
@@ -458,7 +461,6 @@ impl Stage {
             &[("sources", Arg::Uint(sources.len() as u64))],
         );
         p.phase = Phase::Reduced;
-        self.machine.ring();
         Ok(Step::Moved)
     }
 
@@ -478,7 +480,6 @@ impl Stage {
     fn consume(&mut self, p: &Pending) -> Step {
         let a = &self.areas[&p.op.tensor];
         a.area.publish_consumed(a.me, p.round);
-        self.machine.ring();
         self.tracer.span(
             Track::SharedMemory,
             p.op.name.to_string(),
