@@ -76,3 +76,29 @@ def test_a_worker_that_dies_is_named_within_seconds(tmp_path: Path) -> None:
     assert time.monotonic() - started < 40, out[-3000:]
     assert "worker 1" in out, out[-3000:]
     assert "exited with code 3" in out, out[-3000:]
+
+
+KILLED = """
+import os, signal, time, torch
+import sumflow.torch as hvd
+hvd.init()
+if hvd.rank() == 0:
+    # Maps the tensor's file; worker 1 never does, so the file keeps its name.
+    hvd.allreduce_async(torch.ones(1 << 16), name="orphan")
+    time.sleep(1)
+else:
+    time.sleep(1.5)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_files_of_killed_workers_are_removed_by_the_launcher(tmp_path: Path) -> None:
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED)
+    before = ours()
+    run = launch(2, [sys.executable, str(script)], clean_env())
+    assert run.returncode != 0
+    assert "signal 9" in run.stdout + run.stderr or "SIGKILL" in run.stdout + run.stderr, (
+        run.stdout[-2000:] + run.stderr[-2000:]
+    )
+    assert ours() <= before, f"left in /dev/shm: {ours() - before}"

@@ -182,6 +182,9 @@ class Launcher:
         self._signals: list[int] = []
         self._tmp: Path | None = None
         self._token = ""
+        # The coordinator's job id: the workers' shared-memory files on this machine are
+        # named by it, so that teardown can remove what killed workers left.
+        self._job_id = f"run-{secrets.token_hex(8)}"
         self._base_env = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
         self._base_env["RUST_LOG"] = plan.rust_log
         # The programs colour their logs even into pipes; not when this output is no
@@ -236,6 +239,8 @@ class Launcher:
             str(plan.num_servers),
             "--addr-file",
             str(addr_file),
+            "--job-id",
+            self._job_id,
             *plan.coordinator_args,
         ]
         spec = ProcSpec("coordinator", "coordinator", argv, dict(plan.service_env))
@@ -424,3 +429,13 @@ class Launcher:
         for c in self.children:
             c.join_output(deadline)
             c.close_stdin()
+        remove_shared_memory(self._job_id)
+
+
+def remove_shared_memory(job_id: str, directory: Path = Path("/dev/shm")) -> None:
+    """Removes the shared-memory files the job's workers left on this machine: each is
+    unlinked as soon as every worker has mapped it and at shutdown, but a worker killed in
+    between leaves its files (docs/architecture.md, shared memory)."""
+    for path in directory.glob(f"sumflow-{job_id}-*"):
+        with contextlib.suppress(OSError):
+            path.unlink()

@@ -177,13 +177,15 @@ impl SharedMemory {
         self.machine.set_joined(self.local_rank, joined);
     }
 
-    /// Stops the stage (failing what is still pending) and removes this job's files.
+    /// Stops the stage (failing what is still pending) and removes this job's files,
+    /// the machine's area included (gone already unless the job failed to start).
     pub fn stop(&self) {
         let _ = self.commands.send(Command::Stop);
         self.machine.ring();
         if let Some(t) = self.thread.lock().expect("thread lock").take() {
             let _ = t.join();
         }
+        self.machine.unlink();
     }
 }
 
