@@ -191,15 +191,18 @@ def run_worker_processes(
     timeout: float = 180.0,
     env: dict[str, str] | None = None,
     service_logs: list[str] | None = None,
+    machines: int | None = None,
 ) -> list[Outcome]:
     """Runs `argv` as `workers` worker processes of a local job, with the environment
     sumflow-run gives workers (and MASTER_ADDR/MASTER_PORT for a gloo process group);
-    returns how each ended. ``service_logs``: as for ``local_job``."""
+    returns how each ended. ``service_logs`` and ``machines`` (default: one per worker):
+    as for ``local_job``."""
     with local_job(
         tmp_path,
         workers,
         cpu_servers,
         colocated=colocated,
+        machines=machines,
         heartbeat_timeout=heartbeat_timeout,
         service_logs=service_logs,
     ) as job:

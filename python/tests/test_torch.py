@@ -47,15 +47,26 @@ def reference(opt_name: str, workers: int) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("workers", "opt_name", "passes"),
-    [(2, "sgd", 1), (4, "sgd", 1), (2, "adam", 1), (2, "sgd", 2)],
-    ids=["2-sgd", "4-sgd", "2-adam", "2-sgd-accumulate"],
+    ("workers", "opt_name", "passes", "machines"),
+    [
+        (2, "sgd", 1, None),
+        (4, "sgd", 1, None),
+        (2, "adam", 1, None),
+        (2, "sgd", 2, None),
+        # Two workers on each of two machines (local ranks 0 and 1 on each; the
+        # gradients span both machines, so they go through the servers), and four
+        # workers on one machine (summed in its shared memory).
+        (4, "sgd", 1, 2),
+        (4, "adam", 1, 1),
+    ],
+    ids=["2-sgd", "4-sgd", "2-adam", "2-sgd-accumulate", "2x2-sgd", "1x4-adam"],
 )
 def test_distributed_optimizer_equals_one_process_on_the_whole_batch(
-    tmp_path: Path, workers: int, opt_name: str, passes: int
+    tmp_path: Path, workers: int, opt_name: str, passes: int, machines: int | None
 ) -> None:
     want = reference(opt_name, workers)
-    for got in results(tmp_path, run(tmp_path, workers, f"train-{opt_name}-{passes}")):
+    outcomes = run(tmp_path, workers, f"train-{opt_name}-{passes}", machines=machines)
+    for got in results(tmp_path, outcomes):
         assert isinstance(got, dict)
         for k, v in want.items():
             assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
