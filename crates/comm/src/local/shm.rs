@@ -16,8 +16,12 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
 
-/// Where the machine's shared memory files live.
+/// Where the machine's shared memory files live: memory-backed on Linux; elsewhere a
+/// plain directory, whose mappings are still shared, if slower.
+#[cfg(target_os = "linux")]
 pub const SHM_DIR: &str = "/dev/shm";
+#[cfg(not(target_os = "linux"))]
+pub const SHM_DIR: &str = "/tmp";
 
 /// A shared file mapped into this process.
 #[derive(Debug)]
@@ -99,6 +103,16 @@ impl Segment {
         if len == 0 {
             return Ok(());
         }
+        self.fallocate(offset, len)
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn fallocate(&self, _offset: usize, _len: usize) -> io::Result<()> {
+        Ok(())
+    }
+
+    #[cfg(target_os = "linux")]
+    fn fallocate(&self, offset: usize, len: usize) -> io::Result<()> {
         // SAFETY: fallocate on a file descriptor we own, within the file's length.
         let rc = unsafe {
             libc::fallocate(
@@ -163,6 +177,7 @@ pub fn unlink(path: &Path) {
 
 /// Sleeps while `word` holds `expected`, at most `timeout`; wakes early on
 /// [`wake_all`] from any process. Spurious returns are allowed (callers re-check).
+#[cfg(target_os = "linux")]
 pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec {
         tv_sec: timeout.as_secs() as libc::time_t,
@@ -181,7 +196,23 @@ pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
     }
 }
 
+/// Without futexes: polls the word every 50 µs, up to `timeout`.
+#[cfg(not(target_os = "linux"))]
+pub fn wait(word: &AtomicU32, expected: u32, timeout: Duration) {
+    let deadline = std::time::Instant::now() + timeout;
+    while word.load(std::sync::atomic::Ordering::Acquire) == expected
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(Duration::from_micros(50));
+    }
+}
+
+/// Without futexes, waiters poll: nothing to wake.
+#[cfg(not(target_os = "linux"))]
+pub fn wake_all(_word: &AtomicU32) {}
+
 /// Wakes every process and thread sleeping in [`wait`] on `word`.
+#[cfg(target_os = "linux")]
 pub fn wake_all(word: &AtomicU32) {
     // SAFETY: FUTEX_WAKE on a live, aligned 32-bit word.
     unsafe {
