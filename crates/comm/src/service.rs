@@ -1066,12 +1066,9 @@ impl CommunicationService {
         let deadline = Instant::now() + timeout;
         loop {
             let slice = JOB_ERROR_CHECK.min(deadline.saturating_duration_since(Instant::now()));
-            let result = self.handles.wait(handle, slice, |s| {
-                if s == LOCAL_SERVER as usize {
-                    "this machine's shared memory, with the tensor's other members".into()
-                } else {
-                    self.pipeline.server_name(s)
-                }
+            let result = self.handles.wait(handle, slice, |s| match &self.shared {
+                Some(shared) if s == LOCAL_SERVER as usize => shared.waiting_for(handle),
+                _ => self.pipeline.server_name(s),
             });
             match (result, self.job_error()) {
                 (Ok(()), _) => return Ok(()),

@@ -394,3 +394,51 @@ fn workers_that_disagree_on_shared_memory_are_stopped_naming_the_setting() {
     assert_eq!(errors.len(), 2);
     finish(job);
 }
+
+#[test]
+fn a_wait_that_times_out_names_the_members_that_have_not_pushed() {
+    let job = job_on(&["box".to_string()], 3, 0);
+    let addr = job.addr.clone();
+    let done = Arc::new(Barrier::new(3));
+    let threads: Vec<_> = (0..3u32)
+        .map(|rank| {
+            let (addr, done) = (addr.clone(), Arc::clone(&done));
+            thread::spawn(move || {
+                let c = on_box(&addr, rank);
+                let id = c.declare("slow", Dtype::F32, 1000).unwrap();
+                if rank != 2 {
+                    let mut d = vec![1f32; 1000];
+                    // SAFETY: waited for (twice: after the timeout, once worker 2 pushes).
+                    let h =
+                        unsafe { c.push_pull(id, d.as_mut_ptr().cast(), 4000, 0, ReduceOp::Sum) }
+                            .unwrap();
+                    let err = c.wait(h, Duration::from_millis(500)).unwrap_err();
+                    let msg = err.to_string();
+                    assert!(matches!(err, CommError::Timeout { .. }), "{msg}");
+                    assert!(
+                        msg.contains("waiting for workers [2] to push round 1"),
+                        "worker {rank}: {msg}"
+                    );
+                    done.wait();
+                    c.wait(h, Duration::from_secs(20)).unwrap();
+                    assert!(d.iter().all(|v| *v == 3.0));
+                } else {
+                    done.wait();
+                    let mut d = vec![1f32; 1000];
+                    reduce(
+                        &c,
+                        id,
+                        bytemuck::cast_slice_mut(&mut d),
+                        ReduceOp::Sum,
+                        &Exchange::ALL,
+                    );
+                }
+                c.shutdown("done").unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    finish(job);
+}

@@ -24,7 +24,7 @@ use crate::trace::Tracer;
 pub use stage::{LocalOp, LOCAL_KEY, LOCAL_SERVER};
 
 use area::{MachineArea, MAX_LOCAL};
-use stage::{Command, Peers, Stage};
+use stage::{Command, Peers, Stage, Waiting};
 
 /// This worker's shared-memory stage.
 #[derive(Debug)]
@@ -36,6 +36,7 @@ pub struct SharedMemory {
     here: Vec<u32>,
     workers: usize,
     local_rank: u32,
+    waiting: Waiting,
 }
 
 impl SharedMemory {
@@ -89,6 +90,7 @@ impl SharedMemory {
         })?);
         machine.register(local_rank);
         let (tx, rx) = unbounded();
+        let waiting = Waiting::default();
         let stage = Stage::new(
             Arc::clone(&machine),
             prefix,
@@ -97,6 +99,7 @@ impl SharedMemory {
             failures,
             rx,
             tracer,
+            Arc::clone(&waiting),
         );
         let thread = std::thread::Builder::new()
             .name("sumflow-shm".into())
@@ -112,6 +115,7 @@ impl SharedMemory {
             here,
             workers: map.workers.len(),
             local_rank,
+            waiting,
         })
     }
 
@@ -148,6 +152,16 @@ impl SharedMemory {
             None => self.here.len() == self.workers,
             Some(m) => m.iter().all(|r| self.here.binary_search(r).is_ok()),
         }
+    }
+
+    /// What the operation of `handle` waits for, for a timeout's message.
+    pub fn waiting_for(&self, handle: u64) -> String {
+        self.waiting
+            .lock()
+            .expect("waiting")
+            .get(&handle)
+            .cloned()
+            .unwrap_or_else(|| "this machine's shared memory".into())
     }
 
     /// Ranks of the workers on this machine.

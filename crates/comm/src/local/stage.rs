@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 use std::ops::Range;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
@@ -92,7 +92,12 @@ struct Pending {
     issued: Instant,
     /// "two phases" or "direct", once known.
     mode: &'static str,
+    /// The members it last waited for, by rank, as published in `Waiting`.
+    waited: Vec<u32>,
 }
+
+/// What each blocked operation waits for, by handle, for timeout messages.
+pub type Waiting = Arc<Mutex<HashMap<u64, String>>>;
 
 struct Area {
     area: TensorArea,
@@ -118,6 +123,7 @@ pub struct Stage {
     failures: Receiver<NodeFailure>,
     commands: Receiver<Command>,
     tracer: Arc<Tracer>,
+    waiting: Waiting,
     reducer: Reducer,
     areas: HashMap<u32, Area>,
     /// Workers the coordinator reported failed, with why.
@@ -133,6 +139,7 @@ impl Stage {
         failures: Receiver<NodeFailure>,
         commands: Receiver<Command>,
         tracer: Arc<Tracer>,
+        waiting: Waiting,
     ) -> Stage {
         Stage {
             machine,
@@ -142,6 +149,7 @@ impl Stage {
             failures,
             commands,
             tracer,
+            waiting,
             reducer: Reducer::detect(),
             areas: HashMap::new(),
             failed: HashMap::new(),
@@ -188,14 +196,19 @@ impl Stage {
             let mut i = 0;
             while i < pending.len() {
                 match self.advance(&mut pending[i]) {
-                    Ok(Step::Blocked) => i += 1,
+                    Ok(Step::Blocked) => {
+                        self.note_waiting(&mut pending[i]);
+                        i += 1;
+                    }
                     Ok(Step::Moved) => moved = true,
                     Ok(Step::Done) => {
                         moved = true;
-                        pending.swap_remove(i);
+                        let p = pending.swap_remove(i);
+                        self.waiting.lock().expect("waiting").remove(&p.op.handle);
                     }
                     Err(e) => {
                         let p = pending.swap_remove(i);
+                        self.waiting.lock().expect("waiting").remove(&p.op.handle);
                         self.handles.fail(p.op.handle, |_| e);
                     }
                 }
@@ -207,6 +220,48 @@ impl Stage {
             } else {
                 shm::wait(self.machine.doorbell(), seen, POLL);
             }
+        }
+    }
+
+    /// Records which members a blocked operation waits for, when that changed.
+    fn note_waiting(&self, p: &mut Pending) {
+        let Some(a) = self.areas.get(&p.op.tensor) else {
+            return;
+        };
+        let round = p.round;
+        let (missing, what): (Vec<u32>, String) = match p.phase {
+            Phase::Enter => {
+                let round = a.round + 1;
+                let late = (0..p.op.members.len())
+                    .filter(|&k| a.area.consumed(k) < a.area.pushed(k).min(round - 1));
+                (
+                    late.map(|k| p.op.members[k]).collect(),
+                    format!("to finish round {} of it", round - 1),
+                )
+            }
+            Phase::Pushed => (
+                (0..p.op.members.len())
+                    .filter(|&k| a.area.pushed(k) < round && !self.joined(p.op.members[k]))
+                    .map(|k| p.op.members[k])
+                    .collect(),
+                format!("to push round {round}"),
+            ),
+            Phase::Reduced => (
+                (0..p.op.members.len())
+                    .filter(|&k| a.area.reduced(k) < round)
+                    .map(|k| p.op.members[k])
+                    .collect(),
+                format!("to reduce their slices of round {round}"),
+            ),
+        };
+        if missing != p.waited {
+            let text =
+                format!("this machine's shared memory, waiting for workers {missing:?} {what}");
+            self.waiting
+                .lock()
+                .expect("waiting")
+                .insert(p.op.handle, text);
+            p.waited = missing;
         }
     }
 
@@ -246,6 +301,7 @@ impl Stage {
             phase: Phase::Enter,
             issued: Instant::now(),
             mode: "",
+            waited: Vec::new(),
         })
     }
 
