@@ -93,8 +93,11 @@ impl SharedMemory {
         let waiting = Waiting::default();
         let stage = Stage::new(
             Arc::clone(&machine),
-            prefix,
-            Peers { rank, local },
+            Peers {
+                rank,
+                prefix,
+                local,
+            },
             handles,
             failures,
             rx,

@@ -70,10 +70,13 @@ pub enum Command {
     Stop,
 }
 
-/// Who the workers of this job are, as the stage needs them.
+/// This worker's place: its rank, the local ranks of the job's workers, and where the
+/// job's files are on this machine.
 #[derive(Debug)]
 pub struct Peers {
     pub rank: u32,
+    /// Path prefix of this job's files on this machine.
+    pub prefix: PathBuf,
     /// Local rank of each worker on this machine, by rank; `None` elsewhere.
     pub local: Vec<Option<u32>>,
 }
@@ -116,8 +119,6 @@ enum Step {
 
 pub struct Stage {
     machine: Arc<MachineArea>,
-    /// Path prefix of this job's files on this machine.
-    prefix: PathBuf,
     peers: Peers,
     handles: Arc<Handles>,
     failures: Receiver<NodeFailure>,
@@ -133,7 +134,6 @@ pub struct Stage {
 impl Stage {
     pub fn new(
         machine: Arc<MachineArea>,
-        prefix: PathBuf,
         peers: Peers,
         handles: Arc<Handles>,
         failures: Receiver<NodeFailure>,
@@ -143,7 +143,6 @@ impl Stage {
     ) -> Stage {
         Stage {
             machine,
-            prefix,
             peers,
             handles,
             failures,
@@ -277,7 +276,7 @@ impl Stage {
     fn retire(&mut self, tensor: u32) {
         match self.areas.remove(&tensor) {
             Some(a) => a.area.unlink(),
-            None => shm::unlink(&Self::area_path(&self.prefix, tensor)),
+            None => shm::unlink(&Self::area_path(&self.peers.prefix, tensor)),
         }
     }
 
@@ -336,7 +335,7 @@ impl Stage {
 
     fn area(&mut self, op: &LocalOp) -> Result<&mut Area, CommError> {
         if !self.areas.contains_key(&op.tensor) {
-            let path = Self::area_path(&self.prefix, op.tensor);
+            let path = Self::area_path(&self.peers.prefix, op.tensor);
             let area = TensorArea::open(&path, op.members.len(), op.data.len)
                 .map_err(|e| self.io_error(op, &path, e))?;
             if area.attach() {
@@ -411,7 +410,7 @@ impl Stage {
         let mut contributes = p.op.contributes;
         if contributes && !a.slot_reserved {
             if let Err(e) = a.area.reserve(offset, len) {
-                let path = Self::area_path(&self.prefix, p.op.tensor);
+                let path = Self::area_path(&self.peers.prefix, p.op.tensor);
                 return Err(self.io_error(&p.op, &path, e));
             }
             a.slot_reserved = true;
@@ -491,7 +490,7 @@ impl Stage {
         let a = self.areas.get_mut(&p.op.tensor).expect("area");
         if !a.result_reserved {
             if let Err(e) = a.area.reserve(result, p.op.data.len) {
-                let path = Self::area_path(&self.prefix, p.op.tensor);
+                let path = Self::area_path(&self.peers.prefix, p.op.tensor);
                 return Err(self.io_error(&p.op, &path, e));
             }
             a.result_reserved = true;
