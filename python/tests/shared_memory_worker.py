@@ -38,7 +38,8 @@ def main() -> None:
         return [make(r) for r in range(n)]
 
     before = wire_total()
-    for dtype in (torch.int32, torch.int64, torch.float32, torch.float64, torch.float16):
+    dtypes = (torch.int32, torch.int64, torch.float32, torch.float64, torch.float16, torch.bfloat16)
+    for dtype in dtypes:
         for size in (1, 63, 1000, 65_537):
 
             def mine(r: int, dtype: torch.dtype = dtype, size: int = size) -> torch.Tensor:
