@@ -31,6 +31,12 @@ GLOO_PORT = 29517
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workers", type=int, default=4, help="worker hosts n [4]")
+    p.add_argument(
+        "--workers-per-host",
+        type=int,
+        default=1,
+        help="workers on each worker host G, as GPUs of one machine [1]",
+    )
     p.add_argument("--cpu-servers", default="0,4", help="values of k to run, comma-separated [0,4]")
     p.add_argument("--rate-mbit", type=float, default=1000.0, help="link rate [1000]")
     p.add_argument("--megabytes", type=float, default=64.0, help="the set per worker [64]")
@@ -49,6 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error(f"--cpu-servers takes integers, e.g. 0,4, not {args.cpu_servers!r}")
     if args.workers < 2 or any(k < 0 for k in args.ks):
         p.error("--workers must be at least 2 and every k at least 0")
+    if args.workers_per_host < 1:
+        p.error("--workers-per-host must be at least 1")
     return args
 
 
@@ -60,6 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "config": {
             "workers": n,
+            "workers_per_host": args.workers_per_host,
             "cpu_servers": args.ks,
             "rate_mbit": args.rate_mbit,
             "megabytes": args.megabytes,
@@ -79,7 +88,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             workers, spare = cl.hosts[:n], cl.hosts[n:]
             for k in args.ks:
-                print(f"[{k=}] sumflow and gloo on {n} workers ...", file=sys.stderr, flush=True)
+                print(
+                    f"[{k=}] sumflow and gloo on {n} hosts x {args.workers_per_host} workers ...",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 out = Path(tmpdir) / f"k{k}.json"
                 run_sumflow_job(
                     cl,
@@ -93,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     what=f"collectives k={k}",
                     log_path=args.out / "logs" / f"k{k}.log",
                     timeout=args.job_timeout,
+                    per_host=args.workers_per_host,
                     launcher_args=[
                         *("-x", f"MASTER_ADDR={workers[0].address}"),
                         *("-x", f"MASTER_PORT={GLOO_PORT}"),
@@ -124,7 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def markdown(results: dict[str, Any]) -> str:
     c = results["config"]
     lines = [
-        f"{c['workers']} workers, links {c['rate_mbit']:.0f} Mbit/s, "
+        f"{c['workers']} worker hosts x {c.get('workers_per_host', 1)} workers, links "
+        f"{c['rate_mbit']:.0f} Mbit/s, "
         f"{c['megabytes']:.0f} MB per worker, median of {c['reps']} rounds, partitions "
         f"{c['partition_bytes'] or 'by default'}",
         "",
@@ -158,7 +173,10 @@ def plot(results: dict[str, Any], path: Path) -> None:
     ax.set_xticks([j + width * (len(runs) - 1) / 2 for j in range(len(OPS))], OPS)
     ax.set_ylabel("sumflow speed / gloo's")
     c = results["config"]
-    ax.set_title(f"{c['workers']} workers, {c['rate_mbit']:.0f} Mbit/s links")
+    ax.set_title(
+        f"{c['workers']} hosts x {c.get('workers_per_host', 1)} workers, "
+        f"{c['rate_mbit']:.0f} Mbit/s links"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)

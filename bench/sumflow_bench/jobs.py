@@ -143,13 +143,17 @@ def run_sumflow_job(
     log_path: Path,
     timeout: float,
     launcher_args: Sequence[str] = (),
+    per_host: int = 1,
 ) -> JobResult:
-    """``worker_argv`` on one worker per host in ``workers``, a colocated summation server
-    on each of them and one on each host in ``cpu_servers``, through ``sumflow-run``."""
+    """``worker_argv`` on ``per_host`` workers on each host in ``workers`` (local ranks 0
+    to per_host - 1, as on a machine with that many GPUs), a colocated summation server on
+    each of them and one on each host in ``cpu_servers``, through ``sumflow-run``."""
+    if per_host < 1:
+        raise ValueError(f"per_host must be at least 1, not {per_host}")
     first = workers[0]
     argv = [
         *(sys.executable, "-m", "sumflow.launcher"),
-        *("-H", ",".join(h.address for h in workers)),
+        *("-H", ",".join(f"{h.address}:{per_host}" for h in workers)),
         *("--coordinator-bind", f"{first.address}:0"),
         *("--ssh", cluster.ssh_command()),
         *("--server-program", " ".join(program("sumflow-server"))),
