@@ -946,7 +946,7 @@ impl CommunicationService {
             let handle = self.handles.start(t.id, &t.name, &[local])?;
             let members: Arc<[u32]> = match &t.members {
                 Some(m) => Arc::clone(m),
-                None => Arc::from(shared.here()),
+                None => shared.here(),
             };
             shared.submit(LocalOp {
                 handle,

@@ -18,18 +18,7 @@ type Combine = fn(i32, i32) -> i32;
 
 /// `g` workers on machine "box" (one colocated server) and `cpu` CPU servers.
 fn run_box(g: u32, cpu: u32, body: impl Fn(u32, &str) + Send + Sync + 'static) {
-    let job = job_on(&["box".to_string()], g, cpu);
-    let body = Arc::new(body);
-    let threads: Vec<_> = (0..g)
-        .map(|w| {
-            let (addr, body) = (job.addr.clone(), Arc::clone(&body));
-            thread::spawn(move || body(w, &addr))
-        })
-        .collect();
-    for t in threads {
-        t.join().unwrap();
-    }
-    finish(job);
+    run_on(job_on(&["box".to_string()], g, cpu), g, body);
 }
 
 fn on_box(addr: &str, rank: u32) -> CommunicationService {
@@ -41,6 +30,11 @@ fn reduce(c: &CommunicationService, id: u32, bytes: &mut [u8], op: ReduceOp, ex:
     // SAFETY: waited for before `bytes` is touched again.
     let h = unsafe { c.push_exchange(id, (bytes.as_mut_ptr(), bytes.len()), 0, op, ex) }.unwrap();
     c.wait(h, Duration::from_secs(20)).unwrap();
+}
+
+/// Reduces the whole f32 tensor `d` as tensor `id` in place and waits.
+fn reduce_all(c: &CommunicationService, id: u32, d: &mut [f32], op: ReduceOp) {
+    reduce(c, id, bytemuck::cast_slice_mut(d), op, &Exchange::ALL);
 }
 
 /// This machine's files of the job, if any are left.
@@ -90,13 +84,7 @@ fn every_dtype_and_reduction_is_exact_and_nothing_goes_to_a_server() {
                 let mut d: Vec<f32> = (0..elements)
                     .map(|i| (i % 7) as f32 + rank as f32)
                     .collect();
-                reduce(
-                    &c,
-                    id,
-                    bytemuck::cast_slice_mut(&mut d),
-                    ReduceOp::Average,
-                    &Exchange::ALL,
-                );
+                reduce_all(&c, id, &mut d, ReduceOp::Average);
                 for (i, v) in d.iter().enumerate() {
                     let want = (i % 7) as f32 + (g - 1) as f32 / 2.0;
                     assert!(
@@ -235,22 +223,10 @@ fn a_process_set_on_one_machine_uses_its_memory_while_the_job_spans_two() {
                     })
                     .unwrap();
                 let mut a = vec![rank as f32 + 1.0; 5000];
-                reduce(
-                    &c,
-                    all,
-                    bytemuck::cast_slice_mut(&mut a),
-                    ReduceOp::Sum,
-                    &Exchange::ALL,
-                );
+                reduce_all(&c, all, &mut a, ReduceOp::Sum);
                 assert!(a.iter().all(|v| *v == 10.0), "worker {rank}");
                 let mut p = vec![rank as f32 + 1.0; 5000];
-                reduce(
-                    &c,
-                    local,
-                    bytemuck::cast_slice_mut(&mut p),
-                    ReduceOp::Sum,
-                    &Exchange::ALL,
-                );
+                reduce_all(&c, local, &mut p, ReduceOp::Sum);
                 let want = if rank < 2 { 3.0 } else { 7.0 };
                 assert!(p.iter().all(|v| *v == want), "worker {rank}");
                 let (keys, _) = c.wire_bytes();
@@ -273,58 +249,28 @@ fn a_joined_worker_of_the_machine_counts_as_zeros_and_comes_back_in_step() {
         let id = c.declare("x", Dtype::F32, 5000).unwrap();
         let mine = |r: u32| vec![r as f32 + 1.0; 5000];
         let mut d = mine(rank);
-        reduce(
-            &c,
-            id,
-            bytemuck::cast_slice_mut(&mut d),
-            ReduceOp::Sum,
-            &Exchange::ALL,
-        );
+        reduce_all(&c, id, &mut d, ReduceOp::Sum);
         assert_eq!(d[0], 6.0);
         if rank != 2 {
             for _ in 0..2 {
                 let mut d = mine(rank);
-                reduce(
-                    &c,
-                    id,
-                    bytemuck::cast_slice_mut(&mut d),
-                    ReduceOp::Sum,
-                    &Exchange::ALL,
-                );
+                reduce_all(&c, id, &mut d, ReduceOp::Sum);
                 assert_eq!((d[0], d[4999]), (3.0, 3.0), "worker {rank}");
             }
             let mut d = mine(rank);
-            reduce(
-                &c,
-                id,
-                bytemuck::cast_slice_mut(&mut d),
-                ReduceOp::Average,
-                &Exchange::ALL,
-            );
+            reduce_all(&c, id, &mut d, ReduceOp::Average);
             assert_eq!(d[0], 1.0, "worker {rank}");
         }
         c.join(Duration::from_secs(20)).unwrap();
         for _ in 0..2 {
             let mut d = mine(rank);
-            reduce(
-                &c,
-                id,
-                bytemuck::cast_slice_mut(&mut d),
-                ReduceOp::Sum,
-                &Exchange::ALL,
-            );
+            reduce_all(&c, id, &mut d, ReduceOp::Sum);
             assert_eq!(d[0], 6.0, "worker {rank} after the join");
         }
         // A tensor first used after the join, by everyone.
         let late = c.declare("late", Dtype::F32, 100).unwrap();
         let mut d = mine(rank);
-        reduce(
-            &c,
-            late,
-            bytemuck::cast_slice_mut(&mut d[..100]),
-            ReduceOp::Sum,
-            &Exchange::ALL,
-        );
+        reduce_all(&c, late, &mut d[..100], ReduceOp::Sum);
         assert_eq!(d[0], 6.0);
         c.shutdown("done").unwrap();
     });
@@ -425,13 +371,7 @@ fn a_wait_that_times_out_names_the_members_that_have_not_pushed() {
                 } else {
                     done.wait();
                     let mut d = vec![1f32; 1000];
-                    reduce(
-                        &c,
-                        id,
-                        bytemuck::cast_slice_mut(&mut d),
-                        ReduceOp::Sum,
-                        &Exchange::ALL,
-                    );
+                    reduce_all(&c, id, &mut d, ReduceOp::Sum);
                 }
                 c.shutdown("done").unwrap();
             })

@@ -33,7 +33,7 @@ pub struct SharedMemory {
     machine: Arc<MachineArea>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Ranks of the workers on this machine, ascending.
-    here: Vec<u32>,
+    here: Arc<[u32]>,
     workers: usize,
     local_rank: u32,
     waiting: Waiting,
@@ -76,17 +76,14 @@ impl SharedMemory {
             sanitize(&map.job_id),
             fnv1a(&[job_key.as_bytes(), me.host_id.as_bytes()])
         ));
-        let mut path = prefix.as_os_str().to_owned();
-        path.push("-machine");
-        let machine = Arc::new(MachineArea::open(std::path::Path::new(&path)).map_err(|e| {
-            CommError::Io {
-                what: format!(
-                    "shared memory for this machine's workers ({}; set \
+        let path = shm::named(&prefix, "machine");
+        let machine = Arc::new(MachineArea::open(&path).map_err(|e| CommError::Io {
+            what: format!(
+                "shared memory for this machine's workers ({}; set \
                      SUMFLOW_SHARED_MEMORY=off to go through the summation servers instead)",
-                    PathBuf::from(&path).display()
-                ),
-                source: Arc::new(e),
-            }
+                path.display()
+            ),
+            source: Arc::new(e),
         })?);
         machine.register(local_rank);
         let (tx, rx) = unbounded();
@@ -115,7 +112,7 @@ impl SharedMemory {
             commands: tx,
             machine,
             thread: Mutex::new(Some(thread)),
-            here,
+            here: Arc::from(here),
             workers: map.workers.len(),
             local_rank,
             waiting,
@@ -168,8 +165,8 @@ impl SharedMemory {
     }
 
     /// Ranks of the workers on this machine.
-    pub fn here(&self) -> &[u32] {
-        &self.here
+    pub fn here(&self) -> Arc<[u32]> {
+        Arc::clone(&self.here)
     }
 
     pub fn submit(&self, op: LocalOp) -> Result<(), CommError> {

@@ -170,6 +170,13 @@ impl Drop for Segment {
     }
 }
 
+/// The file `<prefix>-<what>`: one of a job's files on this machine.
+pub fn named(prefix: &Path, what: &str) -> PathBuf {
+    let mut p = prefix.as_os_str().to_owned();
+    p.push(format!("-{what}"));
+    PathBuf::from(p)
+}
+
 /// Removes a shared file's name, if it is still there.
 pub fn unlink(path: &Path) {
     let _ = std::fs::remove_file(path);

@@ -156,9 +156,7 @@ impl Stage {
     }
 
     pub fn area_path(prefix: &std::path::Path, tensor: u32) -> PathBuf {
-        let mut p = prefix.as_os_str().to_owned();
-        p.push(format!("-t{tensor}"));
-        PathBuf::from(p)
+        shm::named(prefix, &format!("t{tensor}"))
     }
 
     /// The thread's body: until `Stop`, advance every operation it can, then sleep on the

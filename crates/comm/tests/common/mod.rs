@@ -115,7 +115,12 @@ pub fn worker(addr: &str, rank: u32) -> CommunicationService {
 /// Runs `body(rank, coordinator address)` on a thread per worker of a job with `workers`
 /// machines and `cpu` CPU servers, then ends the job.
 pub fn run_job(workers: u32, cpu: u32, body: impl Fn(u32, &str) + Send + Sync + 'static) {
-    let job = job(workers, cpu);
+    run_on(job(workers, cpu), workers, body);
+}
+
+/// Runs `body(rank, coordinator address)` on a thread per worker of `job`'s `workers`, then
+/// ends the job.
+pub fn run_on(job: Job, workers: u32, body: impl Fn(u32, &str) + Send + Sync + 'static) {
     let body = Arc::new(body);
     let threads: Vec<_> = (0..workers)
         .map(|w| {
