@@ -162,6 +162,39 @@ def test_ddp_hook_matches_ddp_with_gloo(tmp_path: Path) -> None:
             assert torch.allclose(g[k], h[k], rtol=0, atol=ATOL), k
 
 
+def test_sync_batch_norm_equals_batch_norm_over_the_whole_batch(tmp_path: Path) -> None:
+    n = 3
+    outs = results(tmp_path, run(tmp_path, n, "sync-batch-norm"))
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(4 * n, 3, 5, generator=gen)
+    weights = torch.randn(4 * n, 3, 5, generator=gen)
+    layers = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(3))
+    x = whole.clone().requires_grad_(True)
+    want = layers(x)
+    (want * weights).sum().backward()
+    assert x.grad is not None
+    for r, out in enumerate(outs):
+        assert isinstance(out, dict)
+        rows = slice(4 * r, 4 * r + 4)
+        assert torch.allclose(out["out"], want[rows].detach(), atol=1e-5), r
+        assert torch.allclose(out["grad"], x.grad[rows], atol=1e-5), r
+        assert torch.allclose(out["running_mean"], layers[1].running_mean, atol=1e-6), r
+        assert torch.allclose(out["running_var"], layers[1].running_var, atol=1e-5), r
+    ints = torch.stack(
+        [
+            torch.tensor([[r, r + 1], [r * 2, r * 2 + 1], [r * 3, r * 3 + 1], [r * 4, r * 4 + 1]])
+            for r in range(n)
+        ]
+    ).float()
+    x = ints.clone().requires_grad_(True)
+    torch.nn.BatchNorm1d(4)(x).mean(dim=0).sum().backward()
+    assert x.grad is not None
+    for r, out in enumerate(outs):
+        assert isinstance(out, dict)
+        # Horovod's tolerance: its test averages the workers' gradients against this.
+        assert torch.allclose(out["sum_grad"][0] / n, x.grad[r], 1e-6), (r, out["sum_grad"])
+
+
 def test_declaration_mismatch_reaches_every_worker_naming_the_tensor(tmp_path: Path) -> None:
     for o in run(tmp_path, 2, "mismatch"):
         assert o.returncode != 0

@@ -185,6 +185,32 @@ def crash() -> None:
         opt.step()
 
 
+def sync_batch_norm() -> dict[str, object]:
+    """Two SyncBatchNorm layers over this worker's rows of a fixed batch (4 rows per
+    worker): outputs, running statistics and the input's gradient of every worker's
+    loss together, to compare with BatchNorm over the whole batch."""
+    r = hvd.rank()
+    gen = torch.Generator().manual_seed(5)
+    whole = torch.randn(4 * hvd.size(), 3, 5, generator=gen)
+    weights = torch.randn(4 * hvd.size(), 3, 5, generator=gen)
+    layers = torch.nn.Sequential(hvd.SyncBatchNorm(3), hvd.SyncBatchNorm(3))
+    mine = whole[4 * r : 4 * r + 4].clone().requires_grad_(True)
+    out = layers(mine)
+    (out * weights[4 * r : 4 * r + 4]).sum().backward()
+    # The sum of the outputs does not depend on the input: its gradient must come out
+    # as BatchNorm's does (zero, not rounding noise), as Horovod's own test checks.
+    ints = torch.tensor([[r, r + 1], [r * 2, r * 2 + 1], [r * 3, r * 3 + 1], [r * 4, r * 4 + 1]])
+    x = ints.float().unsqueeze(0).requires_grad_(True)
+    hvd.SyncBatchNorm(4)(x).sum().backward()
+    return {
+        "out": out.detach(),
+        "grad": mine.grad,
+        "running_mean": layers[1].running_mean,
+        "running_var": layers[1].running_var,
+        "sum_grad": x.grad,
+    }
+
+
 def main() -> None:
     mode, outdir = sys.argv[1], Path(sys.argv[2])
     hvd.init()
@@ -197,6 +223,8 @@ def main() -> None:
         result = collectives()
     elif mode in ("ddp-gloo", "ddp-sumflow"):
         result = ddp(mode == "ddp-sumflow")
+    elif mode == "sync-batch-norm":
+        result = sync_batch_norm()
     elif mode == "mismatch":
         result = mismatch()
     elif mode == "crash":

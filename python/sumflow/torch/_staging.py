@@ -1,67 +1,196 @@
 """Host staging: the core reads and writes host memory only.
 
-CPU tensors that are contiguous are summed where they are. Others go through a host
-buffer: non-contiguous CPU tensors through a contiguous copy, CUDA tensors through pinned
-host memory filled and drained on a side stream, so the copies overlap the compute on the
-default stream. Pinned buffers are cached by tensor name and reused every iteration.
+CPU tensors that are contiguous are summed where they are; others through a contiguous
+copy. A CUDA tensor goes through a pinned host buffer (cached by tensor name and device
+and reused every step) in a pipeline that never makes the caller wait for the GPU
+(BytePS §6.1: the copy between GPU and host memory is a stage of its own):
+
+1. ``to_host`` (in the caller: a gradient hook, during backward) queues the copy into the
+   pinned buffer on a side stream, behind the work already queued on the caller's stream
+   (the gradient's producer), and an event after it, and returns.
+2. The *issuer* thread (``after_copy``) waits for those events in order (blocking-sync
+   events: it sleeps, it does not spin) and hands each buffer to the core as soon as its
+   copy is complete.
+3. ``copy_back`` queues the copy of the result into the tensor on the side stream and
+   makes the caller's stream wait for it on the GPU: nothing on the CPU waits.
+
+The caller keeps the rest (compression, scaling, declaring): handing that to another
+thread was measured slower, since both then compete for the GIL during backward.
+
+A pinned buffer is rewritten only by the next copy into it, queued on the same side stream
+after the copy out of it, and the core fills it only after that copy's event: no buffer
+is overwritten while a copy still reads it, without any CPU wait. Its event is reused
+too: a name is never in flight twice, so the issuer has waited for the last recording
+before the next one.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
-_pinned: dict[str, torch.Tensor] = {}
+from sumflow import SumflowTimeoutError
+from sumflow.torch import _runtime
+
+T = TypeVar("T")
+
+#: By (tensor name, device index): the pinned buffer and the event after its last copy in.
+_pinned: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event]] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
+#: The trace track of the copies to host memory.
+TRACK = "cuda staging"
 
 
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
+class Copy:
+    """A CUDA tensor's copy to host memory in flight, and the core sums to issue once it
+    is complete (``issue`` returns their handles)."""
+
+    def __init__(
+        self,
+        name: str,
+        device: torch.device,
+        copied: torch.cuda.Event,
+        issue: Callable[[], list[int]],
+    ) -> None:
+        self.name = name
+        self.device = device
+        self.copied = copied
+        self.issue = issue
+        service = _runtime.current().service
+        self.queued_at = service.trace_now() if service.tracing else 0
+        self._done = threading.Event()
+        self._cores: list[int] = []
+        self._error: BaseException | None = None
+
+    def ready(self) -> bool:
+        """Whether its sums were issued (or failed to be)."""
+        return self._done.is_set()
+
+    def cores(self, timeout: float) -> list[int]:
+        """The handles of its sums, once issued; raises what issuing raised."""
+        if not self._done.wait(timeout):
+            raise SumflowTimeoutError(
+                f"tensor '{self.name}': its copy from {self.device} to host memory did not "
+                f"complete within {timeout:g} s (SUMFLOW_TIMEOUT): the GPU is still busy "
+                "with the work queued before it, or hung"
+            )
+        if self._error is not None:
+            raise self._error
+        return self._cores
+
+    def run(self) -> None:
+        try:
+            self.copied.synchronize()
+            service = _runtime.current().service
+            if service.tracing and self.queued_at:
+                service.trace_span(
+                    TRACK, f"to host {self.name}", self.queued_at, service.trace_now(), None
+                )
+            self._cores = self.issue()
+        except BaseException as e:  # handed to the waiter
+            self._error = e
+        finally:
+            self._done.set()
+
+
+_copies: queue.SimpleQueue[Copy] = queue.SimpleQueue()
+_issuer: threading.Thread | None = None
+
+
+def _issue_forever() -> None:
+    while True:
+        _copies.get().run()
+
+
+def after_copy(
+    name: str, device: torch.device, copied: torch.cuda.Event, issue: Callable[[], list[int]]
+) -> Copy:
+    """Has the issuer thread call `issue` once `copied` has completed."""
+    global _issuer
+    copy = Copy(name, device, copied, issue)
+    if _issuer is None:
+        with _lock:
+            if _issuer is None:
+                # Daemon: a script that ends with copies in flight must not hang on them.
+                _issuer = threading.Thread(
+                    target=_issue_forever, name="sumflow-staging", daemon=True
+                )
+                _issuer.start()
+    _copies.put(copy)
+    return copy
+
+
+def side_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream of `device` that sumflow's copies run on."""
     index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = _streams.get(index)
+    if stream is None:
+        with _lock:
+            stream = _streams.setdefault(index, torch.cuda.Stream(device=index))
+    return stream
+
+
+def _pinned_for(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+    key = (name, tensor.device.index or 0)
+    found = _pinned.get(key)
+    if found is not None and found[0].dtype == tensor.dtype and found[0].numel() == tensor.numel():
+        return found
+    made = (
+        torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True),
+        torch.cuda.Event(blocking=True),
+    )
     with _lock:
-        stream = _streams.get(index)
-        if stream is None:
-            stream = _streams[index] = torch.cuda.Stream(device=index)
-        return stream
+        _pinned[key] = made
+    return made
 
 
-def to_host(name: str, tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor` itself when the core can use it, else a host copy (ready when this
-    returns: the copy is waited for on the side stream)."""
+def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """The host buffer the core sums for `tensor`, and the event after which it holds the
+    tensor's values (None: it holds them now; `tensor` itself when the core can use it)."""
     if tensor.device.type == "cpu":
-        return tensor if tensor.is_contiguous() else tensor.contiguous()
+        return (tensor if tensor.is_contiguous() else tensor.contiguous()), None
     if tensor.device.type != "cuda":
         raise TypeError(
             f"tensor '{name}' is on {tensor.device}: sumflow handles CPU and CUDA tensors"
         )
-    with _lock:
-        host = _pinned.get(name)
-    if host is None or host.dtype != tensor.dtype or host.numel() != tensor.numel():
-        host = torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True)
-        with _lock:
-            _pinned[name] = host
-    stream = _side_stream(tensor.device)
-    # The gradient was produced on the current stream: copy only once it is complete.
+    host, copied = _pinned_for(name, tensor)
+    stream = side_stream(tensor.device)
+    # The tensor was produced on the caller's stream: copy it once that work is done.
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
         host.copy_(tensor.reshape(-1), non_blocking=True)
-    stream.synchronize()
-    return host
+        copied.record(stream)
+    # The caller may free the tensor (a compressed copy) while the side stream reads it.
+    tensor.record_stream(stream)
+    return host, copied
+
+
+def on_stream(stream: torch.cuda.Stream | None, run: Callable[[], T]) -> T:
+    """`run()` with `stream` current (None, on the CPU: as it is)."""
+    if stream is None:
+        return run()
+    with torch.cuda.stream(stream):
+        return run()
 
 
 def copy_back(host: torch.Tensor, tensor: torch.Tensor) -> None:
-    """Writes the summed `host` buffer into `tensor`, ordered before any later work on
-    the current stream."""
+    """Writes the summed `host` buffer into `tensor`, ordered before any later work on the
+    caller's stream and after any earlier one."""
     if tensor.device.type == "cpu":
         tensor.copy_(host.view_as(tensor))
         return
-    stream = _side_stream(tensor.device)
+    stream = side_stream(tensor.device)
+    caller = torch.cuda.current_stream(tensor.device)
+    stream.wait_stream(caller)
     with torch.cuda.stream(stream):
         tensor.copy_(host.view(tensor.shape), non_blocking=True)
-    # The pinned buffer is reused next iteration: finish reading it before returning.
-    stream.synchronize()
-    torch.cuda.current_stream(tensor.device).wait_stream(stream)
+    tensor.record_stream(stream)
+    caller.wait_stream(stream)
 
 
 def clear() -> None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sumflow import SumflowTimeoutError
-from sumflow.torch import _runtime, declarations
+from sumflow.torch import _runtime, _staging, declarations
 
 
 class Work:
@@ -44,7 +44,9 @@ class Work:
 
 
 class CoreWork(Work):
-    """Sums in the core (their handles), then ``finish()``, whose value is the result."""
+    """Sums in the core (their handles), then ``finish()``, whose value is the result.
+    Sums of CUDA tensors are issued once their copies to host memory complete
+    (``copies``: ``_staging.Copy``)."""
 
     def __init__(
         self,
@@ -52,12 +54,14 @@ class CoreWork(Work):
         cores: list[int],
         finish: Callable[[], Any],
         tensors: list[int] | None = None,
+        copies: list[_staging.Copy] | None = None,
     ) -> None:
         self.name = name
         self.cores = cores
         self.finish = finish
-        #: The ids of the tensors its sums are of.
-        self.tensors = tensors or []
+        #: The ids of the tensors its sums are of (filled in by the copies, for theirs).
+        self.tensors = tensors if tensors is not None else []
+        self.copies = copies or []
 
     def settled(self, ok: bool) -> list[int]:
         # Every core was waited for, failed or not; a timed-out one may still be in flight
@@ -65,13 +69,27 @@ class CoreWork(Work):
         return list(self.tensors)
 
     def poll(self) -> bool:
+        if not all(c.ready() for c in self.copies):
+            return False
+        self._issue_copied(0.0)
         service = _runtime.current().service
         return all(service.poll(c) for c in self.cores)
 
     def wait(self) -> Any:
         rt = _runtime.current()
-        _wait_every(self.cores, lambda core: rt.service.wait(core, rt.timeout))
+        try:
+            self._issue_copied(rt.timeout)
+        finally:
+            # Whatever was issued is waited for, so no sum is left holding a buffer.
+            _wait_every(self.cores, lambda core: rt.service.wait(core, rt.timeout))
         return self.finish()
+
+    def _issue_copied(self, timeout: float) -> None:
+        """Moves the handles of the sums whose copies are done into ``cores``; raises the
+        first copy's failure (a copy that timed out stays, to be waited for again)."""
+        while self.copies:
+            self.cores += self.copies[0].cores(timeout)
+            self.copies.pop(0)
 
     def then(self, after: Callable[[Any], Any]) -> CoreWork:
         """This work with `after` applied to its result."""

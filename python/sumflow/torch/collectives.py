@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _work, negotiate, ops, process_sets, relay
+from sumflow.torch import _staging, _work, negotiate, ops, process_sets, relay
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.ops import Average, ReduceOp, Sum
 
@@ -225,7 +225,9 @@ def alltoall_async(
                 regions.append(relay.Region(f"{full}#{i}>{rank}", block, False, pair, me))
 
         def finish() -> Any:
-            return out.to(tensor.device), torch.tensor(received, dtype=torch.int32)
+            # Horovod gives the received splits on the device of the splits given.
+            where = splits.device if isinstance(splits, torch.Tensor) else "cpu"
+            return out.to(tensor.device), torch.tensor(received, dtype=torch.int32, device=where)
 
         return relay.relay_work(full, regions, finish)
 
@@ -268,6 +270,7 @@ def grouped_reducescatter_async(
     tensors = list(tensors)
     if op not in (Sum, Average):
         raise NotImplementedError(f"{kind} '{full}': op={op!r}; reducescatter sums or averages")
+    _one_device(f"{kind} '{full}'", tensors)
     for t in tensors:
         _first_dim(t, f"{kind} '{full}'")
     request = negotiate.Request(
@@ -347,6 +350,24 @@ def _by_dtype(name: str, tensors: list[torch.Tensor]) -> list[tuple[str, list[in
     return [(f"{name}.{d}".replace("torch.", ""), ix) for d, ix in by_dtype.items()]
 
 
+def _applied(like: torch.Tensor, prescale: float, postscale: float) -> tuple[float, float]:
+    """The scaling factors of tensors like `like`, summed through a host copy, as Horovod
+    applies them where the tensors live (``ops.applied_factor``)."""
+    return (
+        ops.applied_factor(prescale, like.dtype, like.is_cuda),
+        ops.applied_factor(postscale, like.dtype, like.is_cuda),
+    )
+
+
+def _one_device(what: str, tensors: list[torch.Tensor]) -> None:
+    """A grouped operation's tensors share one device, as in Horovod."""
+    devices = {str(t.device) for t in tensors}
+    if len(devices) > 1:
+        raise RuntimeError(
+            f"{what}: the tensors of a group must share one device, not {sorted(devices)}"
+        )
+
+
 def _fused_sum(
     name: str,
     tensors: list[torch.Tensor],
@@ -360,9 +381,8 @@ def _fused_sum(
     works: list[tuple[list[int], torch.Tensor, _work.CoreWork]] = []
     for label, members in _by_dtype(name, tensors):
         flat = torch.cat([tensors[i].detach().reshape(-1).cpu() for i in members])
-        work = ops.allreduce_work(
-            label, flat, op, Compression.none, prescale_factor, postscale_factor, group
-        )
+        scales = _applied(tensors[members[0]], prescale_factor, postscale_factor)
+        work = ops.allreduce_work(label, flat, op, Compression.none, *scales, group)
         works.append((members, flat, work))
 
     def finish() -> list[torch.Tensor]:
@@ -376,8 +396,13 @@ def _fused_sum(
                 offset += t.numel()
         return [t for t in out if t is not None]
 
-    cores = [c for _, _, w in works for c in w.cores]
-    return _work.CoreWork(name, cores, finish, [t for _, _, w in works for t in w.tensors])
+    return _work.CoreWork(
+        name,
+        [c for _, _, w in works for c in w.cores],
+        finish,
+        [t for _, _, w in works for t in w.tensors],
+        [c for _, _, w in works for c in w.copies],
+    )
 
 
 def _scattered_sum(
@@ -395,6 +420,7 @@ def _scattered_sum(
     machine. The work's result is the list of this worker's slices."""
     size, rank = group.size, group.rank
     cores: list[int] = []
+    copies: list[_staging.Copy] = []
     declared: list[int] = []
     finishes = []
     for label, members in _by_dtype(name, tensors):
@@ -404,6 +430,7 @@ def _scattered_sum(
             counts = reducescatter_rows(t.shape[0], size)
             for w, rows in zip(range(size), t.split(counts)):
                 shares[w].append(rows.reshape(-1).cpu())
+        scales = _applied(tensors[members[0]], prescale_factor, postscale_factor)
         for w in range(size):
             flat = torch.cat(shares[w])
             if not flat.numel():
@@ -413,13 +440,13 @@ def _scattered_sum(
                 flat,
                 op,
                 Compression.none,
-                prescale_factor,
-                postscale_factor,
+                *scales,
                 group,
                 takes=w == rank,
                 home=group.ranks[w],
             )
             cores += work.cores
+            copies += work.copies
             declared += work.tensors
             if w == rank:
                 finishes.append((members, work))
@@ -437,7 +464,7 @@ def _scattered_sum(
                 offset += n
         return [out.get(i, t.new_empty((0, *t.shape[1:]))) for i, t in enumerate(tensors)]
 
-    return _work.CoreWork(name, cores, finish, declared)
+    return _work.CoreWork(name, cores, finish, declared, copies)
 
 
 def grouped_allreduce_async(
@@ -486,6 +513,7 @@ def _grouped_allreduce(
     reduce_op = ops._op_of(average, op)
     if not tensors:
         raise ValueError(f"grouped_allreduce '{full}': no tensors given")
+    _one_device(f"grouped_allreduce '{full}'", tensors)
     for t in tensors:
         ops._check_reduce_op(full, t, reduce_op)
     request = negotiate.Request(

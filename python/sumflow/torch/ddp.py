@@ -110,7 +110,11 @@ def ddp_hook(
         handles.append(
             ops.issue_declared(name, span, ops.Average, priority, state.compression, 1.0, 1.0)
         )
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    # A CUDA-aware future: set_result records the completer's stream (which waits for the
+    # copies of the sums back to the GPU), and DDP's wait makes its own stream wait for it.
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
+        devices=[buffer.device] if buffer.is_cuda else None
+    )
     _start_completer()
     _completions.put((handles, fut, buffer))
     return fut

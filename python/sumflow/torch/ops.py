@@ -132,29 +132,40 @@ def sum_work(
     check_dtype(output, name)
     if output.requires_grad and output.is_leaf:
         raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
-    rt = _runtime.current()
-    compressor = bind(compression, name)
-    wire, ctx = compressor.compress(output)
-    if prescale_factor != 1.0:
-        _scale(wire, prescale_factor)
-    host = _staging.to_host(name, wire)
-    spec = core_spec(compressor, wire)
-    tid = declare(name, host, spec, group.members, home, replace=replace)
-    float_average = op is Average and wire.is_floating_point()
     on_servers = _SERVER_OPS.get(op)
     if on_servers is not None and compression is not Compression.none:
         raise ValueError(f"'{name}': {op!r} reduces uncompressed tensors only")
-    width = host.element_size()
-    core = rt.service.push_pull(
-        tid,
-        host,
-        host.data_ptr(),
-        host.numel() * width,
-        priority,
-        float_average,
-        op=on_servers,
-        pulls=None if takes else [],
-    )
+    rt = _runtime.current()
+    compressor = bind(compression, name)
+    prescale_factor = applied_factor(prescale_factor, output.dtype, output.is_cuda)
+    postscale_factor = applied_factor(postscale_factor, output.dtype, output.is_cuda)
+    wire, ctx = compressor.compress(output)
+    if prescale_factor != 1.0:
+        _scale(wire, prescale_factor)
+    host, copied = _staging.to_host(name, wire)
+    tid = declare(name, host, core_spec(compressor, wire), group.members, home, replace=replace)
+    #: Whether the core divides the sum (floats); integers are divided here, truncated.
+    float_average = op is Average and wire.is_floating_point()
+    nbytes = host.numel() * host.element_size()
+
+    def issue() -> list[int]:
+        core = rt.service.push_pull(
+            tid,
+            host,
+            host.data_ptr(),
+            nbytes,
+            priority,
+            float_average,
+            op=on_servers,
+            pulls=None if takes else [],
+        )
+        return [core]
+
+    if copied is None:
+        cores, copies = issue(), []
+    else:
+        # The sum is issued once the copy to host memory is complete: backward goes on.
+        cores, copies = [], [_staging.after_copy(name, output.device, copied, issue)]
 
     def finish() -> torch.Tensor:
         if host is not wire:
@@ -171,11 +182,20 @@ def sum_work(
             _scale(output, post)
         return output
 
-    return _work.CoreWork(name, [core], finish, [tid])
+    return _work.CoreWork(name, cores, finish, [tid], copies)
 
 
 #: Reductions other than sums, done by the servers' kernels.
 _SERVER_OPS = {Min: "min", Max: "max", Product: "product"}
+
+
+def applied_factor(factor: float, dtype: torch.dtype, on_gpu: bool) -> float:
+    """A scaling factor as Horovod applies it, so that results match to the bit: a GPU
+    scales a 16-bit float tensor by the factor rounded to that type; the CPU (and every
+    other dtype) by the factor in at least float32 precision."""
+    if on_gpu and dtype in (torch.float16, torch.bfloat16) and factor != 1.0:
+        return float(torch.tensor(factor, dtype=dtype))
+    return factor
 
 
 def _scale(tensor: torch.Tensor, factor: float) -> None:
@@ -393,11 +413,24 @@ def allreduce_async_(
         op=_op_code(reduce_op),
         facts=_facts(tensor, prescale_factor, postscale_factor, extra=comp_name),
     )
+    # The data stage starts on the negotiation thread, after the work queued so far on
+    # this thread's stream (which produces `tensor`).
+    stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
     return negotiated(
         request,
         group,
-        lambda rows: allreduce_work(
-            full, tensor, reduce_op, compression, prescale_factor, postscale_factor, group, priority
+        lambda rows: _staging.on_stream(
+            stream,
+            lambda: allreduce_work(
+                full,
+                tensor,
+                reduce_op,
+                compression,
+                prescale_factor,
+                postscale_factor,
+                group,
+                priority,
+            ),
         ),
     )
 

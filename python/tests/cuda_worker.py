@@ -1,0 +1,192 @@
+"""One worker of test_cuda.py's jobs: every collective on CUDA tensors, checked exactly.
+
+Workers share the machine's GPUs (local rank modulo the device count: two processes on
+one GPU are fine for correctness). Writes "ok" to <out>/rank<r>.txt when every check
+passed.
+
+    python cuda_worker.py OUT
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import sumflow.torch as hvd
+
+#: Element counts not divisible by 2, 3 or 4 workers (nor by a partition), and one large.
+SIZES = [1, 7, 1001, (1 << 20) + 3]
+DTYPES = [
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.int8,
+]
+
+
+def data(rank: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Small integers (exact in every dtype after summing over a few workers)."""
+    values = (torch.arange(n, dtype=torch.int64) % 13) + rank + 1
+    return values.to(device=device, dtype=dtype)
+
+
+def check_sums(rank: int, size: int, device: torch.device) -> None:
+    for dtype in DTYPES:
+        for n in SIZES:
+            x = data(rank, n, dtype, device)
+            out = hvd.allreduce(x, op=hvd.Sum, name=f"sum.{dtype}.{n}")
+            want = sum(data(r, n, torch.float64, device) for r in range(size))
+            assert out.device == device, (out.device, device)
+            assert torch.equal(out.double(), want), f"Sum {dtype} n={n}"
+            y = data(rank, n, dtype, device)
+            hvd.allreduce_(y, op=hvd.Average, name=f"avg.{dtype}.{n}")
+            mean = want / size
+            if not dtype.is_floating_point:
+                mean = mean.trunc()
+            tol = 1e-2 if dtype in (torch.float16, torch.bfloat16) else 1e-6
+            assert torch.allclose(y.double(), mean, rtol=tol), f"Average {dtype} n={n}"
+
+
+def check_many_in_flight(rank: int, size: int, device: torch.device) -> None:
+    """Forty sums in flight at once, synchronized in reverse order, twice under the same
+    names (pinned buffers are reused)."""
+    for rnd in range(2):
+        xs = [data(rank + rnd, 4099 + i, torch.float32, device) for i in range(40)]
+        handles = [hvd.allreduce_async_(x, op=hvd.Sum, name=f"many.{i}") for i, x in enumerate(xs)]
+        for i in reversed(range(40)):
+            hvd.synchronize(handles[i])
+            want = sum(data(r + rnd, 4099 + i, torch.float64, device) for r in range(size))
+            assert torch.equal(xs[i].double(), want), f"in flight {i} round {rnd}"
+
+
+def gpu_cycles(seconds: float, device: torch.device) -> int:
+    """How many cycles of ``torch.cuda._sleep`` keep the GPU busy for `seconds`."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    trial = 10_000_000
+    start.record()
+    torch.cuda._sleep(trial)
+    end.record()
+    end.synchronize()
+    return int(trial * seconds * 1e3 / max(start.elapsed_time(end), 1e-3))
+
+
+def check_hook_does_not_block(device: torch.device) -> None:
+    """DistributedOptimizer's gradient hook returns while the GPU still computes the
+    gradient: with half a second of GPU work queued before it, backward returns at once
+    (the copy to host memory and the sum wait for the GPU, not the hook)."""
+    model = torch.nn.Linear(1024, 1024, bias=False).to(device)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.0), named_parameters=[("busy", model.weight)]
+    )
+    x = torch.ones(8, 1024, device=device)
+    model(x).sum().backward()  # buffers pinned, tensors declared
+    opt.step()
+    opt.zero_grad()
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(gpu_cycles(0.5, device))
+    start = time.perf_counter()
+    model(x).sum().backward()
+    returned = time.perf_counter() - start
+    opt.synchronize()
+    waited = time.perf_counter() - start
+    assert returned < 0.1 < waited, f"backward took {returned:.3f} s of {waited:.3f} s"
+    # d(sum(W x))/dW is the batch's column sums: 8 everywhere, on every worker.
+    assert model.weight.grad is not None
+    assert torch.equal(model.weight.grad, torch.full_like(model.weight, 8.0)), "busy"
+    opt.zero_grad()
+
+
+def check_compression(rank: int, size: int, device: torch.device) -> None:
+    x = data(rank, 1001, torch.float32, device)
+    out = hvd.allreduce(x, op=hvd.Sum, name="fp16", compression=hvd.Compression.fp16)
+    want = sum(data(r, 1001, torch.float64, device) for r in range(size))
+    assert out.dtype == torch.float32
+    assert out.device == device
+    assert torch.equal(out.double(), want), "fp16 compression"
+
+
+def check_relays(rank: int, size: int, device: torch.device) -> None:
+    x = data(rank, 1001, torch.float32, device) if rank == 1 else torch.zeros(1001, device=device)
+    hvd.broadcast_(x, root_rank=1, name="bcast")
+    assert torch.equal(x, data(1, 1001, torch.float32, device)), "broadcast"
+    rows = torch.full((rank + 1, 3), float(rank), device=device)
+    gathered = hvd.allgather(rows, name="gather")
+    want = torch.cat([torch.full((r + 1, 3), float(r)) for r in range(size)]).to(device)
+    assert gathered.device == device, "allgather"
+    assert torch.equal(gathered, want), "allgather"
+    blocks = torch.arange(size * 2, dtype=torch.float32, device=device) + 100 * rank
+    got = hvd.alltoall(blocks, name="a2a")
+    want = torch.tensor(
+        [100 * r + 2 * rank + j for r in range(size) for j in range(2)], dtype=torch.float32
+    ).to(device)
+    assert got.device == device, "alltoall"
+    assert torch.equal(got, want), "alltoall"
+    table = torch.ones(size * 2, 5, device=device) * (rank + 1)
+    mine = hvd.reducescatter(table, op=hvd.Sum, name="rs")
+    total = size * (size + 1) / 2
+    assert mine.device == device
+    assert torch.equal(mine, torch.full((2, 5), total, device=device))
+
+
+def check_optimizer(rank: int, size: int, device: torch.device, passes: int) -> None:
+    """DistributedOptimizer on a CUDA model equals one process on the whole batch, also
+    accumulating `passes` backward passes per step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
+    ).to(device)
+    reference = torch.nn.Sequential(
+        torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
+    ).to(device)
+    reference.load_state_dict(model.state_dict())
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+        named_parameters=[(f"p{passes}.{n}", p) for n, p in model.named_parameters()],
+        backward_passes_per_step=passes,
+    )
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(1)
+    rows = 8 * passes
+    for _ in range(5):
+        batch = torch.randn(size * rows, 33, generator=gen).to(device)
+        target = torch.randn(size * rows, 5, generator=gen).to(device)
+        opt.zero_grad()
+        for k in range(passes):
+            mine = slice(rank * rows + 8 * k, rank * rows + 8 * k + 8)
+            loss = torch.nn.functional.mse_loss(model(batch[mine]), target[mine])
+            (loss / passes).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        torch.nn.functional.mse_loss(reference(batch), target).backward()
+        ref_opt.step()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"parameter {name}, {passes} passes"
+
+
+def main() -> int:
+    out = Path(sys.argv[1])
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    check_sums(rank, size, device)
+    check_many_in_flight(rank, size, device)
+    check_hook_does_not_block(device)
+    check_compression(rank, size, device)
+    check_relays(rank, size, device)
+    check_optimizer(rank, size, device, passes=1)
+    check_optimizer(rank, size, device, passes=2)
+    hvd.shutdown()
+    (out / f"rank{rank}.txt").write_text("ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
