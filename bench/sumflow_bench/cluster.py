@@ -79,9 +79,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gp.add_argument(
         "--partition-bytes",
         type=int,
-        default=128 << 10,
-        help="sumflow's partition size for goodput (scaled down from BytePS's 4 MB with the "
-        "link rate, see docs/benchmarks.md)",
+        help="sumflow's partition size for goodput (default: sumflow's own, derived from "
+        "the tensor set and the servers, as a user gets it)",
     )
     gp.add_argument(
         "-x",
@@ -342,7 +341,7 @@ def goodput_runs(
             log_path=logs / f"goodput-sumflow-k{k}.log",
             timeout=args.job_timeout,
             launcher_args=[
-                *("--partition-bytes", str(args.partition_bytes)),
+                *(("--partition-bytes", str(args.partition_bytes)) if args.partition_bytes else ()),
                 *(a for item in args.worker_env for a in ("-x", item)),
             ],
         )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sumflow import settings
+from sumflow import _core
 from sumflow.profiles.format import BYTES_PER_ELEMENT, ModelProfile
 from sumflow.profiles.scaling import check_factor, scaled_numel
 
@@ -113,7 +113,7 @@ def scales_for_emulation(
     )
     # Whole elements of 64-byte lines, at least 1 KiB: tiny partitions would only measure
     # per-message overhead.
-    partition_bytes = max(1024, round(settings.PARTITION_BYTES.default * size_scale / 64) * 64)
+    partition_bytes = max(1024, round(_core.DEFAULT_PARTITION_BYTES * size_scale / 64) * 64)
     bucket_cap_mb = DEFAULT_BUCKET_CAP_MB * size_scale
     why_time = (
         f"time x{time_scale:.4g} puts one iteration's compute at {scaled_compute_s * 1e3:.0f} ms"

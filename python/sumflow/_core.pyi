@@ -142,7 +142,7 @@ class CommunicationService:
         host_id: str,
         rank: int | None = None,
         name: str | None = None,
-        partition_bytes: int = ...,
+        partition_bytes: int | None = None,
         scheduler: str | None = None,
         credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
@@ -167,7 +167,9 @@ class CommunicationService:
         ``host_id`` names this worker's machine: workers with the same one share its
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
         other nodes' error messages. Tensors are cut into partitions of at most
-        ``partition_bytes``. ``scheduler`` decides when partitions go out: ``"fifo"``,
+        ``partition_bytes`` (None: a size derived from each declaration, the largest
+        power of two giving every server 16 partitions, within 256 KiB and
+        ``DEFAULT_PARTITION_BYTES``). ``scheduler`` decides when partitions go out: ``"fifo"``,
         ``"p3"``, ``"bytescheduler"`` or ``"prophet"`` (docs/scheduling.md);
         ``credit_bytes`` (default: 2 partitions; 0: unbounded) is the credit of
         ByteScheduler and Prophet, the bytes pushed to one server that it has not
@@ -204,9 +206,10 @@ class CommunicationService:
         the sockets: ``([(tensor, key, sent, received), ...], (sent, received))``, the
         second for frames naming no key (leaving)."""
     def schedule(self) -> dict[str, Any]:
-        """The schedule in use: ``scheduler`` (name), ``partition_bytes``,
-        ``credit_bytes``, and ``bandwidth`` (bytes/s at which partitions complete) once
-        measured."""
+        """The schedule in use: ``scheduler`` (name), ``partition_bytes``, ``derived``
+        (whether the partition size is derived from each declaration; ``partition_bytes``
+        is then the last group's), ``credit_bytes``, and ``bandwidth`` (bytes/s at which
+        partitions complete) once measured."""
     @property
     def rank(self) -> int:
         """This worker's rank, 0 to size - 1."""

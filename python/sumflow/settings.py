@@ -7,8 +7,8 @@ unset or empty variable means the default::
 
     from sumflow import settings
 
-    settings.PARTITION_BYTES.read()      # 4194304 unless SUMFLOW_PARTITION_BYTES says
-    settings.CREDIT_BYTES.read()         # None unless set: the scheduler's own credit
+    settings.SCHEDULER.read()            # "bytescheduler" unless SUMFLOW_SCHEDULER says
+    settings.PARTITION_BYTES.read()      # None unless set: a size derived per declaration
     settings.TRACE_STEPS.get()           # None unless set, whatever the default
 
 A value that is not allowed raises :class:`SettingError`, which names the variable, its
@@ -304,12 +304,13 @@ WORKER_NAME = _add(
 # ---- the communication service ----------------------------------------------------------
 
 PARTITION_BYTES = _add(
-    Setting(
+    OptionalSetting(
         name="SUMFLOW_PARTITION_BYTES",
-        kind=integer(least=1, unit="bytes"),
+        kind=integer(least=2, unit="bytes"),
         doc="the largest partition a tensor is cut into (the fifo scheduler sends whole tensors)",
         readers=(WORKER,),
-        default=_core.DEFAULT_PARTITION_BYTES,
+        unset="a size derived from each declaration: the largest power of two giving every server "
+        "16 partitions, 256 KiB to 4 MiB (docs/scheduling.md)",
     )
 )
 SCHEDULER = _add(

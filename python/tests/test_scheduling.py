@@ -24,6 +24,16 @@ def test_every_scheduler_trains_like_one_process(tmp_path: Path, scheduler: str)
             assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
 
 
+def test_the_derived_partition_size_is_told_once_by_worker_0(tmp_path: Path) -> None:
+    outcomes = run(tmp_path, 2, "train-sgd-1")
+    results(tmp_path, outcomes)
+    told = [o.stderr.count("tensors declared together") for o in outcomes]
+    assert told == [1, 0], [o.stderr[-2000:] for o in outcomes]
+    line = next(x for x in outcomes[0].stderr.splitlines() if "declared together" in x)
+    assert "256 KiB partitions, the smallest derived size" in line, line
+    assert "SUMFLOW_PARTITION_BYTES" in line, line
+
+
 def test_partition_size_and_credit_switch_during_a_job(tmp_path: Path) -> None:
     outcomes = run_worker_processes(
         tmp_path, 2, [WORKER, str(tmp_path)], 1, env={"SUMFLOW_SCHEDULER": "prophet"}

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_the_cores() -> None:
-    assert settings.PARTITION_BYTES.default == _core.DEFAULT_PARTITION_BYTES
+    assert "derived" in settings.PARTITION_BYTES.unset
     assert settings.SCHEDULER.default == _core.DEFAULT_SCHEDULER
     assert settings.TIMEOUT.default == _core.DEFAULT_OPERATION_TIMEOUT_S
     assert settings.JOIN_TIMEOUT.default == _core.DEFAULT_JOIN_TIMEOUT_S
@@ -74,9 +74,9 @@ MAX_CONNECTIONS = _core.MAX_CPU_SERVER_CONNECTIONS
     ("variable", "value", "allowed"),
     [
         # negative, where the core would have raised an OverflowError naming nothing
-        (settings.PARTITION_BYTES, "-4", "an integer >= 1 (bytes)"),
+        (settings.PARTITION_BYTES, "-4", "an integer >= 2 (bytes)"),
         # zero where it is not allowed, which used to be taken silently as the default
-        (settings.PARTITION_BYTES, "0", "an integer >= 1 (bytes)"),
+        (settings.PARTITION_BYTES, "0", "an integer >= 2 (bytes)"),
         (settings.TRACE_STEPS, "0", "an integer >= 1"),
         (settings.TIMEOUT, "0", "a number > 0 (seconds)"),
         (settings.CPU_SERVER_CONNECTIONS, "0", f"an integer from 1 to {MAX_CONNECTIONS}"),
@@ -87,7 +87,7 @@ MAX_CONNECTIONS = _core.MAX_CPU_SERVER_CONNECTIONS
             f"an integer from 1 to {MAX_CONNECTIONS}",
         ),
         # not a number
-        (settings.PARTITION_BYTES, "4MiB", "an integer >= 1 (bytes)"),
+        (settings.PARTITION_BYTES, "4MiB", "an integer >= 2 (bytes)"),
         (settings.RANK, "first", "an integer >= 0"),
         (settings.HEARTBEAT_TIMEOUT, "soon", "a number > 0 (seconds)"),
         (settings.TIMEOUT, "inf", "a number > 0 (seconds)"),

@@ -19,7 +19,6 @@ use sumflow_comm::{
     CommConfig, CommError, CommunicationService, Compression, Declaration, Exchange, ReduceOp,
     Scheduling,
 };
-use sumflow_plan::partition::DEFAULT_PARTITION_BYTES;
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
@@ -153,7 +152,7 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = DEFAULT_PARTITION_BYTES, scheduler = None, credit_bytes = None,
+        partition_bytes = None, scheduler = None, credit_bytes = None,
         push_window_bytes = None, prophet_stage_factor = 0.0,
         connections_per_cpu_server = None, shared_memory = true,
         join_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
@@ -171,7 +170,7 @@ impl PyCommunicationService {
         host_id: &str,
         rank: Option<u32>,
         name: Option<String>,
-        partition_bytes: u64,
+        partition_bytes: Option<u64>,
         scheduler: Option<&str>,
         credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
@@ -278,17 +277,25 @@ impl PyCommunicationService {
             .map_err(|e| py_err(py, e))
     }
 
-    /// The schedule in use: ``{"scheduler", "partition_bytes", "credit_bytes"}``, plus
-    /// ``"bandwidth"`` (bytes/s at which partitions complete) once measured.
+    /// The schedule in use: ``{"scheduler", "partition_bytes", "derived",
+    /// "credit_bytes"}`` (``derived``: the partition size is derived from each declaration,
+    /// and ``partition_bytes`` is the last group's, chosen for ``"partition_reason"``),
+    /// plus ``"bandwidth"`` (bytes/s at which partitions complete) once measured.
     fn schedule<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let Scheduling {
             scheduler,
             partition_bytes,
+            derived,
+            reason,
             credit_bytes,
         } = self.svc.schedule();
         let d = PyDict::new(py);
         d.set_item("scheduler", scheduler.name())?;
         d.set_item("partition_bytes", partition_bytes)?;
+        d.set_item("derived", derived)?;
+        if let Some(reason) = reason {
+            d.set_item("partition_reason", reason)?;
+        }
         d.set_item("credit_bytes", credit_bytes)?;
         if let Some(rate) = self.svc.bandwidth() {
             d.set_item("bandwidth", rate)?;

@@ -11,7 +11,9 @@ use sumflow_client::server::Reply;
 use sumflow_client::{ClientError, ServerClient, ServerOptions};
 use sumflow_plan::lanes;
 use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
-use sumflow_plan::partition::{Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES};
+use sumflow_plan::partition::{
+    derived_partition_bytes, Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES,
+};
 use sumflow_plan::placement::ServerSet;
 use sumflow_plan::scheduler::prophet::ProphetConfig;
 use sumflow_plan::scheduler::{Schedule, SchedulerKind};
@@ -55,8 +57,10 @@ pub struct CommConfig {
     pub name: String,
     /// Machine identity: workers with the same one share a machine and its colocated server.
     pub host_id: String,
-    /// The size tensors are cut into, except under `fifo`, which sends whole tensors.
-    pub partition_bytes: u64,
+    /// The size tensors are cut into, except under `fifo`, which sends whole tensors;
+    /// `None`: derived from each declaration and the number of servers
+    /// ([`derived_partition_bytes`]).
+    pub partition_bytes: Option<u64>,
     /// Which scheduler decides when partitions go out (see [`sumflow_plan::scheduler`]).
     pub scheduler: SchedulerKind,
     /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
@@ -95,7 +99,7 @@ impl CommConfig {
             rank: None,
             name: format!("worker pid {}", std::process::id()),
             host_id: host_id.to_string(),
-            partition_bytes: DEFAULT_PARTITION_BYTES,
+            partition_bytes: None,
             scheduler: SchedulerKind::default(),
             credit_bytes: None,
             push_window_bytes: None,
@@ -110,11 +114,11 @@ impl CommConfig {
         }
     }
 
-    /// The size tensors are cut into: `partition_bytes`, or under `fifo` whole tensors
-    /// (up to [`WHOLE_TENSOR_BYTES`]).
-    pub fn layout_partition_bytes(&self) -> u64 {
+    /// The size tensors are cut into: `partition_bytes` (`None`: derived per
+    /// declaration), or under `fifo` whole tensors (up to [`WHOLE_TENSOR_BYTES`]).
+    pub fn layout_partition_bytes(&self) -> Option<u64> {
         if self.scheduler.sends_whole_tensors() {
-            WHOLE_TENSOR_BYTES
+            Some(WHOLE_TENSOR_BYTES)
         } else {
             self.partition_bytes
         }
@@ -123,11 +127,16 @@ impl CommConfig {
 
 /// The scheduler in use and the knobs the auto-tuner changes
 /// ([`CommunicationService::reconfigure`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Scheduling {
     pub scheduler: SchedulerKind,
-    /// The size tensors are cut into now (see [`CommConfig::layout_partition_bytes`]).
+    /// The size tensors are cut into now (see [`CommConfig::layout_partition_bytes`]);
+    /// when derived, that of the last group declared (before any, BytePS's 4 MiB).
     pub partition_bytes: u64,
+    /// Whether the partition size is derived from each declaration rather than set.
+    pub derived: bool,
+    /// Why the last group got its derived size (see [`derived_partition_bytes`]).
+    pub reason: Option<String>,
     /// The credit per server: how many bytes pushed to it may wait for its
     /// acknowledgement; 0: unbounded (fifo has none and p3 one partition, whatever this
     /// says).
@@ -404,16 +413,27 @@ struct Table {
     tensors: HashMap<u32, Tensor>,
     /// Tensor ids of each declared group, in declaration order.
     groups: Vec<Vec<u32>>,
-    /// Every partition size used so far; a layout's generation is its index here, so
-    /// going back to a size reuses its keys (and the servers' memory for them).
-    layouts: Vec<u64>,
+    /// Every partition size used so far (`None`: derived per declaration); a layout's
+    /// generation is its index here, so going back to a size reuses its keys (and the
+    /// servers' memory for them).
+    layouts: Vec<Option<u64>>,
     generation: usize,
+    /// The partition size the scheduler's default credit and push window are counted in:
+    /// the set size, or the derived size of the last group declared.
+    reference: u64,
+    /// Why the last group got its derived size.
+    reason: Option<String>,
 }
 
 impl Table {
-    fn partition_bytes(&self) -> u64 {
+    fn partition_bytes(&self) -> Option<u64> {
         self.layouts[self.generation]
     }
+}
+
+/// The bytes of a tensor's elements.
+fn spec_bytes(spec: &TensorSpec<'_>) -> u64 {
+    spec.elements.saturating_mul(spec.dtype.size() as u64)
 }
 
 /// The worker side of a job.
@@ -435,19 +455,21 @@ pub struct CommunicationService {
     connect_timeout: Duration,
     /// The shared-memory stage, unless turned off.
     shared: Option<SharedMemory>,
+    /// Whether the credit and the push window are counted in partitions of the reference
+    /// size (none was set), and so follow a derived partition size.
+    follow: (bool, bool),
 }
 
 impl CommunicationService {
     /// Joins the job through its coordinator and connects to every summation server.
     pub fn start(cfg: CommConfig) -> Result<CommunicationService, CommError> {
-        if cfg.partition_bytes == 0 {
+        if cfg.partition_bytes == Some(0) {
             return Err(CommError::Invalid(
                 "the partition size must be positive".into(),
             ));
         }
         let partition_bytes = cfg.layout_partition_bytes();
-        if partition_bytes != cfg.partition_bytes && cfg.partition_bytes != DEFAULT_PARTITION_BYTES
-        {
+        if partition_bytes != cfg.partition_bytes && cfg.partition_bytes.is_some() {
             info!(
                 partition_bytes = cfg.partition_bytes,
                 "the fifo scheduler sends whole tensors: the partition size does not apply"
@@ -524,7 +546,8 @@ impl CommunicationService {
         // by the coordinator like any declaration: a worker that differs fails every
         // worker at once with a DeclarationMismatchError naming the setting and both values.
         for (name, value) in [
-            (LAYOUT_PARTITION_BYTES, partition_bytes),
+            // No partition is 1 byte (every dtype is wider): 1 says "derived".
+            (LAYOUT_PARTITION_BYTES, partition_bytes.unwrap_or(1)),
             (LAYOUT_CPU_SERVER_LANES, u64::from(cpu_lanes)),
             // A declaration has at least one element: 1 is off, 2 on.
             (LAYOUT_SHARED_MEMORY, 1 + u64::from(cfg.shared_memory)),
@@ -552,7 +575,8 @@ impl CommunicationService {
         } else {
             None
         };
-        let mut schedule = Schedule::new(cfg.scheduler, partition_bytes);
+        let reference = partition_bytes.unwrap_or(DEFAULT_PARTITION_BYTES);
+        let mut schedule = Schedule::new(cfg.scheduler, reference);
         if let Some(credit) = cfg.credit_bytes {
             schedule.credit_bytes = credit;
         }
@@ -564,7 +588,7 @@ impl CommunicationService {
             links,
             Arc::clone(&handles),
             schedule,
-            partition_bytes,
+            reference,
             Arc::clone(&tracer),
             job.rank(),
         )?;
@@ -588,6 +612,8 @@ impl CommunicationService {
                 groups: Vec::new(),
                 layouts: vec![partition_bytes],
                 generation: 0,
+                reference,
+                reason: None,
             }),
             lanes,
             declare_timeout: cfg.declare_timeout,
@@ -597,6 +623,7 @@ impl CommunicationService {
             name: cfg.name.clone(),
             connect_timeout: cfg.connect_timeout,
             shared,
+            follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
         })
     }
 
@@ -648,7 +675,7 @@ impl CommunicationService {
         match table.tensors.get(&id) {
             Some(t) => t.check_same(decl)?,
             None => {
-                let parts = self.place_alone(&self.layout(&table), id, decl)?;
+                let parts = self.place_alone(&table, id, decl)?;
                 table.tensors.insert(id, Tensor::new(decl, id, None, parts));
             }
         }
@@ -687,7 +714,20 @@ impl CommunicationService {
         }
         let specs: Vec<(u32, TensorSpec<'_>)> =
             fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
-        let laid = self.layout(&table).group(&specs)?.tensors;
+        let bytes = specs.iter().map(|(_, t)| spec_bytes(t)).sum();
+        let layout = self.layout_of(&table, bytes, self.servers.len());
+        let laid = layout.group(&specs)?.tensors;
+        if table.partition_bytes().is_none() {
+            let derived = derived_partition_bytes(bytes, self.servers.len());
+            info!(
+                tensors = specs.len(),
+                partition_bytes = derived.bytes,
+                "partition size derived for a group: {}",
+                derived.reason
+            );
+            self.follow_partition_size(&mut table, derived.bytes);
+            table.reason = Some(derived.reason);
+        }
         let group = table.groups.len();
         table.groups.push(fresh.iter().map(|t| t.0).collect());
         for ((id, decl), parts) in fresh.iter().zip(laid) {
@@ -715,30 +755,68 @@ impl CommunicationService {
         Ok(id)
     }
 
-    /// The partitions of a tensor declared alone: on its home worker's machine's server, or
-    /// each where its key falls.
+    /// The partitions of a tensor declared alone, under the table's partition size or the
+    /// size derived from the tensor (over one server when it has a home).
     fn place_alone(
+        &self,
+        table: &Table,
+        id: u32,
+        decl: &Declaration<'_>,
+    ) -> Result<Vec<Partition>, CommError> {
+        let servers = match self.home_server(decl) {
+            Some(_) => 1,
+            None => self.servers.len(),
+        };
+        let layout = self.layout_of(table, spec_bytes(&decl.spec()), servers);
+        self.place_alone_in(&layout, id, decl)
+    }
+
+    /// The partitions of a tensor declared alone under `layout`: on its home worker's
+    /// machine's server, or each where its key falls.
+    fn place_alone_in(
         &self,
         layout: &Layout<'_>,
         id: u32,
         decl: &Declaration<'_>,
     ) -> Result<Vec<Partition>, CommError> {
-        let colocated = decl
-            .home
-            .and_then(|w| self.cluster_map().colocated_servers(w).first().copied());
-        Ok(match colocated {
+        Ok(match self.home_server(decl) {
             Some(server) => layout.pinned(id, &decl.spec(), server)?,
             None => layout.single(id, &decl.spec())?,
         })
     }
 
-    /// How tensors are laid out under the table's current partition size.
-    fn layout<'a>(&'a self, table: &Table) -> Layout<'a> {
+    /// The colocated server of the worker a tensor is kept for, if it has one.
+    fn home_server(&self, decl: &Declaration<'_>) -> Option<u32> {
+        decl.home
+            .and_then(|w| self.cluster_map().colocated_servers(w).first().copied())
+    }
+
+    /// How a declaration of `bytes` over `servers` servers is laid out under the table's
+    /// current partition size, or the size derived from it.
+    fn layout_of(&self, table: &Table, bytes: u64, servers: usize) -> Layout<'_> {
+        let partition_bytes = table
+            .partition_bytes()
+            .unwrap_or_else(|| derived_partition_bytes(bytes, servers).bytes);
         Layout {
             servers: &self.servers,
             lanes: &self.lanes,
-            partition_bytes: table.partition_bytes(),
+            partition_bytes,
             generation: table.generation,
+        }
+    }
+
+    /// Counts the default credit and push window in partitions of `bytes` (a group's
+    /// derived size): a window of 4 partitions of 4 MiB would let dozens of small ones run
+    /// ahead, and one of 4 small ones would hold back large ones.
+    fn follow_partition_size(&self, table: &mut Table, bytes: u64) {
+        table.reference = bytes;
+        let (credit, window) = self.follow;
+        let schedule = Schedule::new(self.pipeline.schedule().kind, bytes);
+        if credit {
+            self.pipeline.set_credit(schedule.credit_bytes, bytes);
+        }
+        if window {
+            self.pipeline.set_window(schedule.window_bytes);
         }
     }
 
@@ -762,7 +840,7 @@ impl CommunicationService {
                  first (every worker must switch between the same two steps)"
             )));
         }
-        if let Some(bytes) = partition_bytes.filter(|&b| b != table.partition_bytes()) {
+        if let Some(bytes) = partition_bytes.filter(|&b| Some(b) != table.partition_bytes()) {
             let kind = self.pipeline.schedule().kind;
             if kind.sends_whole_tensors() {
                 return Err(CommError::Invalid(format!(
@@ -775,7 +853,7 @@ impl CommunicationService {
                     "the partition size must be positive".into(),
                 ));
             }
-            let generation = match table.layouts.iter().position(|&b| b == bytes) {
+            let generation = match table.layouts.iter().position(|&b| b == Some(bytes)) {
                 Some(g) => g,
                 None if table.layouts.len() < MAX_GENERATIONS => table.layouts.len(),
                 None => {
@@ -787,13 +865,14 @@ impl CommunicationService {
             };
             // Lay everything out under the new size first, so a failure changes nothing.
             let next = Layout {
+                servers: &self.servers,
+                lanes: &self.lanes,
                 partition_bytes: bytes,
                 generation,
-                ..self.layout(&table)
             };
             let mut parts: HashMap<u32, Vec<Partition>> = HashMap::new();
             for t in table.tensors.values().filter(|t| t.group.is_none()) {
-                parts.insert(t.id, self.place_alone(&next, t.id, &t.declaration())?);
+                parts.insert(t.id, self.place_alone_in(&next, t.id, &t.declaration())?);
             }
             for ids in &table.groups {
                 let members: Vec<(u32, TensorSpec<'_>)> = ids
@@ -816,9 +895,10 @@ impl CommunicationService {
                 }
             }
             if generation == table.layouts.len() {
-                table.layouts.push(bytes);
+                table.layouts.push(Some(bytes));
             }
             table.generation = generation;
+            table.reference = bytes;
             info!(
                 partition_bytes = bytes,
                 generation, "partition size changed"
@@ -826,17 +906,22 @@ impl CommunicationService {
         }
         // P3's credit follows the partition size even when the credit stays.
         let credit = credit_bytes.unwrap_or_else(|| self.pipeline.schedule().credit_bytes);
-        self.pipeline.set_credit(credit, table.partition_bytes());
+        self.pipeline.set_credit(credit, table.reference);
         Ok(())
     }
 
     /// The scheduler, the partition size and the credit per server in use.
     pub fn schedule(&self) -> Scheduling {
-        let partition_bytes = self.table.lock().expect("table lock").partition_bytes();
+        let table = self.table.lock().expect("table lock");
         let s = self.pipeline.schedule();
         Scheduling {
             scheduler: s.kind,
-            partition_bytes,
+            partition_bytes: table.partition_bytes().unwrap_or(table.reference),
+            derived: table.partition_bytes().is_none(),
+            reason: table
+                .reason
+                .clone()
+                .filter(|_| table.partition_bytes().is_none()),
             credit_bytes: s.credit_bytes,
         }
     }

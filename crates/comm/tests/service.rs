@@ -454,6 +454,63 @@ fn a_crashed_worker_fails_the_others_operations_by_name() {
 }
 
 #[test]
+fn without_a_set_size_each_declaration_derives_its_own_and_the_credit_follows() {
+    // n = 2, k = 0: 2 servers. A 6 MiB group: 6 MiB / (2 x 16) = 192 KiB, a power of two
+    // below, raised to the 256 KiB floor; a 24 MiB tensor alone: 768 KiB, so 512 KiB. The
+    // tuner's explicit size then wins.
+    run_job(2, 0, move |w, addr| {
+        let mut cfg = config(addr, w);
+        cfg.partition_bytes = None;
+        let c = CommunicationService::start(cfg).unwrap();
+        let before = c.schedule();
+        assert!(before.derived);
+        assert_eq!(
+            (before.partition_bytes, before.credit_bytes),
+            (4 << 20, 8 << 20)
+        );
+        let mib = 1u64 << 20;
+        let ids = c
+            .declare_group(&[("a", Dtype::F32, mib), ("b", Dtype::F32, mib / 2)])
+            .unwrap();
+        let after = c.schedule();
+        assert_eq!(
+            (after.partition_bytes, after.credit_bytes),
+            (256 << 10, 512 << 10)
+        );
+        let big = c.declare("big", Dtype::F32, 6 * mib).unwrap();
+        for round in 0..2 {
+            if round == 1 {
+                c.reconfigure(Some(1 << 20), None).unwrap();
+                let s = c.schedule();
+                assert!(!s.derived);
+                assert_eq!(s.partition_bytes, 1 << 20);
+            }
+            let sizes = [mib, mib / 2, 6 * mib];
+            let mut data: Vec<Vec<f32>> = sizes
+                .iter()
+                .map(|&n| (0..n).map(|i| (i % 251) as f32 + w as f32).collect())
+                .collect();
+            sum_all(&c, &[ids[0], ids[1], big], &mut data, ReduceOp::Sum);
+            for (t, d) in data.iter().enumerate() {
+                for (i, v) in d.iter().enumerate() {
+                    let want = 2.0 * (i % 251) as f32 + 1.0;
+                    assert_eq!(*v, want, "worker {w} round {round} tensor {t} element {i}");
+                }
+            }
+        }
+        // The keys each tensor went by: the derived layout's, then the 1 MiB one's.
+        let (keys, _) = c.wire_bytes();
+        let count = |name: &str| keys.iter().filter(|k| &*k.tensor == name).count();
+        assert_eq!(
+            (count("a"), count("b"), count("big")),
+            (16 + 4, 8 + 2, 48 + 24)
+        );
+        c.barrier(Duration::from_secs(10)).unwrap();
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
 fn fifo_sends_whole_tensors() {
     // Two colocated servers: cut into 4 KiB partitions, two tensors of 120 kB and 20 kB
     // would be spread half and half; whole, each sits on one server.

@@ -19,6 +19,73 @@ use thiserror::Error;
 /// per job when messages are too many (raise it) or placement too lumpy (lower it).
 pub const DEFAULT_PARTITION_BYTES: u64 = 4 << 20;
 
+/// The fewest partitions a server should get from one declaration when the partition size
+/// is derived ([`derived_partition_bytes`]): enough for the pushes of some to overlap the
+/// pulls of others, and for placement to follow Eq. 1 and 2 closely. On the emulated
+/// cluster (BENCHMARKS.md, "The partition size at 1 Gbit/s"), 2 to 4 per server ran at
+/// 0.64-0.93 of Eq. 6 and 16 to 32 at 0.90-0.96.
+pub const DERIVED_PARTITIONS_PER_SERVER: u64 = 16;
+
+/// The smallest derived partition: every partition costs CPU on a worker and a server
+/// (system calls, a header, a round), and 128 KiB partitions saturated the emulated
+/// cluster's CPU where 512 KiB did not.
+pub const DERIVED_MIN_PARTITION_BYTES: u64 = 256 << 10;
+
+/// A partition size derived from what it partitions, and why, for the log.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DerivedSize {
+    pub bytes: u64,
+    pub reason: String,
+}
+
+/// The partition size of a declaration of `bytes` (a model's gradients, or one tensor)
+/// spread over `servers` summation servers, when no size is set: the largest power of two
+/// that gives every server [`DERIVED_PARTITIONS_PER_SERVER`] partitions, within
+/// [`DERIVED_MIN_PARTITION_BYTES`] and BytePS's [`DEFAULT_PARTITION_BYTES`]. A power of two
+/// keeps full partitions aligned to pages and SIMD widths, and a size every worker
+/// computes alike from the same declaration.
+pub fn derived_partition_bytes(bytes: u64, servers: usize) -> DerivedSize {
+    let servers = servers.max(1) as u64;
+    let wanted = bytes / (servers * DERIVED_PARTITIONS_PER_SERVER);
+    let power = if wanted == 0 {
+        0
+    } else {
+        1u64 << (63 - wanted.leading_zeros())
+    };
+    let chosen = power.clamp(DERIVED_MIN_PARTITION_BYTES, DEFAULT_PARTITION_BYTES);
+    let why = if power < DERIVED_MIN_PARTITION_BYTES {
+        "the smallest derived size: smaller ones cost more CPU per byte than they gain"
+    } else if power > DEFAULT_PARTITION_BYTES {
+        "BytePS's size, the largest derived: placement needs no coarser pieces"
+    } else {
+        "the largest power of two giving each server 16 partitions per round"
+    };
+    DerivedSize {
+        bytes: chosen,
+        reason: format!(
+            "{} over {servers} server(s): {} partitions, {why}",
+            human_bytes(bytes),
+            human_bytes(chosen)
+        ),
+    }
+}
+
+/// `bytes` in KiB, MiB or GiB, for log lines.
+fn human_bytes(bytes: u64) -> String {
+    const UNITS: [&str; 4] = ["B", "KiB", "MiB", "GiB"];
+    let mut value = bytes as f64;
+    let mut unit = 0;
+    while value >= 1024.0 && unit + 1 < UNITS.len() {
+        value /= 1024.0;
+        unit += 1;
+    }
+    if value.fract() == 0.0 {
+        format!("{value:.0} {}", UNITS[unit])
+    } else {
+        format!("{value:.1} {}", UNITS[unit])
+    }
+}
+
 /// The partition size of the `fifo` scheduler, which sends whole tensors as the frameworks
 /// it stands for do (ByteScheduler's baseline): the largest push a server takes by default
 /// (its frame limit less a push's header), in whole pages. Only tensors larger than that
@@ -220,6 +287,44 @@ mod tests {
             ]
         );
         assert!(parts.iter().all(|p| p.tensor == 3));
+    }
+
+    #[test]
+    fn the_derived_size_gives_every_server_16_partitions_within_its_bounds() {
+        let mib = 1u64 << 20;
+        // 64 MiB over 8 servers: 512 KiB is the largest power of two giving 16 each.
+        let d = derived_partition_bytes(64 * mib, 8);
+        assert_eq!(d.bytes, 512 << 10);
+        assert_eq!(
+            d.reason,
+            "64 MiB over 8 server(s): 512 KiB partitions, the largest power of two giving each \
+             server 16 partitions per round"
+        );
+        // Not a power of two: rounded down, so each server gets at least 16.
+        assert_eq!(derived_partition_bytes(100 * mib, 6).bytes, mib);
+        assert!(100 * mib / (6 * mib) >= 16);
+        // A small tensor, or none: the floor. A huge set: BytePS's 4 MiB.
+        assert_eq!(
+            derived_partition_bytes(mib, 4).bytes,
+            DERIVED_MIN_PARTITION_BYTES
+        );
+        assert_eq!(
+            derived_partition_bytes(0, 4).bytes,
+            DERIVED_MIN_PARTITION_BYTES
+        );
+        assert!(derived_partition_bytes(mib, 4).reason.contains("smallest"));
+        let huge = derived_partition_bytes(64 << 30, 2);
+        assert_eq!(huge.bytes, DEFAULT_PARTITION_BYTES);
+        assert!(
+            huge.reason.starts_with("64 GiB over 2 server(s): 4 MiB"),
+            "{}",
+            huge.reason
+        );
+        // No servers counts as one rather than dividing by zero.
+        assert_eq!(
+            derived_partition_bytes(64 * mib, 0).bytes,
+            DEFAULT_PARTITION_BYTES
+        );
     }
 
     #[test]

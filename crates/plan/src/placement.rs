@@ -322,6 +322,16 @@ impl ServerSet {
         }
     }
 
+    /// How many servers sum: the colocated ones and the CPU ones.
+    pub fn len(&self) -> usize {
+        self.colocated.len() + self.cpu.len()
+    }
+
+    /// Whether no server sums (a set is never built so; for completeness with `len`).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     pub fn colocated(&self) -> &[u32] {
         &self.colocated
     }

@@ -153,8 +153,9 @@ impl Architecture {
 pub struct ScheduleSpec {
     /// `fifo`, `p3`, `bytescheduler` or `prophet`.
     pub scheduler: String,
-    /// Partition size (none: the runtime's 4 MiB); `fifo` sends whole tensors whatever
-    /// this says, as the runtime does.
+    /// Partition size (none: BytePS's 4 MiB, the runtime's default before it derived one
+    /// per declaration, which the simulator does not model yet); `fifo` sends whole
+    /// tensors whatever this says, as the runtime does.
     pub partition_bytes: Option<u64>,
     /// Unacknowledged bytes per server (0: unbounded; none: the runtime's default of 2
     /// partitions); `fifo` has none, `p3` one partition.

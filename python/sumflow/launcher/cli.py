@@ -116,7 +116,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         metavar="BYTES",
         help="largest partition a tensor is cut into (SUMFLOW_PARTITION_BYTES for workers; "
-        "the fifo scheduler sends whole tensors)",
+        "default: derived from each declaration and the servers; the fifo scheduler sends "
+        "whole tensors)",
     )
     job.add_argument(
         "--scheduler",

@@ -209,8 +209,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
         raise ConfigError(f"--servers must be at least 0, got {args.servers}")
     if args.engine_threads is not None and args.engine_threads < 1:
         raise ConfigError(f"--engine-threads must be at least 1, got {args.engine_threads}")
-    if args.partition_bytes is not None and args.partition_bytes < 1:
-        raise ConfigError(f"--partition-bytes must be at least 1, got {args.partition_bytes}")
+    if args.partition_bytes is not None and args.partition_bytes < 2:
+        raise ConfigError(f"--partition-bytes must be at least 2, got {args.partition_bytes}")
     if args.credit_bytes is not None and args.credit_bytes < 0:
         raise ConfigError(f"--credit-bytes must be at least 0, got {args.credit_bytes}")
     for value, flag in (

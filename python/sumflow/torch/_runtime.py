@@ -42,7 +42,7 @@ class _Options(TypedDict, total=False):
     there only when their variable is set, so that the core's own defaults hold otherwise."""
 
     name: str
-    partition_bytes: int
+    partition_bytes: int | None
     scheduler: str
     credit_bytes: int | None
     push_window_bytes: int | None

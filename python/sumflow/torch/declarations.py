@@ -16,6 +16,7 @@ recur (an unnamed one) once it is synchronized.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 from collections.abc import Sequence
@@ -58,6 +59,7 @@ def reset() -> None:
         _replaceable.clear()
         _generation.clear()
         _owner.clear()
+        _told.clear()
 
 
 def live() -> int:
@@ -234,7 +236,29 @@ def declare_group(
     wires = [(n, w, core_spec(compression, w)) for n, w in _wires(compression, named)]
     for n, w, _ in wires:
         check_dtype(w, n)
-    return declare_layouts([(n, (w.dtype, w.numel(), c), members) for n, w, c in wires])
+    ids = declare_layouts([(n, (w.dtype, w.numel(), c), members) for n, w, c in wires])
+    _tell_partition_size(len(wires))
+    return ids
+
+
+#: The derived partition sizes already told (once each per job).
+_told: set[str] = set()
+
+
+def _tell_partition_size(tensors: int) -> None:
+    """Says on worker 0, once per choice, which partition size the core derived for a
+    group it was not given one for, and why: the one line a user needs to see it."""
+    service = _runtime.current().service
+    reason = service.schedule().get("partition_reason")
+    if reason is None or service.rank != 0 or reason in _told:
+        return
+    _told.add(reason)
+    print(
+        f"sumflow: {tensors} tensors declared together, {reason} "
+        "(SUMFLOW_PARTITION_BYTES sets a size)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 def _wires(

@@ -295,6 +295,14 @@ impl Pipeline {
         sh.dispatch(s.poll(Instant::now()));
     }
 
+    /// Changes the push window per server.
+    pub fn set_window(&self, window_bytes: u64) {
+        let sh = &self.shared;
+        let mut s = sh.scheduler();
+        s.set_window(window_bytes);
+        sh.dispatch(s.poll(Instant::now()));
+    }
+
     /// The scheduler's knobs now.
     pub fn schedule(&self) -> Schedule {
         self.shared.scheduler().schedule().clone()

@@ -102,7 +102,7 @@ pub fn config_on(addr: &str, rank: u32, host_id: &str) -> CommConfig {
     let mut cfg = CommConfig::new(addr, token(), host_id);
     cfg.rank = Some(rank);
     cfg.name = format!("trainer {rank}");
-    cfg.partition_bytes = 4096;
+    cfg.partition_bytes = Some(4096);
     cfg.coordinator_options = options();
     cfg.declare_timeout = Duration::from_secs(10);
     cfg

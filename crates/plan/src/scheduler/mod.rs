@@ -287,6 +287,14 @@ impl<T> Scheduler<T> {
         }
     }
 
+    /// Changes the push window per server (bytes already in flight stay counted).
+    pub fn set_window(&mut self, window_bytes: u64) {
+        self.schedule.window_bytes = window_bytes;
+        for s in &mut self.servers {
+            s.window.set_limit(window_bytes);
+        }
+    }
+
     /// The partitions of one push_pull of `tensor` became ready.
     pub fn ready(
         &mut self,
