@@ -718,7 +718,7 @@ impl CommunicationService {
         let layout = self.layout_of(&table, bytes, self.servers.len());
         let laid = layout.group(&specs)?.tensors;
         if table.partition_bytes().is_none() {
-            let derived = derived_partition_bytes(bytes, self.servers.len());
+            let derived = derived_partition_bytes(bytes, self.servers.len(), self.max_lanes());
             info!(
                 tensors = specs.len(),
                 partition_bytes = derived.bytes,
@@ -794,15 +794,22 @@ impl CommunicationService {
     /// How a declaration of `bytes` over `servers` servers is laid out under the table's
     /// current partition size, or the size derived from it.
     fn layout_of(&self, table: &Table, bytes: u64, servers: usize) -> Layout<'_> {
+        // Alone on one server (a colocated one, one connection) or spread over all.
+        let lanes = if servers == 1 { 1 } else { self.max_lanes() };
         let partition_bytes = table
             .partition_bytes()
-            .unwrap_or_else(|| derived_partition_bytes(bytes, servers).bytes);
+            .unwrap_or_else(|| derived_partition_bytes(bytes, servers, lanes).bytes);
         Layout {
             servers: &self.servers,
             lanes: &self.lanes,
             partition_bytes,
             generation: table.generation,
         }
+    }
+
+    /// The most connections this worker has to one server.
+    fn max_lanes(&self) -> u32 {
+        self.lanes.iter().copied().max().unwrap_or(1)
     }
 
     /// Counts the default credit and push window in partitions of `bytes` (a group's
