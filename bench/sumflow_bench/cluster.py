@@ -74,6 +74,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     gp = p.add_argument_group("goodput")
     gp.add_argument("--megabytes", type=float, default=32.0, help="gradient set per round")
     gp.add_argument("--tensors", type=int, default=8, help="tensors in the set")
+    gp.add_argument(
+        "--goodput-model",
+        help="sum a layer profile's parameter tensors instead of --megabytes/--tensors "
+        "(e.g. resnet50: 161 tensors, 102 MB)",
+    )
     gp.add_argument("--rounds", type=int, default=5, help="measured rounds per run")
     gp.add_argument("--warmup", type=int, default=2, help="rounds before measuring")
     gp.add_argument(
@@ -314,6 +319,7 @@ def goodput_runs(
         *(sys.executable, "-m", "sumflow_bench.goodput_worker"),
         *("--megabytes", str(args.megabytes), "--tensors", str(args.tensors)),
         *("--rounds", str(args.rounds), "--warmup", str(args.warmup)),
+        *(("--model", args.goodput_model) if args.goodput_model else ()),
     ]
     progress.step("goodput: gloo all_reduce")
     out = tmp / "goodput-gloo.json"

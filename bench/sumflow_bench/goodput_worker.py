@@ -4,8 +4,9 @@ Run on every worker by the cluster harness (or by hand under ``sumflow-run``/``t
 
     python -m sumflow_bench.goodput_worker --system sumflow --megabytes 32 --json out.json
 
-Every worker holds ``--tensors`` float32 tensors of ``--megabytes`` in all, filled with its
-rank + 1 before each round, and sums them across the workers:
+Every worker holds ``--tensors`` float32 tensors of ``--megabytes`` in all (or, with
+``--model``, the parameter tensors of a layer profile: ``resnet50`` is 161 tensors, 102 MB),
+filled with its rank + 1 before each round, and sums them across the workers:
 
 - ``sumflow``: ``push_pull_async`` on every tensor, then ``synchronize`` on every handle;
 - ``gloo``: ``torch.distributed.all_reduce`` on every tensor with ``async_op``, then a wait
@@ -39,6 +40,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--system", choices=SYSTEMS, required=True)
     p.add_argument("--megabytes", type=float, default=32.0, help="gradient set size, MB")
     p.add_argument("--tensors", type=int, default=8, help="tensors it is split into")
+    p.add_argument(
+        "--model",
+        help="sum a layer profile's parameter tensors instead (e.g. resnet50; "
+        "--megabytes and --tensors then do not apply)",
+    )
     p.add_argument("--warmup", type=int, default=2, help="rounds before measuring")
     p.add_argument("--rounds", type=int, default=5, help="measured rounds")
     p.add_argument("--json", type=Path, help="where rank 0 writes the results")
@@ -157,9 +163,18 @@ def make_tensors(megabytes: float, count: int) -> list[torch.Tensor]:
     return [torch.empty(base + (extra if i == count - 1 else 0)) for i in range(count)]
 
 
+def model_tensors(name: str) -> list[torch.Tensor]:
+    """One float32 tensor per parameter of layer profile `name`, in forward order."""
+    from sumflow import profiles
+
+    return [torch.empty(p.numel) for p in profiles.load(name).params()]
+
+
 def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, object] | None:
     coll = make()
-    tensors = make_tensors(args.megabytes, args.tensors)
+    tensors = (
+        model_tensors(args.model) if args.model else make_tensors(args.megabytes, args.tensors)
+    )
     coll.declare(tensors)
     nbytes = sum(t.numel() * 4 for t in tensors)
     expected = coll.size * (coll.size + 1) / 2

@@ -17,6 +17,7 @@ from sumflow.tune.space import Configuration, SearchSpace
 from sumflow_bench import (
     cluster,
     cpu,
+    goodput_worker,
     grid,
     jobs,
     matrix,
@@ -114,6 +115,17 @@ IPERF_BIDIR = {
         "sum_received_bidir_reverse": {"bits_per_second": 248e6},
     }
 }
+
+
+def test_the_goodput_set_is_equal_tensors_or_a_models_parameters() -> None:
+    equal = goodput_worker.make_tensors(64, 8)
+    assert len(equal) == 8
+    assert sum(t.numel() for t in equal) * 4 == 64_000_000
+    resnet = goodput_worker.model_tensors("resnet50")
+    assert len(resnet) == 161
+    assert 100e6 < sum(t.numel() for t in resnet) * 4 < 105e6
+    args = goodput_worker.parse_args(["--system", "sumflow", "--model", "resnet50"])
+    assert args.model == "resnet50"
 
 
 def test_parse_iperf_uses_received_goodput_both_ways() -> None:
