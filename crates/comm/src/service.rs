@@ -12,7 +12,8 @@ use sumflow_client::{ClientError, ServerClient, ServerOptions};
 use sumflow_plan::lanes;
 use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
 use sumflow_plan::partition::{
-    derived_partition_bytes, Partition, TensorSpec, DEFAULT_PARTITION_BYTES, WHOLE_TENSOR_BYTES,
+    derived_partition_bytes, DerivedSize, Partition, TensorSpec, DEFAULT_PARTITION_BYTES,
+    WHOLE_TENSOR_BYTES,
 };
 use sumflow_plan::placement::ServerSet;
 use sumflow_plan::scheduler::prophet::ProphetConfig;
@@ -715,10 +716,10 @@ impl CommunicationService {
         let specs: Vec<(u32, TensorSpec<'_>)> =
             fresh.iter().map(|(id, d)| (*id, d.spec())).collect();
         let bytes = specs.iter().map(|(_, t)| spec_bytes(t)).sum();
-        let layout = self.layout_of(&table, bytes, self.servers.len());
-        let laid = layout.group(&specs)?.tensors;
-        if table.partition_bytes().is_none() {
-            let derived = derived_partition_bytes(bytes, self.servers.len(), self.max_lanes());
+        let derived = self.derived(&table, bytes, self.servers.len());
+        let partition_bytes = derived.as_ref().map(|d| d.bytes);
+        let laid = self.layout(&table, partition_bytes).group(&specs)?.tensors;
+        if let Some(derived) = derived {
             info!(
                 tensors = specs.len(),
                 partition_bytes = derived.bytes,
@@ -767,7 +768,8 @@ impl CommunicationService {
             Some(_) => 1,
             None => self.servers.len(),
         };
-        let layout = self.layout_of(table, spec_bytes(&decl.spec()), servers);
+        let derived = self.derived(table, spec_bytes(&decl.spec()), servers);
+        let layout = self.layout(table, derived.map(|d| d.bytes));
         self.place_alone_in(&layout, id, decl)
     }
 
@@ -791,18 +793,24 @@ impl CommunicationService {
             .and_then(|w| self.cluster_map().colocated_servers(w).first().copied())
     }
 
-    /// How a declaration of `bytes` over `servers` servers is laid out under the table's
-    /// current partition size, or the size derived from it.
-    fn layout_of(&self, table: &Table, bytes: u64, servers: usize) -> Layout<'_> {
-        // Alone on one server (a colocated one, one connection) or spread over all.
-        let lanes = if servers == 1 { 1 } else { self.max_lanes() };
-        let partition_bytes = table
-            .partition_bytes()
-            .unwrap_or_else(|| derived_partition_bytes(bytes, servers, lanes).bytes);
+    /// The partition size derived for a declaration of `bytes` over `servers` servers, if
+    /// the table has none set.
+    fn derived(&self, table: &Table, bytes: u64, servers: usize) -> Option<DerivedSize> {
+        table.partition_bytes().is_none().then(|| {
+            // Alone on one server (a colocated one, one connection) or spread over all.
+            let lanes = if servers == 1 { 1 } else { self.max_lanes() };
+            derived_partition_bytes(bytes, servers, lanes)
+        })
+    }
+
+    /// The layout in the table's generation with its set partition size, or `derived`.
+    fn layout(&self, table: &Table, derived: Option<u64>) -> Layout<'_> {
         Layout {
             servers: &self.servers,
             lanes: &self.lanes,
-            partition_bytes,
+            partition_bytes: derived
+                .or(table.partition_bytes())
+                .expect("a derived size where the table has none"),
             generation: table.generation,
         }
     }

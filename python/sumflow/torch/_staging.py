@@ -125,7 +125,7 @@ def after_copy(
     return copy
 
 
-def side_stream(device: torch.device) -> torch.cuda.Stream:
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream of `device` that sumflow's copies run on."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     stream = _streams.get(index)
@@ -159,7 +159,7 @@ def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.E
             f"tensor '{name}' is on {tensor.device}: sumflow handles CPU and CUDA tensors"
         )
     host, copied = _pinned_for(name, tensor)
-    stream = side_stream(tensor.device)
+    stream = _side_stream(tensor.device)
     # The tensor was produced on the caller's stream: copy it once that work is done.
     stream.wait_stream(torch.cuda.current_stream(tensor.device))
     with torch.cuda.stream(stream):
@@ -184,7 +184,7 @@ def copy_back(host: torch.Tensor, tensor: torch.Tensor) -> None:
     if tensor.device.type == "cpu":
         tensor.copy_(host.view_as(tensor))
         return
-    stream = side_stream(tensor.device)
+    stream = _side_stream(tensor.device)
     caller = torch.cuda.current_stream(tensor.device)
     stream.wait_stream(caller)
     with torch.cuda.stream(stream):

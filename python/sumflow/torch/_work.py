@@ -59,8 +59,8 @@ class CoreWork(Work):
         self.name = name
         self.cores = cores
         self.finish = finish
-        #: The ids of the tensors its sums are of (filled in by the copies, for theirs).
-        self.tensors = tensors if tensors is not None else []
+        #: The ids of the tensors its sums are of.
+        self.tensors = tensors or []
         self.copies = copies or []
 
     def settled(self, ok: bool) -> list[int]:
