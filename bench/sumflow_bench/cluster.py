@@ -300,7 +300,26 @@ def parse_iperf(data: dict[str, Any], rate_mbit: float, seconds: float) -> dict[
 def _with_cpu(result: dict[str, Any], sampler: CpuSampler) -> dict[str, Any]:
     start, end = result["window"]
     result["cpu"] = sampler.utilisation(start, end)
+    seconds = sampler.seconds(start, end)
+    rounds = result.get("round_seconds")
+    if seconds is not None and rounds:
+        # Core-seconds the whole cluster spends per GB of gradients summed (on every
+        # worker), per role: the samples' span scaled to the window's.
+        scale = (end - start) / seconds.pop("wall") / (len(rounds) * result["bytes"] / 1e9)
+        result["cpu_seconds_per_gb"] = {role: s * scale for role, s in seconds.items()}
     return result
+
+
+def _cpu_line(run: dict[str, Any], gloo: dict[str, Any]) -> str:
+    """Where a run's CPU went, per GB of gradients, against gloo's in the same run."""
+    mine, theirs = run.get("cpu_seconds_per_gb"), gloo.get("cpu_seconds_per_gb")
+    if not mine or not theirs:
+        return ""
+    parts = ", ".join(f"{role} {s:.2f}" for role, s in mine.items() if role != "busy")
+    return (
+        f"\n      CPU per GB summed: {mine['busy']:.2f} core-s "
+        f"({mine['busy'] / theirs['busy']:.2f}x gloo's): {parts}"
+    )
 
 
 def goodput_runs(
@@ -333,6 +352,13 @@ def goodput_runs(
     )
     gloo = _with_cpu(read_result(out, "goodput gloo"), sampler)
     gloo["goodput_gbit"] = gloo["goodput_bytes_per_s"] / GBIT
+    per_gb = gloo.get("cpu_seconds_per_gb")
+    print(
+        f"    gloo all_reduce: {gloo['goodput_gbit']:.3f} Gbit/s per worker"
+        + (f", {per_gb['busy']:.2f} core-s per GB summed" if per_gb else ""),
+        file=sys.stderr,
+        flush=True,
+    )
     m = gloo["bytes"]
     runs = []
     for k in args.ks:
@@ -357,9 +383,14 @@ def goodput_runs(
         run["optimum_gbit"] = theory.goodput(m, theory.optimal_time(n, k, m, b)) / GBIT
         run["vs_optimum"] = run["goodput_gbit"] / run["optimum_gbit"]
         run["vs_gloo"] = run["goodput_gbit"] / gloo["goodput_gbit"]
+        if "cpu_seconds_per_gb" in run and "cpu_seconds_per_gb" in gloo:
+            run["cpu_vs_gloo"] = (
+                run["cpu_seconds_per_gb"]["busy"] / gloo["cpu_seconds_per_gb"]["busy"]
+            )
         print(
             f"    sumflow k={k}: {run['goodput_gbit']:.3f} Gbit/s per worker, "
-            f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo",
+            f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo"
+            f"{_cpu_line(run, gloo)}",
             file=sys.stderr,
             flush=True,
         )
@@ -453,7 +484,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
             EmulatedCluster(hosts, shape, subnet=args.subnet, log=sys.stderr) as cluster,
-            CpuSampler() as sampler,
+            CpuSampler(processes=True) as sampler,
         ):
             tmp = Path(tmpdir)
             progress.step("link check (iperf3)")

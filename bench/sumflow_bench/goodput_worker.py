@@ -229,6 +229,10 @@ def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, o
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    # The emulated hosts share the machine's cores, and torch's OpenMP threads spin after
+    # every parallel fill: perf counted 11% of the machine in libgomp during a round, CPU
+    # neither system spends on summing.
+    torch.set_num_threads(1)
     make = SumflowCollective if args.system == "sumflow" else GlooCollective
     result = run(args, make)
     if result is not None and args.json is not None:

@@ -15,6 +15,17 @@ def _cpu(run: dict[str, Any], flag: float) -> str:
     return f"{cpu:.0%}" + (" (over limit)" if cpu > flag else "")
 
 
+def _per_gb(run: dict[str, Any]) -> str:
+    """Core-seconds per GB summed, against gloo's where the run has that ratio, and its
+    split by role."""
+    per_gb = run.get("cpu_seconds_per_gb")
+    if not per_gb:
+        return "n/a"
+    ratio = f" ({run['cpu_vs_gloo']:.2f}x)" if "cpu_vs_gloo" in run else ""
+    roles = ", ".join(f"{role} {s:.2f}" for role, s in per_gb.items() if role != "busy")
+    return f"{per_gb['busy']:.2f} s{ratio}: {roles}"
+
+
 def markdown(results: dict[str, Any]) -> str:
     """The results as markdown: configuration, link check, goodput, training."""
     cfg = results["config"]
@@ -39,21 +50,21 @@ def markdown(results: dict[str, Any]) -> str:
     if goodput:
         lines += [
             "| system | k (CPU-server hosts) | goodput per worker | Eq. 6 optimum | "
-            "vs optimum | vs gloo all-reduce | CPU |",
-            "|---|---|---|---|---|---|---|",
+            "vs optimum | vs gloo all-reduce | CPU | CPU per GB summed |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         gloo = goodput["gloo"]
         lines.append(
             f"| gloo all_reduce | - | {gloo['goodput_gbit']:.3f} Gbit/s | "
             f"{goodput['allreduce_theory_gbit']:.3f} Gbit/s (all-reduce, Table 1) | "
             f"{gloo['goodput_gbit'] / goodput['allreduce_theory_gbit']:.2f}x | 1.00x | "
-            f"{_cpu(gloo, flag)} |"
+            f"{_cpu(gloo, flag)} | {_per_gb(gloo)} |"
         )
         for run in goodput["sumflow"]:
             lines.append(
                 f"| sumflow push_pull | {run['k']} | {run['goodput_gbit']:.3f} Gbit/s | "
                 f"{run['optimum_gbit']:.3f} Gbit/s | **{run['vs_optimum']:.2f}x** | "
-                f"**{run['vs_gloo']:.2f}x** | {_cpu(run, flag)} |"
+                f"**{run['vs_gloo']:.2f}x** | {_cpu(run, flag)} | {_per_gb(run)} |"
             )
         lines.append("")
     training = results.get("training")

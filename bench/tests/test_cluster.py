@@ -153,6 +153,37 @@ def test_cpu_jiffies_and_window() -> None:
     assert live.utilisation(0, 1e12) is not None
 
 
+def test_cpu_by_role() -> None:
+    assert cpu.role_of("python -m sumflow_bench.goodput_worker --system gloo") == "workers"
+    launcher = "python -m sumflow.launcher -H a:1 -- python -m sumflow_bench.goodput_worker"
+    assert cpu.role_of(launcher) == "launcher"
+    assert cpu.role_of("/venv/bin/sumflow-server --port 0") == "servers"
+    assert cpu.role_of("bash") is None
+    before = {1: ("workers", "ns-a", 100), 2: ("servers", "ns-a", 50), 3: ("servers", "ns-c", 10)}
+    after = {
+        1: ("workers", "ns-a", 300),
+        2: ("servers", "ns-a", 150),
+        3: ("servers", "ns-c", 60),
+        4: ("coordinator", "ns-a", 5),  # started in between: counted from zero
+    }
+    ticks = cpu.TICKS
+    assert cpu.by_role(before, after) == {
+        "workers": pytest.approx(200 / ticks),
+        "colocated servers": pytest.approx(100 / ticks),
+        "CPU servers": pytest.approx(50 / ticks),
+        "coordinator": pytest.approx(5 / ticks),
+    }
+    sampler = cpu.CpuSampler(processes=True)
+    sampler._times = [0.0, 1.0]
+    sampler._samples = [(0, 0), (5 * ticks, 8 * ticks)]
+    sampler._processes = [before, after]
+    seconds = sampler.seconds(0.0, 1.0)
+    assert seconds is not None
+    assert seconds["busy"] == pytest.approx(5.0)
+    assert seconds["other"] == pytest.approx(5.0 - 355 / ticks)
+    assert sampler.seconds(0.2, 0.8) is None
+
+
 def test_link_shape_validation() -> None:
     with pytest.raises(ValueError, match="rate_mbit"):
         netns.LinkShape(0)

@@ -149,6 +149,7 @@ class CommunicationService:
         prophet_stage_factor: float = ...,
         connections_per_cpu_server: int | None = None,
         shared_memory: bool = True,
+        local_sockets: bool = True,
         join_timeout: float = ...,
         declare_timeout: float = ...,
         connect_timeout: float = ...,
@@ -184,7 +185,9 @@ class CommunicationService:
         so that TCP's per-connection fairness gives it its share of
         every link; colocated servers get one. With ``shared_memory`` (every worker must
         agree), a tensor whose workers all share this machine is summed in the machine's
-        shared memory (``/dev/shm``) instead of through a summation server.
+        shared memory (``/dev/shm``) instead of through a summation server. With
+        ``local_sockets``, a summation server on this machine is reached through its Unix
+        socket rather than TCP (the same frames, for less CPU per byte).
 
         With ``trace_dir`` the worker records a Chrome trace of steps ``trace_start_step``
         (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most

@@ -375,6 +375,21 @@ SHARED_MEMORY = _add(
     )
 )
 
+LOCAL_SOCKETS = _add(
+    Setting(
+        name="SUMFLOW_LOCAL_SOCKETS",
+        kind=choice(
+            ("on", "off"),
+            aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"},
+            ignore_case=True,
+        ),
+        doc="reach a summation server on this worker's machine through its Unix socket "
+        "rather than TCP (off: TCP to every server)",
+        readers=(WORKER,),
+        default="on",
+    )
+)
+
 # ---- timeouts ---------------------------------------------------------------------------
 
 TIMEOUT = _add(

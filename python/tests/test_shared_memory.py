@@ -36,12 +36,19 @@ def launch(np: int, argv: list[str], env: dict[str, str]) -> subprocess.Complete
     )
 
 
-@pytest.mark.parametrize(("workers", "expect"), [(3, "shared"), (4, "shared"), (3, "servers")])
+@pytest.mark.parametrize(
+    ("workers", "expect", "server_sockets"),
+    [(3, "shared", "unix"), (4, "shared", "unix"), (3, "servers", "unix"), (3, "servers", "tcp")],
+)
 def test_every_collective_is_exact_in_shared_memory_and_through_the_servers(
-    tmp_path: Path, workers: int, expect: str
+    tmp_path: Path, workers: int, expect: str, server_sockets: str
 ) -> None:
+    """Through the servers, over this machine's Unix sockets (the default) and over TCP
+    (``SUMFLOW_LOCAL_SOCKETS=off``)."""
     before = ours()
     off = ["-x", "SUMFLOW_SHARED_MEMORY=off"] if expect == "servers" else []
+    if server_sockets == "tcp":
+        off += ["-x", "SUMFLOW_LOCAL_SOCKETS=off"]
     run = launch(workers, [*off, sys.executable, str(WORKER), str(tmp_path), expect], clean_env())
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for rank in range(workers):

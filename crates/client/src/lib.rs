@@ -4,6 +4,7 @@
 pub mod coordinator;
 mod dial;
 pub mod error;
+pub mod link;
 pub mod server;
 
 pub use coordinator::CoordinatorClient;

@@ -4,7 +4,7 @@
 //! partitions while it receives the sums of earlier ones on another thread.
 
 use std::io::Write;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::time::{Duration, Instant};
 
 use sumflow_wire::accounting::Counted;
@@ -14,8 +14,11 @@ use sumflow_wire::{
     WireError,
 };
 
+use tracing::warn;
+
 use crate::dial::connect_retrying;
 use crate::error::{ClientError, Result};
+use crate::link::{connect_local, Link};
 
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
@@ -26,6 +29,9 @@ pub struct ServerOptions {
     /// own waits).
     pub reply_timeout: Option<Duration>,
     pub max_body: u32,
+    /// Reaches a server on this machine through its Unix socket ([`crate::link`]), TCP
+    /// otherwise; false always uses TCP (tests of the TCP path on one machine).
+    pub machine_local: bool,
 }
 
 impl Default for ServerOptions {
@@ -34,6 +40,7 @@ impl Default for ServerOptions {
             connect_timeout: Duration::from_secs(30),
             reply_timeout: Some(Duration::from_secs(300)),
             max_body: sumflow_wire::DEFAULT_MAX_BODY,
+            machine_local: true,
         }
     }
 }
@@ -89,13 +96,13 @@ pub struct ServerClient {
 
 #[derive(Debug)]
 pub struct ServerSender {
-    stream: Counted<TcpStream>,
+    stream: Counted<Link>,
     peer: String,
 }
 
 #[derive(Debug)]
 pub struct ServerReceiver {
-    reader: FrameReader<Counted<TcpStream>>,
+    reader: FrameReader<Counted<Link>>,
     peer: String,
 }
 
@@ -109,18 +116,36 @@ impl ServerClient {
         opts: &ServerOptions,
     ) -> Result<ServerClient> {
         let peer = format!("summation server at {addr}");
-        let mut stream = connect_retrying(addr, "summation server", opts.connect_timeout)?;
-        let _ = stream.set_nodelay(true);
-        stream
-            .set_read_timeout(opts.reply_timeout)
-            .map_err(|e| wire(&peer, e.into()))?;
         let me = Peer {
             role: Role::Worker,
             rank: Some(rank),
             name: name.to_string(),
         };
-        io::connect(&mut stream, token, Service::Summation, &me, opts.max_body)
-            .map_err(|e| ClientError::from_wire(&peer, e))?;
+        let handshake = |mut stream: Link| -> Result<Link> {
+            stream.set_nodelay();
+            stream
+                .set_read_timeout(opts.reply_timeout)
+                .map_err(|e| wire(&peer, e.into()))?;
+            io::connect(&mut stream, token, Service::Summation, &me, opts.max_body)
+                .map_err(|e| ClientError::from_wire(&peer, e))?;
+            Ok(stream)
+        };
+        let local = opts.machine_local.then(|| connect_local(addr)).flatten();
+        let local = local.and_then(|s| match handshake(Link::Local(s)) {
+            Ok(link) => Some(link),
+            Err(e) => {
+                warn!(server = addr, error = %e, "this machine's socket of the server failed; using TCP");
+                None
+            }
+        });
+        let stream = match local {
+            Some(link) => link,
+            None => handshake(Link::Tcp(connect_retrying(
+                addr,
+                "summation server",
+                opts.connect_timeout,
+            )?))?,
+        };
         let read_half = stream.try_clone().map_err(|e| wire(&peer, e.into()))?;
         Ok(ServerClient {
             tx: ServerSender {
@@ -132,6 +157,11 @@ impl ServerClient {
                 peer,
             },
         })
+    }
+
+    /// Whether this connection is the server's machine-local socket rather than TCP.
+    pub fn is_machine_local(&self) -> bool {
+        self.tx.stream.get_ref().is_local()
     }
 
     /// Declares a key and waits for the server to accept it.

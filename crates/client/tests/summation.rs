@@ -28,18 +28,33 @@ fn opts() -> ServerOptions {
         connect_timeout: Duration::from_secs(5),
         reply_timeout: Some(Duration::from_secs(10)),
         max_body: 1 << 20,
+        machine_local: true,
     }
 }
 
 fn worker(addr: &str, rank: u32) -> ServerClient {
-    ServerClient::connect(
+    worker_over(addr, rank, true)
+}
+
+/// A worker reaching the server through its machine-local socket, or through TCP.
+fn worker_over(addr: &str, rank: u32, machine_local: bool) -> ServerClient {
+    let c = ServerClient::connect(
         addr,
         &token(),
         rank,
         &format!("test worker {rank}"),
-        &opts(),
+        &ServerOptions {
+            machine_local,
+            ..opts()
+        },
     )
-    .unwrap()
+    .unwrap();
+    assert_eq!(
+        c.is_machine_local(),
+        machine_local,
+        "the transport asked for"
+    );
+    c
 }
 
 fn stop(h: ServerHandle) {
@@ -106,7 +121,9 @@ fn workers_keys_rounds_sum_exactly_in_every_dtype() {
                 let addr = addr.clone();
                 let keys = keys.clone();
                 thread::spawn(move || {
-                    let mut c = worker(&addr, w);
+                    // Even workers through the machine-local socket, odd ones through TCP:
+                    // both transports, and a job that mixes them.
+                    let mut c = worker_over(&addr, w, w % 2 == 0);
                     for &(k, d, n) in &keys {
                         c.init_key(k, d, (n * d.size()) as u64, None).unwrap();
                     }

@@ -90,6 +90,9 @@ pub struct CommConfig {
     /// shared memory rather than through a summation server (see [`crate::local`]). Every
     /// worker of a job must agree.
     pub shared_memory: bool,
+    /// Reach a summation server on this worker's machine through its Unix socket rather
+    /// than TCP (`sumflow_client::link`).
+    pub local_sockets: bool,
 }
 
 impl CommConfig {
@@ -112,6 +115,7 @@ impl CommConfig {
             connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             trace: None,
             shared_memory: true,
+            local_sockets: true,
         }
     }
 
@@ -454,6 +458,7 @@ pub struct CommunicationService {
     token: JobToken,
     name: String,
     connect_timeout: Duration,
+    local_sockets: bool,
     /// The shared-memory stage, unless turned off.
     shared: Option<SharedMemory>,
     /// Whether the credit and the push window are counted in partitions of the reference
@@ -509,6 +514,7 @@ impl CommunicationService {
         let opts = ServerOptions {
             connect_timeout: cfg.connect_timeout,
             reply_timeout: None,
+            machine_local: cfg.local_sockets,
             ..ServerOptions::default()
         };
         let cpu_lanes = cfg.connections_per_cpu_server.unwrap_or_else(|| {
@@ -623,6 +629,7 @@ impl CommunicationService {
             token: cfg.token.clone(),
             name: cfg.name.clone(),
             connect_timeout: cfg.connect_timeout,
+            local_sockets: cfg.local_sockets,
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
         })
@@ -1261,6 +1268,7 @@ impl CommunicationService {
         let opts = ServerOptions {
             connect_timeout: self.connect_timeout,
             reply_timeout: Some(timeout),
+            machine_local: self.local_sockets,
             ..ServerOptions::default()
         };
         let mut controls = Vec::new();

@@ -179,18 +179,21 @@ mod tests {
         // Servers 0 and 1 colocated, 2 a CPU server with two lanes.
         let servers = ServerSet::new(vec![0, 1], vec![2]).unwrap();
         let lanes = [1, 1, 2];
+        let piece = lanes::MIN_PIECE_BYTES;
         let layout = Layout {
             servers: &servers,
             lanes: &lanes,
-            partition_bytes: 64,
+            partition_bytes: 2 * piece,
             generation: 3,
         };
+        // 5 partitions of "w" (the last 3/4 of one: too little for two pieces), and "b".
+        let w = 19 * piece / 4 * 2;
         let group = layout
-            .group(&[(5, spec("w", 40)), (6, spec("b", 8))])
+            .group(&[(5, spec("w", w / 4)), (6, spec("b", 8))])
             .unwrap()
             .tensors;
         assert_eq!(group.len(), 2);
-        for (parts, (id, bytes)) in group.iter().zip([(5, 160), (6, 32)]) {
+        for (parts, (id, bytes)) in group.iter().zip([(5, w), (6, 32)]) {
             assert_eq!(parts.iter().map(|p| p.bytes).sum::<u64>(), bytes);
             let mut at = 0;
             for p in parts {
@@ -200,14 +203,18 @@ mod tests {
                 at += p.bytes;
             }
         }
-        // The CPU server's partitions come in pieces, one per lane.
+        // The CPU server's full partitions come in pieces, one per lane; smaller ones
+        // than two pieces' worth whole.
         let cpu: Vec<_> = group
             .concat()
             .into_iter()
             .filter(|p| p.server == 2)
             .collect();
-        assert!(!cpu.is_empty());
-        assert!(cpu.iter().all(|p| p.key & 1 << 31 != 0));
+        assert!(cpu.iter().any(|p| p.key & 1 << 31 != 0));
+        for p in &cpu {
+            let cut = p.key & 1 << 31 != 0;
+            assert_eq!(cut, p.bytes == piece, "{p:?}");
+        }
         assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 0));
         assert!(cpu.iter().any(|p| lanes::lane_of(p.key, 2) == 1));
     }
@@ -289,16 +296,18 @@ mod tests {
         let layout = Layout {
             servers: &servers,
             lanes: &[1, 2, 1],
-            partition_bytes: 16,
+            partition_bytes: 2 * lanes::MIN_PIECE_BYTES,
             generation: 0,
         };
-        let parts = layout.pinned(9, &spec("w", 100), 1).unwrap();
+        // 25 partitions.
+        let elements = 25 * 2 * lanes::MIN_PIECE_BYTES / 4;
+        let parts = layout.pinned(9, &spec("w", elements), 1).unwrap();
         assert!(parts.iter().all(|p| p.server == 1));
         // The same cut as placed from the keys, each piece split over server 1's lanes.
-        let alone = layout.single(9, &spec("w", 100)).unwrap();
+        let alone = layout.single(9, &spec("w", elements)).unwrap();
         let bytes = |ps: &[Partition]| ps.iter().map(|p| p.bytes).sum::<u64>();
         assert_eq!(bytes(&parts), bytes(&alone));
-        assert!(parts.len() > 25, "two lanes cut each partition in two");
+        assert_eq!(parts.len(), 50, "two lanes cut each partition in two");
     }
 
     #[test]

@@ -11,11 +11,11 @@
 //! worker; it has left only once all of them said Shutdown.
 
 use std::io::Read;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{unbounded, Receiver};
+use crate::channel::{unbounded, Receiver};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
@@ -28,6 +28,7 @@ use crate::directory::{DeclareError, Declared, RetireError, Retired};
 use crate::messages::{Command, Outgoing, Replier};
 use crate::pool::PooledBuf;
 use crate::shared::Shared;
+use sumflow_client::link::Link;
 use sumflow_reduce::buffer::AlignedBuf;
 use sumflow_wire::message::DATA_META_LEN;
 
@@ -40,12 +41,9 @@ const POOL_POLL: Duration = Duration::from_millis(100);
 const LINGER: Duration = Duration::from_secs(2);
 
 /// Serves one accepted connection until it closes.
-pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
-    let addr = stream
-        .peer_addr()
-        .map(|a| a.to_string())
-        .unwrap_or_else(|_| "unknown".into());
-    let _ = stream.set_nodelay(true);
+pub fn serve(shared: Arc<Shared>, stream: Link) {
+    let addr = stream.peer();
+    stream.set_nodelay();
     let _ = stream.set_read_timeout(Some(shared.settings.handshake_timeout));
     let (peer, (rank, id)) = match io::accept(
         &mut &stream,
@@ -112,7 +110,7 @@ pub fn serve(shared: Arc<Shared>, stream: TcpStream) {
 
 /// Reads and drops what the worker still sends until it closes (it does once it has read
 /// the refusal), for at most [`LINGER`].
-fn linger(stream: &TcpStream) {
+fn linger(stream: &Link) {
     let deadline = Instant::now() + LINGER;
     let mut sink = [0u8; 64 << 10];
     while let Some(left) = deadline.checked_duration_since(Instant::now()) {
@@ -169,7 +167,7 @@ enum Ending {
 
 struct Connection<'a> {
     shared: Arc<Shared>,
-    reader: FrameReader<Counted<&'a TcpStream>>,
+    reader: FrameReader<Counted<&'a Link>>,
     /// The bytes read up to the last frame accounted for.
     accounted: u64,
     worker: u32,
@@ -557,7 +555,7 @@ fn key_of(m: &Message) -> Option<u64> {
 }
 
 fn write_loop(
-    stream: TcpStream,
+    stream: Link,
     rx: Receiver<Outgoing>,
     fatal: Arc<Mutex<Option<String>>>,
     shared: &Shared,

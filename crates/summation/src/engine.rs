@@ -24,7 +24,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 
-use crossbeam_channel::Receiver;
+use crate::channel::Receiver;
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
@@ -512,7 +512,7 @@ fn unknown_key(key: u64, reply: &Replier) {
 mod tests {
     use std::time::Duration;
 
-    use crossbeam_channel::{unbounded, Receiver};
+    use crate::channel::{unbounded, Receiver};
     use sumflow_wire::Dtype;
 
     use super::*;

@@ -4,10 +4,12 @@
 //! Layout: `connection` validates and dispatches each worker's frames; `engine` threads
 //! own disjoint sets of keys ([`directory`]) and run the [`rounds`] protocol and the SIMD
 //! kernels of `sumflow-reduce` over its page-aligned buffers; the two speak only through the
-//! `messages` they exchange (commands to engines, replies to connections); [`accounting`]
-//! counts the bytes on the wire per key; [`service`] starts and stops it all.
+//! `messages` they exchange (commands to engines, replies to connections), over the
+//! `channel`s that put an idle thread to sleep at once; [`accounting`] counts the bytes on
+//! the wire per key; [`service`] starts and stops it all.
 
 pub mod accounting;
+mod channel;
 pub mod cli;
 mod connection;
 pub mod directory;

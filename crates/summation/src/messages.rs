@@ -6,7 +6,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
-use crossbeam_channel::Sender;
+use crate::channel::Sender;
 use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 
 use crate::directory::KeyMeta;

@@ -14,7 +14,7 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender};
+use crate::channel::{bounded, Receiver, RecvTimeoutError, Sender};
 
 use sumflow_reduce::buffer::AlignedBuf;
 

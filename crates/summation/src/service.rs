@@ -1,17 +1,20 @@
 //! Starting, running and stopping a summation server.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::unix::net::UnixListener;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, RecvTimeoutError};
+use crossbeam_channel::RecvTimeoutError;
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
+use sumflow_client::link::{connect_local, listen_local, local_name, Link};
 use sumflow_client::ClientError;
 use sumflow_wire::{JobToken, Registration, Role};
 use thiserror::Error;
 use tracing::{info, warn};
 
+use crate::channel::bounded;
 use crate::engine::Engine;
 use crate::shared::{Settings, Shared};
 use sumflow_reduce::{Reducer, SimdLevel};
@@ -117,6 +120,27 @@ impl SummationService {
             addr: cfg.bind,
             source,
         })?;
+        // Workers dial the address the cluster map gives (advertised host, bound port);
+        // the machine-local socket is named after it, and listens before the server joins.
+        let advertised = match &cfg.membership {
+            Membership::Coordinator(link) if link.advertise_host.contains(':') => {
+                format!("[{}]:{}", link.advertise_host, addr.port())
+            }
+            Membership::Coordinator(link) => format!("{}:{}", link.advertise_host, addr.port()),
+            Membership::Standalone { .. } => addr.to_string(),
+        };
+        let local = match listen_local(&advertised) {
+            Ok(listener) => Some(listener),
+            Err(e) => {
+                warn!(
+                    name = %local_name(&advertised),
+                    error = %e,
+                    "no machine-local socket: workers on this machine will use TCP"
+                );
+                None
+            }
+        };
+        let local_addr = local.as_ref().map(|_| advertised.clone());
         let (worker_names, rank, coordinator) = match &cfg.membership {
             Membership::Standalone { workers } => {
                 if *workers == 0 {
@@ -168,25 +192,40 @@ impl SummationService {
             let connections = Arc::clone(&connections);
             let max = cfg.max_connections;
             spawn("sumflow-accept".into(), move || {
-                accept_loop(listener, shared, connections, max);
+                let links = listener.incoming().map(|s| s.map(Link::Tcp));
+                accept_loop(links, &shared, &connections, max);
             })?
+        };
+        let accept_local = match local {
+            Some(listener) => {
+                let shared = Arc::clone(&shared);
+                let connections = Arc::clone(&connections);
+                let max = cfg.max_connections;
+                Some(spawn("sumflow-accept-local".into(), move || {
+                    accept_local_loop(&listener, &shared, &connections, max);
+                })?)
+            }
+            None => None,
         };
         let coordinator = coordinator.map(|c| Arc::new(Mutex::new(Some(c))));
         let monitor = match &coordinator {
             Some(client) => {
                 let shared = Arc::clone(&shared);
                 let client = Arc::clone(client);
+                let local = local_addr.clone();
                 Some(spawn("sumflow-monitor".into(), move || {
-                    monitor(shared, client, addr);
+                    monitor(shared, client, addr, local.as_deref());
                 })?)
             }
             None => None,
         };
         Ok(ServerHandle {
             addr,
+            local: local_addr,
             rank,
             shared,
             accept: Some(accept),
+            accept_local,
             engines,
             monitor,
             connections,
@@ -227,13 +266,23 @@ fn join(
     .map_err(ServerError::Join)
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    shared: Arc<Shared>,
-    connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
+fn accept_local_loop(
+    listener: &UnixListener,
+    shared: &Arc<Shared>,
+    connections: &Mutex<Vec<JoinHandle<()>>>,
     max_connections: usize,
 ) {
-    for stream in listener.incoming() {
+    let links = listener.incoming().map(|s| s.map(Link::Local));
+    accept_loop(links, shared, connections, max_connections);
+}
+
+fn accept_loop(
+    links: impl Iterator<Item = std::io::Result<Link>>,
+    shared: &Arc<Shared>,
+    connections: &Mutex<Vec<JoinHandle<()>>>,
+    max_connections: usize,
+) {
+    for stream in links {
         if shared.is_stopping() {
             break;
         }
@@ -254,7 +303,7 @@ fn accept_loop(
             );
             continue;
         }
-        let shared = Arc::clone(&shared);
+        let shared = Arc::clone(shared);
         match std::thread::Builder::new()
             .name("sumflow-conn".into())
             .spawn(move || crate::connection::serve(shared, stream))
@@ -267,7 +316,12 @@ fn accept_loop(
 
 /// Relays the coordinator's failure notices to the engines and stops the server when the
 /// coordinator ends the job.
-fn monitor(shared: Arc<Shared>, client: Arc<Mutex<Option<CoordinatorClient>>>, addr: SocketAddr) {
+fn monitor(
+    shared: Arc<Shared>,
+    client: Arc<Mutex<Option<CoordinatorClient>>>,
+    addr: SocketAddr,
+    local: Option<&str>,
+) {
     let failures = match client.lock().expect("coordinator lock").as_ref() {
         Some(c) => c.failures(),
         None => return,
@@ -288,12 +342,12 @@ fn monitor(shared: Arc<Shared>, client: Arc<Mutex<Option<CoordinatorClient>>>, a
             .is_some_and(|c| c.shutdown_requested());
         if done {
             info!("the coordinator ended the job; stopping");
-            stop(&shared, addr);
+            stop(&shared, addr, local);
         }
     }
 }
 
-fn stop(shared: &Shared, addr: SocketAddr) {
+fn stop(shared: &Shared, addr: SocketAddr, local: Option<&str>) {
     if shared.is_stopping() {
         return;
     }
@@ -304,15 +358,21 @@ fn stop(shared: &Shared, addr: SocketAddr) {
         _ => addr,
     };
     let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+    if let Some(local) = local {
+        let _ = connect_local(local);
+    }
 }
 
 /// A running server.
 #[derive(Debug)]
 pub struct ServerHandle {
     addr: SocketAddr,
+    /// The advertised address whose machine-local socket the server listens on.
+    local: Option<String>,
     rank: Option<u32>,
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
+    accept_local: Option<JoinHandle<()>>,
     engines: Vec<JoinHandle<()>>,
     monitor: Option<JoinHandle<()>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
@@ -348,13 +408,16 @@ impl ServerHandle {
 
     /// Asks the server to stop; `wait` returns once it has.
     pub fn shutdown(&self) {
-        stop(&self.shared, self.addr);
+        stop(&self.shared, self.addr, self.local.as_deref());
     }
 
     /// Waits for the server to stop, then leaves the job gracefully; returns the bytes it
     /// exchanged with workers.
     pub fn wait(mut self) -> crate::WireTraffic {
-        if let Some(h) = self.accept.take() {
+        for h in [self.accept.take(), self.accept_local.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = h.join();
         }
         let conns = std::mem::take(&mut *self.connections.lock().expect("connections lock"));

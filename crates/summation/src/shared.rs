@@ -2,12 +2,13 @@
 //! which workers are connected or gone, and the stop flag.
 
 use std::collections::HashMap;
-use std::net::{Shutdown, TcpStream};
+use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
-use crossbeam_channel::Sender;
+use crate::channel::Sender;
+use sumflow_client::link::Link;
 use sumflow_wire::{ErrorCode, ErrorReply, JobToken};
 use tracing::info;
 
@@ -39,7 +40,7 @@ struct Registry {
     attached: Vec<u32>,
     gone: Vec<Option<String>>,
     /// Every open connection by its id, with its worker's rank.
-    streams: HashMap<u64, (u32, TcpStream)>,
+    streams: HashMap<u64, (u32, Link)>,
     next_id: u64,
 }
 
@@ -157,7 +158,7 @@ impl Shared {
 
     /// Keeps a handle on connection `id` of worker `rank`, for [`stop`](Self::stop) and
     /// [`detach`](Self::detach) to close it.
-    pub fn track(&self, id: u64, rank: u32, stream: &TcpStream) {
+    pub fn track(&self, id: u64, rank: u32, stream: &Link) {
         if let Ok(clone) = stream.try_clone() {
             let mut reg = self.registry.lock().expect("registry lock");
             reg.streams.insert(id, (rank, clone));
