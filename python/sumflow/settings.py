@@ -123,6 +123,15 @@ def choice(
     return Kind(allowed or f"one of {', '.join(values)}", convert)
 
 
+def on_off() -> Kind[str]:
+    """``on`` or ``off`` (also 1/0, true/false, yes/no, in any case)."""
+    return choice(
+        ("on", "off"),
+        aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"},
+        ignore_case=True,
+    )
+
+
 def text(what: str) -> Kind[str]:
     """Any text; `what` says what it is (a path, an address)."""
     return Kind(what, str)
@@ -363,11 +372,7 @@ CPU_SERVER_CONNECTIONS = _add(
 SHARED_MEMORY = _add(
     Setting(
         name="SUMFLOW_SHARED_MEMORY",
-        kind=choice(
-            ("on", "off"),
-            aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"},
-            ignore_case=True,
-        ),
+        kind=on_off(),
         doc="sum the tensors whose workers all share a machine in its shared memory "
         "(/dev/shm), not through a summation server (the same on every worker)",
         readers=(WORKER,),
@@ -378,11 +383,7 @@ SHARED_MEMORY = _add(
 LOCAL_SOCKETS = _add(
     Setting(
         name="SUMFLOW_LOCAL_SOCKETS",
-        kind=choice(
-            ("on", "off"),
-            aliases={"1": "on", "true": "on", "yes": "on", "0": "off", "false": "off", "no": "off"},
-            ignore_case=True,
-        ),
+        kind=on_off(),
         doc="reach a summation server on this worker's machine through its Unix socket "
         "rather than TCP (off: TCP to every server)",
         readers=(WORKER,),
