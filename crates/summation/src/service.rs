@@ -10,6 +10,7 @@ use crossbeam_channel::RecvTimeoutError;
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::link::{connect_local, listen_local, local_name, Link};
 use sumflow_client::ClientError;
+use sumflow_wire::cluster::host_port;
 use sumflow_wire::{JobToken, Registration, Role};
 use thiserror::Error;
 use tracing::{info, warn};
@@ -123,10 +124,7 @@ impl SummationService {
         // Workers dial the address the cluster map gives (advertised host, bound port);
         // the machine-local socket is named after it, and listens before the server joins.
         let advertised = match &cfg.membership {
-            Membership::Coordinator(link) if link.advertise_host.contains(':') => {
-                format!("[{}]:{}", link.advertise_host, addr.port())
-            }
-            Membership::Coordinator(link) => format!("{}:{}", link.advertise_host, addr.port()),
+            Membership::Coordinator(link) => host_port(&link.advertise_host, addr.port()),
             Membership::Standalone { .. } => addr.to_string(),
         };
         let local = match listen_local(&advertised) {

@@ -62,13 +62,18 @@ pub struct NodeInfo {
     pub name: String,
 }
 
+/// `host:port` as peers dial it, an IPv6 host in brackets.
+pub fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
 impl NodeInfo {
     pub fn addr(&self) -> String {
-        if self.host.contains(':') {
-            format!("[{}]:{}", self.host, self.port)
-        } else {
-            format!("{}:{}", self.host, self.port)
-        }
+        host_port(&self.host, self.port)
     }
 }
 
