@@ -472,13 +472,14 @@ COMPRESSION = _add(
     )
 )
 FUSION_THRESHOLD = _add(
-    Setting(
+    OptionalSetting(
         name="SUMFLOW_FUSION_THRESHOLD",
         kind=integer(least=0, unit="bytes, 0: no fusion"),
         doc="fuse gradients into spans of at least this many bytes, when the optimizer is "
         "given no threshold (and no groups)",
         readers=(WORKER,),
-        default=0,
+        unset="4 MiB where the optimizer has CUDA parameters (each span then costs one "
+        "copy to host memory and one hook's work, not one per gradient), else no fusion",
     )
 )
 

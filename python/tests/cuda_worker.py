@@ -135,9 +135,12 @@ def check_relays(rank: int, size: int, device: torch.device) -> None:
     assert torch.equal(mine, torch.full((2, 5), total, device=device))
 
 
-def check_optimizer(rank: int, size: int, device: torch.device, passes: int) -> None:
+def check_optimizer(
+    rank: int, size: int, device: torch.device, passes: int, fusion: int | None = None
+) -> None:
     """DistributedOptimizer on a CUDA model equals one process on the whole batch, also
-    accumulating `passes` backward passes per step."""
+    accumulating `passes` backward passes per step; by default in fused spans (on by
+    default for CUDA parameters), or with `fusion` as the threshold (0: per gradient)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
@@ -148,9 +151,12 @@ def check_optimizer(rank: int, size: int, device: torch.device, passes: int) -> 
     reference.load_state_dict(model.state_dict())
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=[(f"p{passes}.{n}", p) for n, p in model.named_parameters()],
+        named_parameters=[(f"p{passes}.{fusion}.{n}", p) for n, p in model.named_parameters()],
         backward_passes_per_step=passes,
+        fusion_threshold=fusion,
     )
+    pool = opt._sf_pool  # type: ignore[attr-defined]
+    assert (pool is None) == (fusion == 0), f"fusion {fusion}: pool {pool}"
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     gen = torch.Generator().manual_seed(1)
     rows = 8 * passes
@@ -183,6 +189,8 @@ def main() -> int:
     check_relays(rank, size, device)
     check_optimizer(rank, size, device, passes=1)
     check_optimizer(rank, size, device, passes=2)
+    check_optimizer(rank, size, device, passes=1, fusion=0)
+    check_optimizer(rank, size, device, passes=2, fusion=256)
     hvd.shutdown()
     (out / f"rank{rank}.txt").write_text("ok")
     return 0

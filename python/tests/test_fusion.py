@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sumflow import settings
-from sumflow.torch.fusion import GradientPool, plan_spans
+from sumflow.torch.fusion import CUDA_DEFAULT_THRESHOLD, GradientPool, default_threshold, plan_spans
 
 
 def test_a_span_closes_once_it_holds_theta() -> None:
@@ -32,7 +32,7 @@ def test_a_bad_theta_is_refused(bad: object) -> None:
 def test_theta_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     theta = settings.FUSION_THRESHOLD
     monkeypatch.delenv(theta.name, raising=False)
-    assert theta.read() == 0
+    assert theta.read() is None  # the optimizer's devices decide: default_threshold
     monkeypatch.setenv(theta.name, " 65536 ")
     assert theta.read() == 65536
     monkeypatch.setenv(theta.name, "64MB")
@@ -102,3 +102,45 @@ def test_each_dtype_gets_its_own_pool() -> None:
     assert spans.keys() == {torch.float32, torch.float64}
     assert spans[torch.float32].params == [params[2], params[0]]
     assert spans[torch.float64].params == [params[1]]
+
+
+def test_zero_keeps_every_gradient_a_view_and_autograd_adds_into_the_pool() -> None:
+    params = [torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2, 2))]
+    pool = pool_of(params, 1 << 20)
+    params[1].grad = torch.full((2, 2), 5.0)  # put elsewhere by hand: moved into the pool
+    pool.zero()
+    views = [p.grad for p in params]
+    assert all(in_pool(pool, p) for p in params)
+    assert torch.equal(pool.spans[0].flat, torch.zeros(7))
+    x = [torch.arange(3.0), torch.arange(4.0).view(2, 2)]
+    for _ in range(2):
+        pool.zero()
+        sum((p * xi).sum() for p, xi in zip(params, x)).backward()
+        # The same tensors, in the pool, holding this backward's gradients only.
+        assert all(p.grad is v for p, v in zip(params, views))
+        assert torch.equal(params[0].grad, x[0])
+        assert torch.equal(params[1].grad, x[1])
+
+
+def test_a_sparse_gradient_is_moved_into_the_pool_dense() -> None:
+    table = torch.nn.Embedding(5, 2, sparse=True)
+    pool = pool_of(list(table.parameters()), 0)
+    table(torch.tensor([1, 3, 1])).sum().backward()
+    assert table.weight.grad is not None
+    assert table.weight.grad.is_sparse
+    pool.adopt(table.weight)
+    want = torch.zeros(5, 2)
+    want[1], want[3] = 2.0, 1.0
+    assert in_pool(pool, table.weight)
+    assert torch.equal(table.weight.grad, want)
+
+
+def test_fusion_is_on_by_default_only_for_gpu_parameters() -> None:
+    cpu = [torch.nn.Parameter(torch.zeros(2))]
+    assert default_threshold(torch.optim.SGD(cpu, lr=0.1)) == 0
+    assert default_threshold(torch.optim.SparseAdam(cpu, lr=0.1)) == 0
+    assert CUDA_DEFAULT_THRESHOLD == 4 << 20
+    if torch.cuda.is_available():
+        gpu = [torch.nn.Parameter(torch.zeros(2, device="cuda"))]
+        assert default_threshold(torch.optim.SGD(gpu, lr=0.1)) == CUDA_DEFAULT_THRESHOLD
+        assert default_threshold(torch.optim.SparseAdam(gpu, lr=0.1)) == 0

@@ -225,7 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ready) < len(batch.params):
             return
         if isinstance(batch, Span):
-            self._sf_push_span(batch)
+            self._sf_push_span(batch, adopted=ready)
             return
         # Each gradient under its own name, as without groups: the same sums and
         # placement, and per-parameter handles for cross_barrier's updates.
@@ -260,12 +260,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         return _work.register(_work.Chain(f"{name}.sparse", then, replace))
 
-    def _sf_push_span(self, span: Span) -> None:
+    def _sf_push_span(self, span: Span, adopted: set[torch.Tensor] | None = None) -> None:
         """Sends a span of the pool; gradients it has not seen this step (parameters
-        unused in the forward) go as they are, zeros if they have none."""
+        unused in the forward; all but those `adopted` already) go as they are, zeros if
+        they have none."""
         assert self._sf_pool is not None
-        for q in span.params:
-            self._sf_pool.adopt(q)
+        if adopted is None or len(adopted) < len(span.params):
+            for q in span.params:
+                if adopted is None or q not in adopted:
+                    self._sf_pool.adopt(q)
         self._sf_ready.pop(span, None)
         handle = self._sf_issue(span.name, span.flat, span.priority)
         self._sf_handles.update((q, handle) for q in span.params)
@@ -438,8 +441,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears gradients; refuses while a push_pull still writes into them. With
-        ``cross_barrier``, a parameter whose update is still pending has its gradient
-        cleared right after the update."""
+        fusion, gradients in the pool are zeroed in place (``.grad`` stays a view of the
+        pool, even with ``set_to_none``). With ``cross_barrier``, a parameter whose update
+        is still pending has its gradient cleared right after the update."""
         if self._sf_handles:
             raise RuntimeError(
                 "zero_grad() while gradients are being averaged: call step() or synchronize() first"
@@ -452,6 +456,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
                         if p not in pending:
                             zero_grad_of(p, set_to_none)
                 return
+        if self._sf_pool is not None:
+            # The pool's gradients are zeroed in place, never set to None: they are
+            # sent (as zeros if need be) every step anyway, and autograd then adds into
+            # the pool instead of allocating gradients that would be copied into it.
+            self._sf_pool.zero()
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p not in self._sf_pool.span_of:
+                        zero_grad_of(p, set_to_none)
+            return
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
@@ -512,7 +526,8 @@ def DistributedOptimizer(
     warning). ``cross_barrier`` works with groups: each parameter is still updated when
     its own sum arrives.
 
-    ``fusion_threshold`` (bytes; default ``SUMFLOW_FUSION_THRESHOLD``, else 0 = off):
+    ``fusion_threshold`` (bytes; default ``SUMFLOW_FUSION_THRESHOLD``, else 4 MiB for an
+    optimizer with CUDA parameters and 0 = off for one of CPU parameters only):
     GradientFlow's lazy allreduce. The gradients live in one pool in the order backward
     produces them (each ``param.grad`` a view of it), and consecutive gradients are sent
     together, straight from the pool, once they hold at least this many bytes; the
@@ -548,24 +563,29 @@ def DistributedOptimizer(
     # The names errors use: named_parameters' where given, else the optimizer's positions.
     names = {p: f"param.{i}" for i, p in enumerate(params)} | {p: n for n, p in named}
     bundles = [Bundle(ps) for ps in plan_groups(num_groups, groups, params, names)]
-    threshold = (
+    chosen = (
         settings.FUSION_THRESHOLD.read()
         if fusion_threshold is None
         else fusion.check_threshold(fusion_threshold)
     )
+    threshold = fusion.default_threshold(optimizer) if chosen is None else chosen
     if bundles and threshold > 0:
         # Fusion's spans are cut from the pool by size and would cut across the groups.
-        if fusion_threshold is not None:
+        if chosen is None:
+            threshold = 0
+        elif fusion_threshold is not None:
             raise ValueError(
                 f"fusion_threshold={fusion_threshold} with groups: both decide which gradients "
                 "are sent together; pass one of them (fusion_threshold=0 with groups)"
             )
-        warnings.warn(
-            f"{settings.FUSION_THRESHOLD.name}={threshold} is ignored by a DistributedOptimizer "
-            "with groups: its groups decide which gradients are sent together",
-            stacklevel=2,
-        )
-        threshold = 0
+        else:
+            warnings.warn(
+                f"{settings.FUSION_THRESHOLD.name}={threshold} is ignored by a "
+                "DistributedOptimizer with groups: its groups decide which gradients are "
+                "sent together",
+                stacklevel=2,
+            )
+            threshold = 0
     group = None if outside else process_sets.group_of(process_set, "DistributedOptimizer")
     # A subclass of the user's optimizer class with our methods: isinstance checks and the
     # class's own step keep working. type() cannot say that it is also ours, so cast.
