@@ -147,7 +147,7 @@ impl CoordinatorClient {
             rank: reg.requested_rank,
             name: reg.name.clone(),
         };
-        connect(&mut stream, token, Service::Coordinator, &me, opts.max_body)
+        connect(&mut stream, token, Service::Coordinator, &me)
             .map_err(|e| ClientError::from_wire(&peer, e))?;
         write_message(&mut stream, &Message::Register(reg.clone())).map_err(wire)?;
         // The heartbeat thread judges silence precisely; the socket timeout only ensures a

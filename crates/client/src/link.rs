@@ -97,6 +97,12 @@ impl Link {
     }
 }
 
+impl sumflow_wire::io::Timed for Link {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
+        Link::set_read_timeout(self, timeout)
+    }
+}
+
 impl Read for &Link {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {

@@ -126,7 +126,7 @@ impl ServerClient {
             stream
                 .set_read_timeout(opts.reply_timeout)
                 .map_err(|e| wire(&peer, e.into()))?;
-            io::connect(&mut stream, token, Service::Summation, &me, opts.max_body)
+            io::connect(&mut stream, token, Service::Summation, &me)
                 .map_err(|e| ClientError::from_wire(&peer, e))?;
             Ok(stream)
         };

@@ -93,14 +93,7 @@ fn raw_node(addr: &str, r: Registration) -> (TcpStream, FrameReader<TcpStream>) 
         rank: r.requested_rank,
         name: r.name.clone(),
     };
-    connect(
-        &mut s,
-        &token(),
-        Service::Coordinator,
-        &me,
-        DEFAULT_MAX_BODY,
-    )
-    .unwrap();
+    connect(&mut s, &token(), Service::Coordinator, &me).unwrap();
     write_message(&mut s, &Message::Register(r)).unwrap();
     let reader = FrameReader::new(s.try_clone().unwrap(), DEFAULT_MAX_BODY);
     (s, reader)
@@ -447,14 +440,7 @@ fn losing_the_coordinator_fails_barriers_and_is_announced() {
     let fake = thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
-        accept(
-            &mut s,
-            &token(),
-            Service::Coordinator,
-            DEFAULT_MAX_BODY,
-            |_| Ok(()),
-        )
-        .unwrap();
+        accept(&mut s, &token(), Service::Coordinator, WAIT, |_| Ok(())).unwrap();
         let mut reader = FrameReader::new(s.try_clone().unwrap(), DEFAULT_MAX_BODY);
         let Message::Register(r) = reader.read_owned().unwrap().0 else {
             panic!("expected Register")

@@ -381,14 +381,7 @@ fn a_declaration_left_unanswered_times_out_naming_the_tensor() {
     let fake = thread::spawn(move || {
         let (mut s, _) = listener.accept().unwrap();
         s.set_read_timeout(Some(WAIT)).unwrap();
-        accept(
-            &mut s,
-            &token(),
-            Service::Coordinator,
-            DEFAULT_MAX_BODY,
-            |_| Ok(()),
-        )
-        .unwrap();
+        accept(&mut s, &token(), Service::Coordinator, WAIT, |_| Ok(())).unwrap();
         let mut reader = FrameReader::new(s.try_clone().unwrap(), DEFAULT_MAX_BODY);
         let Message::Register(r) = reader.read_owned().unwrap().0 else {
             panic!("expected Register")

@@ -166,7 +166,7 @@ fn hanging_worker(coord: &str, rank: u32) -> TcpStream {
         rank: Some(rank),
         name: format!("trainer {rank}"),
     };
-    io::connect(&mut s, &token(), Service::Coordinator, &me, 1 << 20).unwrap();
+    io::connect(&mut s, &token(), Service::Coordinator, &me).unwrap();
     let reg = Registration {
         role: Role::Worker,
         requested_rank: Some(rank),

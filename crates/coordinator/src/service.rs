@@ -13,6 +13,7 @@ use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
+use sumflow_wire::gate::{Gate, Pass, MAX_HANDSHAKES};
 use sumflow_wire::io::{accept, write_message, FrameReader};
 use sumflow_wire::{JobToken, Message, Peer, Service, WireError};
 use tracing::{debug, error, info, warn, Level};
@@ -30,6 +31,9 @@ const WRITE_QUEUE: usize = 256;
 const MAX_TICK: Duration = Duration::from_millis(100);
 /// How often the accept loop looks at the stop flag.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
+/// Connections allowed beyond the job's nodes' (and those in their handshake): tools
+/// asking the coordinator something.
+const SPARE_CONNECTIONS: usize = 64;
 
 enum Event {
     Connected {
@@ -75,10 +79,14 @@ impl CoordinatorService {
         );
         let (events, inbox) = bounded(EVENT_QUEUE);
         let stop = Arc::new(AtomicBool::new(false));
+        let nodes = cfg.num_workers as usize + cfg.num_servers as usize;
         let conn_cfg = ConnSettings {
             token: cfg.token.clone(),
             max_body: cfg.max_body,
             timeout: cfg.heartbeat_timeout,
+            handshakes: Gate::new(MAX_HANDSHAKES),
+            // Every node holds one; a node replacing a lost connection may briefly hold two.
+            connections: Gate::new(MAX_HANDSHAKES + 2 * nodes + SPARE_CONNECTIONS),
         };
         let (tx, flag) = (events.clone(), stop.clone());
         thread::Builder::new()
@@ -151,6 +159,10 @@ struct ConnSettings {
     token: JobToken,
     max_body: u32,
     timeout: Duration,
+    /// Connections in their handshake, capped on their own.
+    handshakes: Arc<Gate>,
+    /// Every connection (two threads each), handshaking or not.
+    connections: Arc<Gate>,
 }
 
 fn accept_loop(
@@ -163,11 +175,28 @@ fn accept_loop(
     while !stop.load(Ordering::Relaxed) {
         match listener.accept() {
             Ok((stream, remote)) => {
+                let (Some(place), Some(pass)) = (cfg.connections.enter(), cfg.handshakes.enter())
+                else {
+                    if cfg.handshakes.should_warn() {
+                        warn!(
+                            "closing the connection from {remote}: {} connections open, {} of \
+                             them in their handshake (limits {} and {})",
+                            cfg.connections.inside(),
+                            cfg.handshakes.inside(),
+                            cfg.connections.limit(),
+                            cfg.handshakes.limit()
+                        );
+                    }
+                    continue;
+                };
                 let conn = next_id.fetch_add(1, Ordering::Relaxed);
                 let (cfg, events) = (cfg.clone(), events.clone());
                 let spawned = thread::Builder::new()
                     .name(format!("coord-conn-{conn}"))
-                    .spawn(move || serve_connection(stream, remote, conn, cfg, events));
+                    .spawn(move || {
+                        serve_connection(stream, remote, conn, cfg, events, pass);
+                        drop(place);
+                    });
                 if let Err(e) = spawned {
                     error!("cannot start a thread for the connection from {remote}: {e}");
                 }
@@ -182,12 +211,15 @@ fn accept_loop(
 }
 
 /// Handshake, then read frames until the connection ends, passing each to the core.
+/// `pass`, its place among the connections in their handshake, is given up once the
+/// handshake ends.
 fn serve_connection(
     mut stream: TcpStream,
     remote: SocketAddr,
     conn: ConnId,
     cfg: ConnSettings,
     events: Sender<Event>,
+    pass: Pass,
 ) {
     // The accepted socket may inherit the listener's non-blocking mode on some platforms.
     let setup = stream
@@ -199,13 +231,15 @@ fn serve_connection(
         warn!("cannot configure the connection from {remote}: {e}");
         return;
     }
-    let peer = match accept(
+    let accepted = accept(
         &mut stream,
         &cfg.token,
         Service::Coordinator,
-        cfg.max_body,
+        cfg.timeout,
         |_| Ok(()),
-    ) {
+    );
+    drop(pass);
+    let peer = match accepted {
         Ok((peer, ())) => peer,
         Err(e) => {
             warn!("refused the connection from {remote}: {e}");

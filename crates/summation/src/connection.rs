@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use crate::channel::{unbounded, Receiver};
 use sumflow_wire::accounting::Counted;
+use sumflow_wire::gate::Pass;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
     Codec, ErrorCode, ErrorReply, KeyCodec, KeyInit, Message, Peer, PushMode, ReduceOp, Role,
@@ -40,18 +41,20 @@ const POOL_POLL: Duration = Duration::from_millis(100);
 /// frame, leaving the worker only "connection reset".
 const LINGER: Duration = Duration::from_secs(2);
 
-/// Serves one accepted connection until it closes.
-pub fn serve(shared: Arc<Shared>, stream: Link) {
+/// Serves one accepted connection until it closes; `pass` is its place among the
+/// connections in their handshake, given up once it is authenticated (or refused).
+pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
     let addr = stream.peer();
     stream.set_nodelay();
-    let _ = stream.set_read_timeout(Some(shared.settings.handshake_timeout));
-    let (peer, (rank, id)) = match io::accept(
+    let admitted = io::accept(
         &mut &stream,
         &shared.token,
         Service::Summation,
-        shared.settings.max_body,
+        shared.settings.handshake_timeout,
         |peer| admit(&shared, peer),
-    ) {
+    );
+    drop(pass);
+    let (peer, (rank, id)) = match admitted {
         Ok(admitted) => admitted,
         Err(e) => {
             warn!(%addr, error = %e, "connection refused");

@@ -292,6 +292,18 @@ fn accept_loop(
                 continue;
             }
         };
+        // Unauthenticated connections have a cap of their own, well under the total's, so
+        // they can neither exhaust the threads nor lock the job's workers out.
+        let Some(pass) = shared.handshakes.enter() else {
+            if shared.handshakes.should_warn() {
+                warn!(
+                    peer = %stream.peer(),
+                    limit = shared.handshakes.limit(),
+                    "too many connections in their handshake; closing new ones"
+                );
+            }
+            continue;
+        };
         let mut conns = connections.lock().expect("connections lock");
         conns.retain(|h| !h.is_finished());
         if conns.len() >= max_connections {
@@ -304,7 +316,7 @@ fn accept_loop(
         let shared = Arc::clone(shared);
         match std::thread::Builder::new()
             .name("sumflow-conn".into())
-            .spawn(move || crate::connection::serve(shared, stream))
+            .spawn(move || crate::connection::serve(shared, stream, pass))
         {
             Ok(h) => conns.push(h),
             Err(e) => warn!(error = %e, "cannot start a connection thread"),

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use crate::channel::Sender;
 use sumflow_client::link::Link;
+use sumflow_wire::gate::{Gate, MAX_HANDSHAKES};
 use sumflow_wire::{ErrorCode, ErrorReply, JobToken};
 use tracing::info;
 
@@ -64,6 +65,8 @@ pub struct Shared {
     stopping: AtomicBool,
     /// Bytes on the wire per key.
     pub traffic: Traffic,
+    /// Connections still in their handshake (unauthenticated), capped on their own.
+    pub handshakes: Arc<Gate>,
 }
 
 impl Shared {
@@ -90,6 +93,7 @@ impl Shared {
             }),
             stopping: AtomicBool::new(false),
             traffic: Traffic::default(),
+            handshakes: Gate::new(MAX_HANDSHAKES),
         }
     }
 

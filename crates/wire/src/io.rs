@@ -3,7 +3,9 @@
 //! The reader never buffers ahead: a data frame's payload is read by the caller straight
 //! into its own (page-aligned) buffer with [`FrameReader::read_payload`].
 
-use std::io::{Read, Write};
+use std::io::{self as stdio, Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
 
 use crate::auth::{random_bytes, Handshake, JobToken};
 use crate::cluster::Role;
@@ -13,6 +15,47 @@ use crate::message::{self, ErrorReply, Message, Service, DATA_META_LEN};
 
 /// Payloads up to this size are copied behind the header so a small frame is one write.
 const COALESCE_LIMIT: usize = 64 << 10;
+
+/// The largest frame body read before a connection is authenticated (a Hello, a
+/// Challenge, a Welcome, a refusal): an unauthenticated peer must not make us allocate
+/// the data plane's limit.
+pub const HANDSHAKE_MAX_BODY: u32 = 4 << 10;
+
+/// A stream whose reads can be given a timeout: what the handshake needs to hold a peer
+/// to one deadline for the whole exchange, not a fresh timeout per read.
+pub trait Timed {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> stdio::Result<()>;
+}
+
+impl Timed for TcpStream {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> stdio::Result<()> {
+        TcpStream::set_read_timeout(self, timeout)
+    }
+}
+
+impl<T: Timed + ?Sized> Timed for &T {
+    fn set_read_timeout(&self, timeout: Option<Duration>) -> stdio::Result<()> {
+        (**self).set_read_timeout(timeout)
+    }
+}
+
+/// Reads from `inner` until `until`, whatever pace the peer sends at: each read waits at
+/// most what is left, and none starts after it.
+struct ByDeadline<'a, S> {
+    inner: &'a mut S,
+    until: Instant,
+}
+
+impl<S: Read + Timed> Read for ByDeadline<'_, S> {
+    fn read(&mut self, buf: &mut [u8]) -> stdio::Result<usize> {
+        let left = self.until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(stdio::ErrorKind::TimedOut.into());
+        }
+        self.inner.set_read_timeout(Some(left))?;
+        self.inner.read(buf)
+    }
+}
 
 /// A frame whose body has been read up to its payload.
 #[derive(Debug, PartialEq, Eq)]
@@ -145,14 +188,17 @@ pub struct Peer {
 /// Server side of the handshake: challenge, verify the client's proof, let `admit` accept
 /// or refuse the authenticated identity, then prove ourselves. A bad proof or a refusal is
 /// sent to the client as an `Error` frame before the error is returned, so the client's
-/// `connect` fails with the reason.
-pub fn accept<S: Read + Write, T>(
+/// `connect` fails with the reason. The client has `deadline` for the whole exchange, and
+/// its Hello at most [`HANDSHAKE_MAX_BODY`] bytes. The stream's read timeout is left set;
+/// the caller sets the one it wants next.
+pub fn accept<S: Read + Write + Timed, T>(
     stream: &mut S,
     token: &JobToken,
     service: Service,
-    max_body: u32,
+    deadline: Duration,
     admit: impl FnOnce(&Peer) -> Result<T, ErrorReply>,
 ) -> Result<(Peer, T), WireError> {
+    let started = Instant::now();
     let server_nonce = random_bytes().map_err(|e| WireError::AuthFailed(e.to_string()))?;
     write_message(
         stream,
@@ -161,7 +207,19 @@ pub fn accept<S: Read + Write, T>(
             nonce: server_nonce,
         },
     )?;
-    let (msg, _) = FrameReader::new(&mut *stream, max_body).read_owned()?;
+    let mut timed = ByDeadline {
+        inner: &mut *stream,
+        until: started + deadline,
+    };
+    let (msg, _) = FrameReader::new(&mut timed, HANDSHAKE_MAX_BODY)
+        .read_owned()
+        .map_err(|e| match e {
+            WireError::Timeout { .. } => WireError::Timeout {
+                what: "the client's Hello (the handshake)".into(),
+                secs: started.elapsed().as_secs_f64(),
+            },
+            other => other,
+        })?;
     let Message::Hello {
         role,
         rank,
@@ -182,7 +240,7 @@ pub fn accept<S: Read + Write, T>(
         rank,
     };
     if !token.verify_client(&hs, &proof) {
-        let why = format!("{role} '{name}' does not hold this job's token");
+        let why = format!("{role} {name:?} does not hold this job's token");
         let _ = write_message(
             stream,
             &Message::error(crate::ErrorCode::AuthFailed, None, why.clone()),
@@ -208,15 +266,15 @@ pub fn accept<S: Read + Write, T>(
 }
 
 /// Client side of the handshake. Fails if the peer is not the expected service, refuses
-/// us, or cannot prove it holds the job token.
+/// us, or cannot prove it holds the job token. Nothing it reads before the peer has proved
+/// itself is larger than [`HANDSHAKE_MAX_BODY`].
 pub fn connect<S: Read + Write>(
     stream: &mut S,
     token: &JobToken,
     expected: Service,
     me: &Peer,
-    max_body: u32,
 ) -> Result<(), WireError> {
-    let mut reader = FrameReader::new(&mut *stream, max_body);
+    let mut reader = FrameReader::new(&mut *stream, HANDSHAKE_MAX_BODY);
     let (server_nonce, service) = match reader.read_owned()?.0 {
         Message::Challenge { service, nonce } => (nonce, service),
         Message::Error(e) => return Err(WireError::Rejected(e)),
@@ -250,7 +308,10 @@ pub fn connect<S: Read + Write>(
             name: me.name.clone(),
         },
     )?;
-    match FrameReader::new(&mut *stream, max_body).read_owned()?.0 {
+    match FrameReader::new(&mut *stream, HANDSHAKE_MAX_BODY)
+        .read_owned()?
+        .0
+    {
         Message::Welcome { proof, .. } if token.verify_server(&hs, &proof) => Ok(()),
         Message::Welcome { .. } => Err(WireError::AuthFailed(format!(
             "the {} could not prove it holds this job's token",

@@ -12,6 +12,7 @@ pub mod compression;
 pub mod dtype;
 pub mod error;
 pub mod frame;
+pub mod gate;
 pub mod io;
 #[cfg(feature = "cli")]
 pub mod logging;

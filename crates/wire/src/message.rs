@@ -532,7 +532,7 @@ impl Message {
                 rank: rank(&mut d, "rank")?,
                 nonce: d.array("nonce")?,
                 proof: d.array("proof")?,
-                name: d.string("name")?,
+                name: label(&mut d, "name")?,
             },
             Op::Welcome => Message::Welcome {
                 service: service(&mut d)?,
@@ -543,9 +543,9 @@ impl Message {
                 requested_rank: rank(&mut d, "requested_rank")?,
                 port: d.u16("port")?,
                 pid: d.u32("pid")?,
-                host: d.string("host")?,
-                host_id: d.string("host_id")?,
-                name: d.string("name")?,
+                host: label(&mut d, "host")?,
+                host_id: label(&mut d, "host_id")?,
+                name: label(&mut d, "name")?,
             }),
             Op::ClusterMap => {
                 let your_rank = d.u32("your_rank")?;
@@ -770,6 +770,16 @@ fn service(d: &mut Dec<'_>) -> Result<Service, WireError> {
 fn role(d: &mut Dec<'_>) -> Result<Role, WireError> {
     let v = d.u8("role")?;
     Role::from_code(v).ok_or_else(|| d.bad("role", format!("unknown role {v}")))
+}
+
+/// A name a peer chose (its node name, host, host id), which ends up in logs and error
+/// messages: printable only, so no peer can forge log lines or send terminal escapes.
+fn label(d: &mut Dec<'_>, field: &'static str) -> Result<String, WireError> {
+    let s = d.string(field)?;
+    if s.chars().any(char::is_control) {
+        return Err(d.bad(field, "contains control characters"));
+    }
+    Ok(s)
 }
 
 fn rank(d: &mut Dec<'_>, field: &'static str) -> Result<Option<u32>, WireError> {

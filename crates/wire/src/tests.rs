@@ -1,13 +1,14 @@
 //! Round trips and rejections of every message, through both decoders.
 
-use std::io::Cursor;
+use std::io::{Cursor, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
 use crate::error::{ErrorCode, WireError};
 use crate::frame::{Op, HEADER_LEN};
-use crate::io::{accept, connect, write_data, FrameReader, Peer};
+use crate::io::{accept, connect, write_data, FrameReader, Peer, HANDSHAKE_MAX_BODY};
 use crate::message::*;
 use crate::{Codec, Dtype, JobToken, KeyCodec};
 
@@ -787,6 +788,8 @@ fn random_bytes_never_panic_the_decoder() {
     }
 }
 
+const TEN_SECONDS: Duration = Duration::from_secs(10);
+
 fn pair() -> (TcpStream, TcpStream) {
     let l = TcpListener::bind("127.0.0.1:0").unwrap();
     let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
@@ -800,13 +803,13 @@ fn handshake_authenticates_both_sides() {
     let (mut c, mut s) = pair();
     let t2 = token.clone();
     let server =
-        thread::spawn(move || accept(&mut s, &t2, Service::Summation, 1 << 20, |_| Ok(())));
+        thread::spawn(move || accept(&mut s, &t2, Service::Summation, TEN_SECONDS, |_| Ok(())));
     let me = Peer {
         role: Role::Worker,
         rank: Some(2),
         name: "w2".into(),
     };
-    connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap();
+    connect(&mut c, &token, Service::Summation, &me).unwrap();
     assert_eq!(server.join().unwrap().unwrap().0, me);
 }
 
@@ -815,14 +818,21 @@ fn wrong_token_is_refused_and_told() {
     let token = JobToken::new("a-job-token-of-some-length").unwrap();
     let wrong = JobToken::new("another-token-entirely!!").unwrap();
     let (mut c, mut s) = pair();
-    let server =
-        thread::spawn(move || accept(&mut s, &token, Service::Coordinator, 1 << 20, |_| Ok(())));
+    let server = thread::spawn(move || {
+        accept(
+            &mut s,
+            &token,
+            Service::Coordinator,
+            TEN_SECONDS,
+            |_| Ok(()),
+        )
+    });
     let me = Peer {
         role: Role::Server,
         rank: None,
         name: "intruder".into(),
     };
-    let err = connect(&mut c, &wrong, Service::Coordinator, &me, 1 << 20).unwrap_err();
+    let err = connect(&mut c, &wrong, Service::Coordinator, &me).unwrap_err();
     assert!(
         matches!(&err, WireError::Rejected(r) if r.code == ErrorCode::AuthFailed),
         "{err}"
@@ -837,13 +847,13 @@ fn wrong_service_is_named() {
     let (mut c, mut s) = pair();
     let t2 = token.clone();
     let _server =
-        thread::spawn(move || accept(&mut s, &t2, Service::Coordinator, 1 << 20, |_| Ok(())));
+        thread::spawn(move || accept(&mut s, &t2, Service::Coordinator, TEN_SECONDS, |_| Ok(())));
     let me = Peer {
         role: Role::Worker,
         rank: Some(0),
         name: "w".into(),
     };
-    let err = connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap_err();
+    let err = connect(&mut c, &token, Service::Summation, &me).unwrap_err();
     assert!(
         err.to_string().contains("this address is a coordinator"),
         "{err}"
@@ -860,7 +870,7 @@ fn admission_refusal_reaches_the_client_during_the_handshake() {
             &mut s,
             &t2,
             Service::Summation,
-            1 << 20,
+            TEN_SECONDS,
             |p| -> Result<(), ErrorReply> {
                 Err(ErrorReply {
                     code: ErrorCode::BadRank,
@@ -875,10 +885,116 @@ fn admission_refusal_reaches_the_client_during_the_handshake() {
         rank: Some(9),
         name: "w9".into(),
     };
-    let err = connect(&mut c, &token, Service::Summation, &me, 1 << 20).unwrap_err();
+    let err = connect(&mut c, &token, Service::Summation, &me).unwrap_err();
     assert!(
         matches!(&err, WireError::Rejected(r) if r.code == ErrorCode::BadRank && r.message == "no rank Some(9)"),
         "{err}"
     );
     assert!(server.join().unwrap().is_err());
+}
+
+/// A Hello as the client would send it, with this name.
+fn hello_bytes(name: &str) -> Vec<u8> {
+    Message::Hello {
+        role: Role::Worker,
+        rank: Some(0),
+        nonce: [7; 32],
+        proof: [9; 32],
+        name: name.into(),
+    }
+    .encode(0)
+}
+
+/// Reads the server's Challenge off the client's end.
+fn read_challenge(c: &mut TcpStream) {
+    let (msg, _) = FrameReader::new(&mut *c, HANDSHAKE_MAX_BODY)
+        .read_owned()
+        .unwrap();
+    assert!(matches!(msg, Message::Challenge { .. }), "{msg:?}");
+}
+
+#[test]
+fn an_unauthenticated_hello_larger_than_the_handshake_limit_is_refused_unread() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let server =
+        thread::spawn(move || accept(&mut s, &token, Service::Summation, TEN_SECONDS, |_| Ok(())));
+    read_challenge(&mut c);
+    // A header announcing a 60 MiB Hello: refused on the header, nothing allocated for it.
+    let header = crate::frame::Header {
+        op: Op::Hello,
+        body_len: 60 << 20,
+    };
+    c.write_all(&header.encode()).unwrap();
+    let err = server.join().unwrap().unwrap_err();
+    assert!(
+        matches!(err, WireError::FrameTooLarge { .. }),
+        "{err} (limit {HANDSHAKE_MAX_BODY})"
+    );
+}
+
+#[test]
+fn a_client_trickling_its_hello_is_held_to_one_deadline_for_the_whole_handshake() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let deadline = Duration::from_millis(600);
+    let started = Instant::now();
+    let server =
+        thread::spawn(move || accept(&mut s, &token, Service::Summation, deadline, |_| Ok(())));
+    read_challenge(&mut c);
+    // One byte every 100 ms: each read succeeds well within any per-read timeout.
+    let trickle = thread::spawn(move || {
+        for b in hello_bytes("slow") {
+            if c.write_all(&[b]).is_err() {
+                return;
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let err = server.join().unwrap().unwrap_err();
+    let took = started.elapsed();
+    assert!(
+        took >= deadline && took < deadline * 3,
+        "gave up after {took:?}"
+    );
+    let text = err.to_string();
+    assert!(matches!(err, WireError::Timeout { .. }), "{text}");
+    assert!(
+        text.contains("the client's Hello") && !text.contains("0.0s"),
+        "{text}"
+    );
+    drop(trickle);
+}
+
+#[test]
+fn peer_chosen_names_with_control_characters_are_refused() {
+    for name in [
+        "evil\n2026-11-26 INFO forged line",
+        "\u{1b}[31mred",
+        "tab\there",
+    ] {
+        let bytes = hello_bytes(name);
+        let err = decode_frame(&bytes, 1 << 20).unwrap_err();
+        assert!(
+            matches!(&err, WireError::BadField { field: "name", .. }),
+            "{name:?}: {err}"
+        );
+        // The refusal does not repeat the name.
+        assert!(!err.to_string().contains("forged"), "{err}");
+    }
+    assert!(decode_frame(&hello_bytes("worker 3 on gpu-07 (pid 4121) ü"), 1 << 20).is_ok());
+}
+
+#[test]
+fn a_refused_clients_name_is_logged_escaped() {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let server =
+        thread::spawn(move || accept(&mut s, &token, Service::Summation, TEN_SECONDS, |_| Ok(())));
+    read_challenge(&mut c);
+    c.write_all(&hello_bytes("a \"quoted\" name")).unwrap();
+    let mut sink = Vec::new();
+    let _ = c.read_to_end(&mut sink);
+    let err = server.join().unwrap().unwrap_err().to_string();
+    assert!(err.contains(r#""a \"quoted\" name""#), "{err}");
 }
