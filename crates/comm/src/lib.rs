@@ -24,6 +24,7 @@ mod accounting;
 mod average;
 mod compression;
 mod error;
+mod failures;
 mod handles;
 mod local;
 mod pipeline;

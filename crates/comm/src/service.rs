@@ -28,6 +28,7 @@ use tracing::{info, warn};
 use crate::accounting::{KeyBytes, WireBytes};
 use crate::compression::Compression;
 use crate::error::CommError;
+use crate::failures::{self, CoordinatorLoss};
 use crate::handles::Handles;
 use crate::local::{LocalOp, SharedMemory, LOCAL_KEY, LOCAL_SERVER};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
@@ -464,6 +465,8 @@ pub struct CommunicationService {
     /// Whether the credit and the push window are counted in partitions of the reference
     /// size (none was set), and so follow a derived partition size.
     follow: (bool, bool),
+    /// Set once the coordinator is lost: every operation fails from then on.
+    coordinator_loss: CoordinatorLoss,
 }
 
 impl CommunicationService {
@@ -599,6 +602,15 @@ impl CommunicationService {
             Arc::clone(&tracer),
             job.rank(),
         )?;
+        let coordinator_loss = failures::watch(
+            job.failures(),
+            pipeline.server_failures(),
+            Arc::clone(&handles),
+        )
+        .map_err(|source| CommError::Io {
+            what: "cannot start the thread that acts on failure notices".into(),
+            source: Arc::new(source),
+        })?;
         let local = local_rank(&map, job.rank());
         info!(
             rank = job.rank(),
@@ -632,6 +644,7 @@ impl CommunicationService {
             local_sockets: cfg.local_sockets,
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
+            coordinator_loss,
         })
     }
 
@@ -1001,6 +1014,9 @@ impl CommunicationService {
             .tensors
             .get_mut(&id)
             .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
+        if let Some(e) = self.coordinator_loss.error(&t.name) {
+            return Err(e);
+        }
         let want = t.elements as usize * t.dtype.size();
         if len != want {
             return Err(CommError::Invalid(format!(

@@ -357,6 +357,11 @@ impl Pipeline {
         Ok(())
     }
 
+    /// Where failures of servers the coordinator reports are told.
+    pub fn server_failures(&self) -> ServerFailures {
+        ServerFailures(Arc::clone(&self.shared))
+    }
+
     /// The name of a server, for messages.
     pub fn server_name(&self, server: usize) -> String {
         self.shared.server_names[server].clone()
@@ -390,6 +395,19 @@ impl Pipeline {
 impl Drop for Pipeline {
     fn drop(&mut self) {
         self.shutdown("communication service dropped");
+    }
+}
+
+/// Reports servers failed from outside the pipeline (the coordinator's notices).
+pub struct ServerFailures(Arc<Shared>);
+
+impl ServerFailures {
+    /// Server `server` failed for `why`: everything queued for it, in flight on it or
+    /// waiting for it fails at once, naming it, as if its lanes broke.
+    pub fn report(&self, server: usize, why: &str) {
+        if server < self.0.server_names.len() {
+            server_lost(&self.0, server, why);
+        }
     }
 }
 
