@@ -168,6 +168,7 @@ where
         Some(rank) => format!("server-{rank}.json"),
         None => format!("server-{}.json", handle.local_addr().port()),
     };
+    let failure = handle.failure();
     let traffic = handle.wait();
     drop(signals);
     if let Some(dir) = &args.wire_stats_dir {
@@ -181,6 +182,10 @@ where
             );
             return 1;
         }
+    }
+    if let Some(why) = failure {
+        eprintln!("sumflow-server: {why}");
+        return 1;
     }
     0
 }

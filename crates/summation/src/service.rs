@@ -13,7 +13,7 @@ use sumflow_client::ClientError;
 use sumflow_wire::cluster::host_port;
 use sumflow_wire::{JobToken, Registration, Role};
 use thiserror::Error;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::channel::bounded;
 use crate::engine::Engine;
@@ -341,6 +341,14 @@ fn monitor(
             Ok(f) if f.node.role == Role::Worker && f.node.rank < shared.workers => {
                 shared.worker_gone(f.node.rank, &format!("failed: {}", f.reason));
             }
+            Ok(f) if f.is_coordinator() => {
+                // Without its coordinator the job can detect no failure, and its workers
+                // stop: the server is no use to anyone any more.
+                let why = format!("lost the job's {}: {}", f.name, f.reason);
+                error!(reason = %why, "the job is gone; stopping");
+                shared.fail(why);
+                stop(&shared, addr, local);
+            }
             Ok(f) => warn!(node = %f.name, reason = %f.reason, "node failed"),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
@@ -402,6 +410,12 @@ impl ServerHandle {
     /// Whether the server has stopped accepting (after `shutdown` or the job's end).
     pub fn is_finished(&self) -> bool {
         self.shared.is_stopping()
+    }
+
+    /// Why the server stopped on its own for a failure (its coordinator was lost), if it
+    /// did; None after a clean end or `shutdown`.
+    pub fn failure(&self) -> Option<String> {
+        self.shared.failure()
     }
 
     /// The bytes read from and written to workers so far, per key.

@@ -67,6 +67,8 @@ pub struct Shared {
     pub traffic: Traffic,
     /// Connections still in their handshake (unauthenticated), capped on their own.
     pub handshakes: Arc<Gate>,
+    /// Why the server stopped on its own because the job is gone (the coordinator lost).
+    failure: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -94,6 +96,7 @@ impl Shared {
             stopping: AtomicBool::new(false),
             traffic: Traffic::default(),
             handshakes: Gate::new(MAX_HANDSHAKES),
+            failure: Mutex::new(None),
         }
     }
 
@@ -223,6 +226,19 @@ impl Shared {
 
     pub fn is_stopping(&self) -> bool {
         self.stopping.load(Ordering::Acquire)
+    }
+
+    /// Records why the server must stop for a failure (the first reason holds).
+    pub fn fail(&self, why: String) {
+        self.failure
+            .lock()
+            .expect("failure lock")
+            .get_or_insert(why);
+    }
+
+    /// Why the server stopped for a failure, if it did.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().expect("failure lock").clone()
     }
 
     /// Sets the stop flag and closes every worker connection.
