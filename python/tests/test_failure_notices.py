@@ -86,6 +86,10 @@ def test_a_hung_server_fails_every_workers_sums_within_the_heartbeat_timeout(
     # other's by leaving the job before its own notice comes, which is named too.
     assert any("the coordinator declared it failed: no heartbeat" in r["message"] for r in got)
     assert run.returncode != 0, log
+    # The core's own warning reaches the worker's stderr, as plain text (no colour codes
+    # in a pipe or a file).
+    assert re.search(r"\[worker \d\] .*WARN.*lost a summation server", run.stderr), log
+    assert "\x1b[" not in run.stdout + run.stderr, log
 
 
 def test_servers_that_lose_their_coordinator_stop_and_the_job_ends(tmp_path: Path) -> None:

@@ -188,6 +188,9 @@ impl PyCommunicationService {
         trace_steps: Option<u64>,
         trace_max_events: Option<usize>,
     ) -> PyResult<Self> {
+        // The core's warnings (a lost server, a failing operation) reach the script's
+        // stderr; nothing else sets up Rust logging in a worker process.
+        sumflow_wire::logging::init_worker_logging();
         let token = JobToken::new(token.trim().as_bytes().to_vec())
             .map_err(|e| PyValueError::new_err(format!("job token: {e}")))?;
         let mut cfg = CommConfig::new(coordinator, token, host_id);

@@ -13,6 +13,8 @@
 //! init_logging(LogFormat::Json); // one JSON object per line on stderr, level from RUST_LOG
 //! ```
 
+use std::io::IsTerminal;
+
 use tracing_subscriber::EnvFilter;
 
 /// How log lines are written to stderr (`--log-format`).
@@ -32,9 +34,24 @@ pub enum LogFormat {
 /// a program run a second time in the same Python process keeps the first run's settings
 /// instead of panicking.
 pub fn init_logging(format: LogFormat) -> bool {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    init(format, "info")
+}
+
+/// The same for a worker process (the communication service inside a training script):
+/// text lines at the levels `RUST_LOG` asks for, default `warn`, so the core's warnings
+/// and errors reach the script's stderr without its routine lines.
+pub fn init_worker_logging() -> bool {
+    init(LogFormat::Text, "warn")
+}
+
+fn init(format: LogFormat, default_level: &str) -> bool {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    // Colours only for a terminal: a log file, a pipe to a launcher or a collector gets
+    // plain text.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     match format {
         LogFormat::Text => builder.try_init().is_ok(),
