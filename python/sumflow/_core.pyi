@@ -239,11 +239,14 @@ class CommunicationService:
         compression: tuple[str, float, bool] | None = None,
         members: Sequence[int] | None = None,
         home: int | None = None,
+        shape: Sequence[int] | None = None,
     ) -> int:
         """Declares a tensor by name and returns its id. Every worker must declare it with
         the same dtype ("f32", "f16", "bf16", "f64", "i32" or "i64"), number of elements,
-        compression and members, or every worker gets ``DeclarationMismatchError`` naming
-        it. ``compression`` is ``(compressor, parameter, error_feedback)``: ``("topk",
+        shape (``None``: a flat buffer; ``ValueError`` if its product is not
+        ``elements``), compression and members, or every worker gets
+        ``DeclarationMismatchError`` naming it, the declarations and the workers.
+        ``compression`` is ``(compressor, parameter, error_feedback)``: ``("topk",
         ratio, ...)``, ``("randomk", ratio, ...)``, ``("sign", 0, ...)`` or
         ``("dithering", levels, ...)``, for f32 tensors; each partition is compressed on
         the way out and its sum decoded in place.
@@ -265,11 +268,12 @@ class CommunicationService:
             tuple[str, str, int, tuple[str, float, bool] | None]
             | tuple[str, str, int, tuple[str, float, bool] | None, Sequence[int] | None]
         ],
+        shapes: Sequence[Sequence[int] | None] | None = None,
     ) -> list[int]:
         """Declares tensors ``(name, dtype, elements, compression)`` or ``(name, dtype,
         elements, compression, members)`` (see ``declare``) together and places their
-        partitions by BytePS's Eq. 1 and 2; returns their ids in order. Every worker must
-        declare the same group."""
+        partitions by BytePS's Eq. 1 and 2; returns their ids in order. ``shapes``: each
+        tensor's, as ``declare`` takes it. Every worker must declare the same group."""
     def push_pull(
         self,
         tensor_id: int,

@@ -202,6 +202,16 @@ def test_declaration_mismatch_reaches_every_worker_naming_the_tensor(tmp_path: P
         assert "DistributedOptimizer.grad.weight" in o.stderr, o.stderr[-2000:]
 
 
+def test_one_size_in_two_shapes_is_a_declaration_mismatch_naming_both(tmp_path: Path) -> None:
+    for o in run(tmp_path, 2, "shape-mismatch"):
+        assert o.returncode != 0
+        err = o.stderr[-3000:]
+        assert "DeclarationMismatchError" in err, err
+        assert "'DistributedOptimizer.grad.weight'" in err, err
+        assert "shaped [32, 32] by worker 0" in err, err
+        assert "shaped [16, 64] by worker 1" in err, err
+
+
 def test_a_killed_worker_is_named_by_the_others_within_the_heartbeat_timeout(
     tmp_path: Path,
 ) -> None:

@@ -170,6 +170,21 @@ def mismatch() -> None:
     opt.step()
 
 
+def shape_mismatch() -> None:
+    """One size (1,024 weights), two shapes: summing them element by element would be
+    wrong, so the declaration refuses it."""
+    m = (
+        torch.nn.Linear(32, 32, bias=False)
+        if hvd.rank() == 0
+        else torch.nn.Linear(64, 16, bias=False)
+    )
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1), named_parameters=m.named_parameters()
+    )
+    m(torch.randn(2, m.in_features)).sum().backward()
+    opt.step()
+
+
 def crash() -> None:
     m = model()
     opt = hvd.DistributedOptimizer(
@@ -227,6 +242,8 @@ def main() -> None:
         result = sync_batch_norm()
     elif mode == "mismatch":
         result = mismatch()
+    elif mode == "shape-mismatch":
+        result = shape_mismatch()
     elif mode == "crash":
         result = crash()
     else:

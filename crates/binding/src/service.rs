@@ -93,6 +93,7 @@ fn declaration<'a>(
     elements: u64,
     compression: Option<CompressionSpec>,
     members: Option<&'a [u32]>,
+    shape: Option<&'a [u64]>,
 ) -> PyResult<Declaration<'a>> {
     let compression = compression
         .map(|(c, param, feedback)| Compression::parse(&c, param, feedback))
@@ -105,6 +106,7 @@ fn declaration<'a>(
         compression,
         members,
         home: None,
+        shape,
     })
 }
 
@@ -326,8 +328,12 @@ impl PyCommunicationService {
     /// same dtype, number of elements, compression (`(compressor, parameter,
     /// error_feedback)` or `None`) and members (the ranks of the workers that sum it, or
     /// `None` for every worker). `home`: the worker that takes the tensor's bytes, on
-    /// whose machine its partitions are then kept (see `Declaration::home`).
-    #[pyo3(signature = (name, dtype_name, elements, compression = None, members = None, home = None))]
+    /// whose machine its partitions are then kept (see `Declaration::home`). `shape`: its
+    /// dimensions, which every worker must then declare alike too (`None`: a flat buffer).
+    #[pyo3(signature = (
+        name, dtype_name, elements, compression = None, members = None, home = None,
+        shape = None,
+    ))]
     #[allow(clippy::too_many_arguments)]
     fn declare(
         &self,
@@ -338,6 +344,7 @@ impl PyCommunicationService {
         compression: Option<CompressionSpec>,
         members: Option<Vec<i64>>,
         home: Option<u32>,
+        shape: Option<Vec<u64>>,
     ) -> PyResult<u32> {
         let members = member_ranks(name, members)?;
         let mut decl = declaration(
@@ -347,6 +354,7 @@ impl PyCommunicationService {
             elements,
             compression,
             members.as_deref(),
+            shape.as_deref(),
         )?;
         decl.home = home;
         let svc = Arc::clone(&self.svc);
@@ -356,7 +364,22 @@ impl PyCommunicationService {
 
     /// Declares tensors `(name, dtype, elements, compression[, members])` together and
     /// places their partitions by BytePS's Eq. 1 and 2; returns their ids in order.
-    fn declare_group(&self, py: Python<'_>, tensors: Vec<TensorSpec>) -> PyResult<Vec<u32>> {
+    /// `shapes`: each tensor's dimensions (`None` for a flat one), as `declare` takes.
+    #[pyo3(signature = (tensors, shapes = None))]
+    fn declare_group(
+        &self,
+        py: Python<'_>,
+        tensors: Vec<TensorSpec>,
+        shapes: Option<Vec<Option<Vec<u64>>>>,
+    ) -> PyResult<Vec<u32>> {
+        let shapes = shapes.unwrap_or_else(|| vec![None; tensors.len()]);
+        if shapes.len() != tensors.len() {
+            return Err(PyValueError::new_err(format!(
+                "declare_group: {} shapes for {} tensors",
+                shapes.len(),
+                tensors.len()
+            )));
+        }
         let tensors = tensors
             .into_iter()
             .map(|t| {
@@ -370,7 +393,10 @@ impl PyCommunicationService {
             .collect::<PyResult<Vec<_>>>()?;
         let decls = tensors
             .iter()
-            .map(|(n, d, e, c, m)| declaration(py, n, d, *e, c.clone(), m.as_deref()))
+            .zip(&shapes)
+            .map(|((n, d, e, c, m), shape)| {
+                declaration(py, n, d, *e, c.clone(), m.as_deref(), shape.as_deref())
+            })
             .collect::<PyResult<Vec<_>>>()?;
         let svc = Arc::clone(&self.svc);
         py.detach(|| svc.declare_groups(&decls))

@@ -230,6 +230,8 @@ struct Tensor {
     members: Option<Arc<[u32]>>,
     /// The worker on whose machine its partitions are kept, if any (see `Declaration`).
     home: Option<u32>,
+    /// Its shape as declared, if one was.
+    shape: Option<Arc<[u64]>>,
     /// The group it was declared and placed with, if any.
     group: Option<usize>,
     /// Its partitions, each with its server, in the tensor's order.
@@ -252,6 +254,7 @@ impl Tensor {
             compression: decl.compression,
             members: decl.members.map(Arc::from),
             home: decl.home,
+            shape: decl.shape.map(Arc::from),
             group,
             parts,
             rounds: Vec::new(),
@@ -267,6 +270,7 @@ impl Tensor {
             compression: self.compression,
             members: self.members.as_deref(),
             home: self.home,
+            shape: self.shape.as_deref(),
         }
     }
 
@@ -322,6 +326,11 @@ pub struct Declaration<'a> {
     /// cross one link instead of two. Without a colocated server there, or with `None`, the
     /// partitions are placed from their keys as usual.
     pub home: Option<u32>,
+    /// Its shape (the product of which is `elements`), which every worker's declaration
+    /// must then match too, as Horovod checks: tensors of one size but other shapes
+    /// ([32, 32] and [16, 64]) would otherwise be summed element by element, silently.
+    /// `None`: a flat buffer, checked by size alone.
+    pub shape: Option<&'a [u64]>,
 }
 
 impl<'a> Declaration<'a> {
@@ -334,6 +343,7 @@ impl<'a> Declaration<'a> {
             compression: None,
             members: None,
             home: None,
+            shape: None,
         }
     }
 
@@ -355,6 +365,15 @@ impl<'a> Declaration<'a> {
                 "is to be kept on worker {home}'s machine, but this job has workers \
                  0..{workers}"
             ));
+        }
+        if let Some(shape) = self.shape {
+            let product = shape.iter().try_fold(1u64, |acc, d| acc.checked_mul(*d));
+            if product != Some(self.elements) {
+                return invalid(format!(
+                    "is declared with {} elements but shape {shape:?}",
+                    self.elements
+                ));
+            }
         }
         if let (Some(c), dtype) = (self.compression, self.dtype) {
             if dtype != Dtype::F32 {
@@ -395,20 +414,25 @@ impl<'a> Declaration<'a> {
         }
     }
 
-    /// How it travels, for people and for the coordinator, which compares it as text
-    /// across workers like dtype and size: "compressed by topk (ratio 0.01) with error
-    /// feedback", "summed over workers [0, 2]" (never both: see `check`), or empty for raw
-    /// tensors of every worker.
+    /// Its shape and how it travels, for people and for the coordinator, which compares it
+    /// as text across workers like dtype and size: "shaped [32, 32]", "compressed by topk
+    /// (ratio 0.01) with error feedback", "summed over workers [0, 2]" (never both of the
+    /// last two: see `check`), or empty for a flat raw tensor of every worker.
     fn travel(&self) -> String {
         let how = match (self.compression, self.members) {
             (Some(c), _) => format!("compressed by {c}"),
             (None, Some(m)) => format!("summed over workers {m:?}"),
             (None, None) => String::new(),
         };
-        match self.home {
+        let how = match self.home {
             None => how,
             Some(w) if how.is_empty() => format!("kept on worker {w}'s machine"),
             Some(w) => format!("{how}, kept on worker {w}'s machine"),
+        };
+        match self.shape {
+            None => how,
+            Some(shape) if how.is_empty() => format!("shaped {shape:?}"),
+            Some(shape) => format!("shaped {shape:?}, {how}"),
         }
     }
 }

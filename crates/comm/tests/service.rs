@@ -107,6 +107,7 @@ fn compressed<'a>(name: &'a str, elements: u64, how: (&str, f64, bool)) -> Decla
         compression: Some(Compression::parse(how.0, how.1, how.2).unwrap()),
         members: None,
         home: None,
+        shape: None,
     }
 }
 
@@ -146,6 +147,17 @@ fn a_tensor_of_some_workers_is_summed_and_averaged_over_them_alone() {
             })
             .unwrap_err();
         assert!(e.to_string().contains("must be uncompressed"), "{e}");
+        let e = c
+            .declare_one(&Declaration {
+                shape: Some(&[3, 3]),
+                ..Declaration::raw("bad", Dtype::F32, 10)
+            })
+            .unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("is declared with 10 elements but shape [3, 3]"),
+            "{e}"
+        );
 
         let elements = 3000; // three partitions of 4 KiB
         let ids = c
@@ -233,7 +245,7 @@ fn workers_naming_different_members_are_stopped_with_both_lists_named() {
             msg.contains("'ps.weight' declared as f32 x 100 summed over workers [")
                 && msg.contains("summed over workers [0, 1] by worker 0")
                 && msg.contains("summed over workers [1] by worker 1")
-                && msg.contains("same dtype, size, compression and members"),
+                && msg.contains("same dtype, size, shape, compression and members"),
             "{msg}"
         );
         drop(c);

@@ -688,7 +688,7 @@ impl Membership {
         let what = if form.compression.is_empty() && t.compression.is_empty() {
             "dtype and size"
         } else {
-            "dtype, size, compression and members"
+            "dtype, size, shape, compression and members"
         };
         format!(
             "tensor '{name}' declared as {form} by {}, but as {} by {}: every worker must \

@@ -105,17 +105,24 @@ def declare(
     home: int | None = None,
     *,
     replace: bool = False,
+    shape: Sequence[int] | None = None,
 ) -> int:
     """The id of tensor `name` in this layout (dtype, size, compression), declaring it on
     first use. A name used with another layout gets keys of its own for it: each call
     stands alone, as in Horovod. ``members``: the process set's workers, whose rounds
     alone its keys count (None: every worker); ``home``: the worker that takes its bytes,
     whose machine then keeps its keys. ``replace``: a new layout retires the name's
-    previous replaceable one (see the module's doc)."""
+    previous replaceable one (see the module's doc). ``shape`` (default: the tensor's):
+    what the first declaration of the layout tells the coordinator, which refuses workers
+    that declare one size in different shapes."""
     check_dtype(tensor, name)
     layout = (tensor.dtype, tensor.numel(), compression)
     return declare_layouts(
-        [(name, layout, members)], together=False, homes=[home], replace=replace
+        [(name, layout, members)],
+        together=False,
+        homes=[home],
+        replace=replace,
+        shapes=[tuple(tensor.shape) if shape is None else tuple(shape)],
     )[0]
 
 
@@ -125,6 +132,7 @@ def declare_layouts(
     together: bool = True,
     homes: Sequence[int | None] | None = None,
     replace: bool = False,
+    shapes: Sequence[tuple[int, ...] | None] | None = None,
 ) -> list[int]:
     """The ids of tensors (name, layout, members), declaring those not yet known.
     ``together``: placed over the servers as one group (BytePS Eq. 1 and 2), which every
@@ -153,13 +161,14 @@ def declare_layouts(
             name, layout, members = specs[i]
             dtype, numel, compression = layout
             wanted.append((_core_name(name, layout), DTYPES[dtype], numel, compression, members))
+        dims = [None if shapes is None else _dims(shapes[i]) for i in fresh]
         if together:
-            ids = service.declare_group(wanted)
+            ids = service.declare_group(wanted, shapes=dims)
         else:
             places = [None] * len(specs) if homes is None else list(homes)
             ids = [
-                service.declare(n, d, e, c, members=m, home=places[i])
-                for i, (n, d, e, c, m) in zip(fresh, wanted)
+                service.declare(n, d, e, c, members=m, home=places[i], shape=dims[j])
+                for j, (i, (n, d, e, c, m)) in enumerate(zip(fresh, wanted))
             ]
         with _declared_lock:
             for i, tid in zip(fresh, ids):
@@ -170,6 +179,12 @@ def declare_layouts(
                     _replaceable[name] = layout
                 known[i] = tid
     return [tid for tid in known if tid is not None]
+
+
+def _dims(shape: tuple[int, ...] | None) -> list[int] | None:
+    """A shape as the core takes it: None for a flat (one-dimensional) tensor, whose shape
+    says nothing its size does not."""
+    return None if shape is None or len(shape) == 1 else list(shape)
 
 
 def _retire_replaced(names: list[str]) -> None:
@@ -236,7 +251,10 @@ def declare_group(
     wires = [(n, w, core_spec(compression, w)) for n, w in _wires(compression, named)]
     for n, w, _ in wires:
         check_dtype(w, n)
-    ids = declare_layouts([(n, (w.dtype, w.numel(), c), members) for n, w, c in wires])
+    ids = declare_layouts(
+        [(n, (w.dtype, w.numel(), c), members) for n, w, c in wires],
+        shapes=[tuple(w.shape) for _, w, _ in wires],
+    )
     _tell_partition_size(len(wires))
     return ids
 

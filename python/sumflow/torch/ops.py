@@ -143,7 +143,15 @@ def sum_work(
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
     host, copied = _staging.to_host(name, wire)
-    tid = declare(name, host, core_spec(compressor, wire), group.members, home, replace=replace)
+    tid = declare(
+        name,
+        host,
+        core_spec(compressor, wire),
+        group.members,
+        home,
+        replace=replace,
+        shape=wire.shape,
+    )
     #: Whether the core divides the sum (floats); integers are divided here, truncated.
     float_average = op is Average and wire.is_floating_point()
     nbytes = host.numel() * host.element_size()

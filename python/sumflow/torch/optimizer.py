@@ -170,24 +170,30 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_declare(self) -> None:
         # Declared together so placement balances the whole model over the servers.
         ops.declare_group(
-            [(name, torch.empty(n, dtype=dt, device="meta")) for name, dt, n in self._sf_sent()],
+            [
+                (name, torch.empty(shape, dtype=dt, device="meta"))
+                for name, dt, shape in self._sf_sent()
+            ],
             self._sf_compression,
             None if self._sf_group is None else self._sf_group.members,
         )
 
-    def _sf_sent(self, by_gradient: bool = False) -> list[tuple[str, torch.dtype, int]]:
-        """(name, wire dtype, elements) of every tensor a step sends, in priority order:
-        one per gradient, or one per span with fusion (unless `by_gradient`: what a
-        tuned configuration is keyed by, whatever the spans). The wire dtype is what
-        compression sends."""
+    def _sf_sent(self, by_gradient: bool = False) -> list[tuple[str, torch.dtype, tuple[int, ...]]]:
+        """(name, wire dtype, shape) of every tensor a step sends, in priority order:
+        one per gradient (its parameter's shape, which every worker must declare alike),
+        or one per span with fusion (flat; unless `by_gradient`: what a tuned
+        configuration is keyed by, whatever the spans). The wire dtype is what compression
+        sends."""
 
         def wire_dtype(dtype: torch.dtype) -> torch.dtype:
             return self._sf_compression.compress(torch.empty(0, dtype=dtype))[0].dtype
 
         if self._sf_pool is not None and not by_gradient:
             spans = sorted(self._sf_pool.spans, key=lambda s: s.priority)
-            return [(s.name, wire_dtype(s.flat.dtype), s.flat.numel()) for s in spans]
-        return [(self._sf_names[p], wire_dtype(p.dtype), p.numel()) for p in self._sf_trainable()]
+            return [(s.name, wire_dtype(s.flat.dtype), tuple(s.flat.shape)) for s in spans]
+        return [
+            (self._sf_names[p], wire_dtype(p.dtype), tuple(p.shape)) for p in self._sf_trainable()
+        ]
 
     def _sf_set_fusion(self, threshold: int) -> None:
         """Sends spans of at least `threshold` bytes from the next step on (the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import math
 import weakref
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,8 @@ def _tensors(optimizer: Any) -> list[tuple[str, str, int]]:
     """(name, wire dtype, bytes) of every gradient the optimizer sums, in priority order
     (the gradients, not the spans fusion sends them in, which change with the threshold)."""
     return [
-        (name, ops.DTYPES[dtype], elements * dtype.itemsize)
-        for name, dtype, elements in optimizer._sf_sent(by_gradient=True)
+        (name, ops.DTYPES[dtype], math.prod(shape) * dtype.itemsize)
+        for name, dtype, shape in optimizer._sf_sent(by_gradient=True)
     ]
 
 
