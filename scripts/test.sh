@@ -81,8 +81,8 @@ step "benchmark smoke runs"
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-reduce --bench reduce
 SUMFLOW_BENCH_QUICK=1 cargo bench --locked -p sumflow-summation --bench goodput
 
-step "fuzz smoke run of the frame decoder"
-scripts/fuzz.sh 30
+step "fuzz smoke runs: frames, the handshake, the coordinator's state machine, payloads"
+scripts/fuzz.sh 15
 
 step "all tests passed"
 summary
