@@ -17,6 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from sumflow import _core
+from sumflow.torch import _runtime
+
 HERE = Path(__file__).parent
 HEARTBEAT = 2.0
 
@@ -107,3 +112,28 @@ def test_servers_that_lose_their_coordinator_stop_and_the_job_ends(tmp_path: Pat
     # Start-up, three sums, the heartbeat timeout and the launcher's grace for the
     # stopped coordinator (5 s): nowhere near the 120 s operation timeout.
     assert took < 45, log
+
+
+class _BrokenService:
+    """A service whose job is gone: leaving it fails, as after a lost coordinator."""
+
+    def trace_flush(self) -> None:
+        return None
+
+    def shutdown(self, reason: str) -> None:
+        raise _core.NodeFailedError("coordinator at 127.0.0.1:1 is unreachable: no reply")
+
+
+def test_leaving_a_broken_job_at_exit_says_so_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    runtime = _runtime.Runtime(service=_BrokenService(), timeout=1.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(_runtime, "_runtime", runtime)
+    _runtime._shutdown_at_exit()
+    err = capsys.readouterr().err
+    assert err == "sumflow: leaving the job: coordinator at 127.0.0.1:1 is unreachable: no reply\n"
+    assert _runtime._runtime is None
+    # Called by the script itself, it raises as before.
+    monkeypatch.setattr(_runtime, "_runtime", runtime)
+    with pytest.raises(_core.NodeFailedError):
+        _runtime.shutdown()

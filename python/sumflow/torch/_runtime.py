@@ -381,8 +381,18 @@ def init() -> Runtime:
             tmpdir.cleanup()
             raise
         _runtime = Runtime(service, timeout, children, tmpdir, published)
-        atexit.register(shutdown)
+        atexit.register(_shutdown_at_exit)
         return _runtime
+
+
+def _shutdown_at_exit() -> None:
+    """`shutdown` as the interpreter exits: a job that broke (a lost coordinator, a failed
+    peer) has already raised its error where it happened, so leaving it says so in one
+    line instead of a second traceback."""
+    try:
+        shutdown()
+    except _core.SumflowError as e:
+        print(f"sumflow: leaving the job: {e}", file=sys.stderr, flush=True)
 
 
 def _stop_children(children: list[subprocess.Popen[bytes]], grace: float = 10.0) -> None:
