@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_PARTITION_BYTES",
     "DEFAULT_PROPHET_STAGE_FACTOR",
     "DEFAULT_SCHEDULER",
+    "DEFAULT_STALL_WARNING_S",
     "DEFAULT_TRACE_MAX_EVENTS",
     "DEFAULT_TRACE_START_STEP",
     "DEFAULT_TRACE_STEPS",
@@ -63,6 +64,7 @@ DEFAULT_CONNECT_TIMEOUT_S: float
 DEFAULT_HEARTBEAT_INTERVAL_S: float
 #: Silence after which a node is declared failed, in seconds.
 DEFAULT_HEARTBEAT_TIMEOUT_S: float
+DEFAULT_STALL_WARNING_S: float
 #: The first step a trace records.
 DEFAULT_TRACE_START_STEP: int
 #: How many steps a trace records.
@@ -159,6 +161,7 @@ class CommunicationService:
         trace_start_step: int | None = None,
         trace_steps: int | None = None,
         trace_max_events: int | None = None,
+        stall_warning: float = ...,
     ) -> Self:
         """Joins the job at ``coordinator`` (host:port) with the job ``token`` and blocks
         (GIL released) until every node has joined, at most ``join_timeout`` seconds.
@@ -194,7 +197,10 @@ class CommunicationService:
         ``trace_max_events`` events (default 500000), into
         ``trace_dir/sumflow-trace-rank{rank}.json`` (see ``docs/tracing.md``); the
         directory is created now, and ``OSError`` (never ``ValueError``) is raised if it
-        cannot be. Bad arguments raise ``ValueError``.
+        cannot be. A ``wait`` that has waited ``stall_warning`` seconds (0: never) logs a
+        warning naming the tensor and what it still waits for (the servers, or this
+        machine's workers that have not pushed), and again after each further such
+        stretch. Bad arguments raise ``ValueError``.
         """
 
     def reconfigure(

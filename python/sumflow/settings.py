@@ -402,6 +402,17 @@ TIMEOUT = _add(
         default=_core.DEFAULT_OPERATION_TIMEOUT_S,
     )
 )
+STALL_WARNING = _add(
+    Setting(
+        name="SUMFLOW_STALL_WARNING",
+        kind=number(0.0, unit="seconds, 0: never"),
+        doc="how long a worker waits on one operation before it logs what it waits for "
+        "(the tensor, the servers or the machine's workers that owe it), and again after "
+        "each further such stretch (Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS)",
+        readers=(WORKER,),
+        default=_core.DEFAULT_STALL_WARNING_S,
+    )
+)
 JOIN_TIMEOUT = _add(
     Setting(
         name="SUMFLOW_JOIN_TIMEOUT",

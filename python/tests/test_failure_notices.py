@@ -137,3 +137,44 @@ def test_leaving_a_broken_job_at_exit_says_so_in_one_line(
     monkeypatch.setattr(_runtime, "_runtime", runtime)
     with pytest.raises(_core.NodeFailedError):
         _runtime.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("how", "owes"),
+    [
+        ([], "this machine's shared memory, waiting for workers [1] to push"),
+        (["--machine-per-worker"], "from server"),
+    ],
+    ids=["shared-memory", "servers"],
+)
+def test_a_stalled_wait_says_what_it_waits_for(how: list[str], owes: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sumflow.launcher",
+            "-np",
+            "2",
+            "-x",
+            "SUMFLOW_STALL_WARNING=1",
+            *how,
+            sys.executable,
+            str(HERE / "stall_worker.py"),
+            "3.5",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+    log = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode == 0, log
+    # The wait is the agreement's (Horovod's negotiation) on the late sum.
+    pattern = r"\[worker 0\] .*WARN.*tensor '(?:agree\.)?allreduce\.late': still waiting.*"
+    warnings = re.findall(pattern, log)
+    # Warned after 1 s, again after 2 s and 3 s, and the sum then completed.
+    assert len(warnings) >= 2, log
+    assert owes in warnings[0], warnings[0]
+    assert not re.search(r"\[worker 1\] .*still waiting", log), log

@@ -144,3 +144,21 @@ def test_fusion_is_on_by_default_only_for_gpu_parameters() -> None:
         gpu = [torch.nn.Parameter(torch.zeros(2, device="cuda"))]
         assert default_threshold(torch.optim.SGD(gpu, lr=0.1)) == CUDA_DEFAULT_THRESHOLD
         assert default_threshold(torch.optim.SparseAdam(gpu, lr=0.1)) == 0
+
+
+def test_sparse_adam_is_never_fused(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sumflow.torch as hvd
+
+    table = torch.nn.Embedding(4, 2, sparse=True)
+    with pytest.raises(ValueError, match="with SparseAdam: fusion sums gradients dense"):
+        hvd.DistributedOptimizer(
+            torch.optim.SparseAdam(list(table.parameters())), fusion_threshold=64
+        )
+    # From the environment, fusion gives way (this process has no job, so the wrapping
+    # goes no further than that). Horovod's test_sparse_embeddings runs it in a job.
+    monkeypatch.setenv(settings.FUSION_THRESHOLD.name, "64")
+    with (
+        pytest.warns(UserWarning, match="is ignored for SparseAdam"),
+        pytest.raises(ValueError, match="not initialised"),
+    ):
+        hvd.DistributedOptimizer(torch.optim.SparseAdam(list(table.parameters())))

@@ -53,6 +53,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "DEFAULT_HEARTBEAT_TIMEOUT_S",
         timing::DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64(),
     )?;
+    m.add(
+        "DEFAULT_STALL_WARNING_S",
+        timing::DEFAULT_STALL_WARNING.as_secs_f64(),
+    )?;
     m.add("DEFAULT_TRACE_START_STEP", trace::DEFAULT_START_STEP)?;
     m.add("DEFAULT_TRACE_STEPS", trace::DEFAULT_STEPS)?;
     m.add("DEFAULT_TRACE_MAX_EVENTS", trace::DEFAULT_MAX_EVENTS)?;

@@ -163,6 +163,7 @@ impl PyCommunicationService {
         heartbeat_interval = timing::DEFAULT_HEARTBEAT_INTERVAL.as_secs_f64(),
         heartbeat_timeout = timing::DEFAULT_HEARTBEAT_TIMEOUT.as_secs_f64(),
         trace_dir = None, trace_start_step = None, trace_steps = None, trace_max_events = None,
+        stall_warning = timing::DEFAULT_STALL_WARNING.as_secs_f64(),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -189,6 +190,7 @@ impl PyCommunicationService {
         trace_start_step: Option<u64>,
         trace_steps: Option<u64>,
         trace_max_events: Option<usize>,
+        stall_warning: f64,
     ) -> PyResult<Self> {
         // The core's warnings (a lost server, a failing operation) reach the script's
         // stderr; nothing else sets up Rust logging in a worker process.
@@ -225,6 +227,11 @@ impl PyCommunicationService {
             ..CoordinatorOptions::default()
         };
         cfg.trace = trace::config(trace_dir, trace_start_step, trace_steps, trace_max_events)?;
+        cfg.stall_warning = if stall_warning == 0.0 {
+            None
+        } else {
+            Some(seconds("stall_warning", stall_warning)?)
+        };
         let svc = py
             .detach(move || CommunicationService::start(cfg))
             .map_err(|e| py_err(py, e))?;

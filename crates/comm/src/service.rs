@@ -94,6 +94,9 @@ pub struct CommConfig {
     /// Reach a summation server on this worker's machine through its Unix socket rather
     /// than TCP (`sumflow_client::link`).
     pub local_sockets: bool,
+    /// After how long a `wait` logs what it still waits for (and again after each further
+    /// such stretch); `None`: never.
+    pub stall_warning: Option<Duration>,
 }
 
 impl CommConfig {
@@ -117,6 +120,7 @@ impl CommConfig {
             trace: None,
             shared_memory: true,
             local_sockets: true,
+            stall_warning: Some(timing::DEFAULT_STALL_WARNING),
         }
     }
 
@@ -491,6 +495,7 @@ pub struct CommunicationService {
     follow: (bool, bool),
     /// Set once the coordinator is lost: every operation fails from then on.
     coordinator_loss: CoordinatorLoss,
+    stall_warning: Option<Duration>,
 }
 
 impl CommunicationService {
@@ -669,6 +674,7 @@ impl CommunicationService {
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
+            stall_warning: cfg.stall_warning,
         })
     }
 
@@ -1210,7 +1216,9 @@ impl CommunicationService {
     /// the operation may never complete; it is also the error reported when the operation
     /// failed for another reason meanwhile, being the cause.
     pub fn wait(&self, handle: u64, timeout: Duration) -> Result<(), CommError> {
-        let deadline = Instant::now() + timeout;
+        let started = Instant::now();
+        let deadline = started + timeout;
+        let mut warn_at = self.stall_warning.map(|w| started + w);
         loop {
             let slice = JOB_ERROR_CHECK.min(deadline.saturating_duration_since(Instant::now()));
             let result = self.handles.wait(handle, slice, |s| match &self.shared {
@@ -1222,7 +1230,29 @@ impl CommunicationService {
                 (Err(CommError::Timeout { .. }), Some(e)) => {
                     self.handles.fail(handle, |_| e);
                 }
-                (Err(CommError::Timeout { .. }), None) if Instant::now() < deadline => {}
+                (
+                    Err(CommError::Timeout {
+                        tensor,
+                        outstanding,
+                        parts,
+                        servers,
+                        ..
+                    }),
+                    None,
+                ) if Instant::now() < deadline => {
+                    if let (Some(at), Some(every)) = (warn_at, self.stall_warning) {
+                        if Instant::now() >= at {
+                            warn!(
+                                "tensor '{tensor}': still waiting after {:.0} s for {outstanding} \
+                                 of {parts} partitions from {servers}; failing after {:.0} s \
+                                 (SUMFLOW_STALL_WARNING, SUMFLOW_TIMEOUT)",
+                                started.elapsed().as_secs_f64(),
+                                timeout.as_secs_f64()
+                            );
+                            warn_at = Some(at + every);
+                        }
+                    }
+                }
                 (
                     Err(CommError::Timeout {
                         tensor,

@@ -15,3 +15,6 @@ pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(60);
 /// Longest wait for one collective operation of a worker. Dead peers are found by
 /// heartbeats much sooner; this bounds every other way an operation can stall.
 pub const DEFAULT_OPERATION_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a worker waits on one operation before it says, on its stderr, what it waits
+/// for (and again after each further such stretch), as Horovod's stall check does.
+pub const DEFAULT_STALL_WARNING: Duration = Duration::from_secs(60);

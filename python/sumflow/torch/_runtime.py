@@ -51,6 +51,7 @@ class _Options(TypedDict, total=False):
     local_sockets: bool
     join_timeout: float
     heartbeat_timeout: float
+    stall_warning: float
     prophet_stage_factor: float
     trace_dir: str
     trace_start_step: int
@@ -72,6 +73,7 @@ def _service_options() -> _Options:
         "local_sockets": settings.LOCAL_SOCKETS.read() == "on",
         "join_timeout": settings.JOIN_TIMEOUT.read(),
         "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
+        "stall_warning": settings.STALL_WARNING.read(),
         "prophet_stage_factor": settings.PROPHET_STAGE_FACTOR.read(),
     }
     options.update(_trace_settings())

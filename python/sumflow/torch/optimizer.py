@@ -575,6 +575,19 @@ def DistributedOptimizer(
         else fusion.check_threshold(fusion_threshold)
     )
     threshold = fusion.default_threshold(optimizer) if chosen is None else chosen
+    if threshold > 0 and isinstance(optimizer, torch.optim.SparseAdam):
+        # The pool is dense; SparseAdam refuses dense gradients.
+        if fusion_threshold is not None:
+            raise ValueError(
+                f"fusion_threshold={fusion_threshold} with SparseAdam: fusion sums gradients "
+                "dense, and SparseAdam needs them sparse (pass fusion_threshold=0)"
+            )
+        warnings.warn(
+            f"{settings.FUSION_THRESHOLD.name}={threshold} is ignored for SparseAdam, which "
+            "needs its gradients sparse (fusion sums them dense)",
+            stacklevel=2,
+        )
+        threshold = 0
     if bundles and threshold > 0:
         # Fusion's spans are cut from the pool by size and would cut across the groups.
         if chosen is None:
