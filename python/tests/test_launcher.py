@@ -708,6 +708,20 @@ def test_each_processs_output_is_also_written_to_its_own_files(tmp_path: Path) -
     assert log_dir(logs, "cpu-server 3") == logs / "cpu-server.3"
 
 
+def test_settings_in_the_launchers_environment_are_named_as_not_passed(tmp_path: Path) -> None:
+    worker = script(tmp_path, "w.py", "import os; print(os.environ.get('SUMFLOW_TIMEOUT'))\n")
+    env = clean_env(SUMFLOW_STALL_WARNING="5", SUMFLOW_TIMEOUT="7", SUMFLOW_RANK="3")
+    r = run(["-np", "1", "-x", "SUMFLOW_TIMEOUT", sys.executable, str(worker)], env=env)
+    assert r.returncode == 0, r.stderr
+    # Forwarded with -x: passed, not named. The rank the launcher sets itself: not named.
+    assert "[worker 0] 7" in r.stdout, r.stdout
+    notes = [line for line in r.stderr.splitlines() if "not passing" in line]
+    assert notes == [
+        "sumflow-run: not passing SUMFLOW_STALL_WARNING from this environment to the job; "
+        "forward with -x NAME (e.g. -x SUMFLOW_STALL_WARNING)"
+    ], r.stderr
+
+
 def test_rust_log_defaults_to_warn_and_a_token_file_is_used_as_given(tmp_path: Path) -> None:
     token = tmp_path / "job.token"
     token.write_text("a-token-of-at-least-16-bytes\n")

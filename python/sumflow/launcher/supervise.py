@@ -32,6 +32,21 @@ from sumflow.launcher.ssh import first_line, ssh_argv
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
+#: Variables the launcher sets itself for every job: one in its own environment (from an
+#: enclosing job, or a shell) is replaced, not lost.
+_SET_BY_LAUNCHER = frozenset(
+    v.name
+    for v in (
+        settings.COORDINATOR,
+        settings.JOB_TOKEN_FILE,
+        settings.JOB_TOKEN,
+        settings.HOST_ID,
+        settings.RANK,
+        settings.WORKER_NAME,
+    )
+) | {settings.NUM_WORKERS.name}
+
+
 def describe_exit(code: int) -> str:
     """``exited with code C`` or ``was killed by SIGNAME`` for a Popen return code."""
     if code < 0:
@@ -217,6 +232,7 @@ class Launcher:
 
     def _run(self) -> int:
         plan = self.plan
+        self._warn_dropped_settings()
         self._tmp = Path(tempfile.mkdtemp(prefix="sumflow-run-"))  # mode 0700
         if plan.token_file is not None:
             token_file = plan.token_file
@@ -258,6 +274,22 @@ class Launcher:
         return self._supervise()
 
     # -- starting ----------------------------------------------------------------------
+
+    def _warn_dropped_settings(self) -> None:
+        """Says which SUMFLOW_* variables of the launcher's environment the job does not
+        get (none is inherited: a stale rank or coordinator would break it) and that -x
+        forwards one; a setting silently lost is a run measured at the wrong setting."""
+        given = {**self.plan.worker_env, **self.plan.service_env}
+        dropped = sorted(
+            k
+            for k in os.environ
+            if k.startswith(settings.PREFIX) and k not in given and k not in _SET_BY_LAUNCHER
+        )
+        if dropped:
+            self.out.message(
+                f"not passing {', '.join(dropped)} from this environment to the job; "
+                f"forward with -x NAME (e.g. -x {dropped[0]})"
+            )
 
     def _start(self, spec: ProcSpec) -> tuple[Child | None, int]:
         """Starts ``spec``; on failure prints why and returns (None, exit status)."""
