@@ -407,9 +407,10 @@ STALL_WARNING = _add(
         name="SUMFLOW_STALL_WARNING",
         kind=number(0.0, unit="seconds, 0: never"),
         doc="how long a worker waits on one operation before it logs what it waits for "
-        "(the tensor, the servers or the machine's workers that owe it), and again after "
-        "each further such stretch (Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS)",
-        readers=(WORKER,),
+        "(the tensor, the servers or the machine's workers that owe it), and a server's "
+        "round keeps workers waiting before it tells them which workers have not pushed it; "
+        "again after each further such stretch (Horovod's HOROVOD_STALL_CHECK_TIME_SECONDS)",
+        readers=(WORKER, SERVER_PROGRAM),
         default=_core.DEFAULT_STALL_WARNING_S,
     )
 )

@@ -178,3 +178,7 @@ def test_a_stalled_wait_says_what_it_waits_for(how: list[str], owes: str) -> Non
     assert len(warnings) >= 2, log
     assert owes in warnings[0], warnings[0]
     assert not re.search(r"\[worker 1\] .*still waiting", log), log
+    if how:
+        # Through the servers, the server names the worker that has not pushed.
+        named = r"\[worker 0\] .*WARN.*round \d+ has waited \d+ s on server \d .* for workers \[1\]"
+        assert re.search(named, log), log

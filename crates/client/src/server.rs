@@ -86,6 +86,14 @@ pub enum Reply<S = Pulled> {
     JoinAck {
         joined: bool,
     },
+    /// A round this worker waits on has waited `waited` for the pushes of workers
+    /// `missing` (the server's stall warning).
+    Stalled {
+        key: u64,
+        round: u64,
+        waited: Duration,
+        missing: Vec<u32>,
+    },
 }
 
 #[derive(Debug)]
@@ -431,6 +439,17 @@ impl ServerReceiver {
             Reply::PushAck { key, round } => Reply::PushAck { key, round },
             Reply::HeartbeatAck { seq } => Reply::HeartbeatAck { seq },
             Reply::JoinAck { joined } => Reply::JoinAck { joined },
+            Reply::Stalled {
+                key,
+                round,
+                waited,
+                missing,
+            } => Reply::Stalled {
+                key,
+                round,
+                waited,
+                missing,
+            },
         })
     }
 
@@ -461,6 +480,17 @@ impl ServerReceiver {
             Message::PushAck { key, round } => Ok(Reply::PushAck { key, round }),
             Message::HeartbeatAck { seq } => Ok(Reply::HeartbeatAck { seq }),
             Message::JoinAck { joined } => Ok(Reply::JoinAck { joined }),
+            Message::Stalled {
+                key,
+                round,
+                waited_ms,
+                missing,
+            } => Ok(Reply::Stalled {
+                key,
+                round,
+                waited: Duration::from_millis(waited_ms),
+                missing,
+            }),
             Message::Error(e) => Err(ClientError::Remote {
                 peer: self.peer.clone(),
                 code: e.code,

@@ -62,6 +62,10 @@ struct Args {
     /// Receive buffers per worker connection: pushes in flight before back-pressure.
     #[arg(long, env = "SUMFLOW_PUSH_BUFFERS", default_value_t = 4)]
     push_buffers: usize,
+    /// Seconds a round may keep workers waiting before the server tells them which
+    /// workers have not pushed it (and again after each further such stretch); 0: never.
+    #[arg(long, env = "SUMFLOW_STALL_WARNING", default_value_t = sumflow_wire::timing::DEFAULT_STALL_WARNING.as_secs_f64(), value_name = "SECS")]
+    stall_warning: f64,
     /// Largest frame body accepted, in bytes.
     #[arg(long, env = "SUMFLOW_MAX_FRAME_BYTES", default_value_t = sumflow_wire::DEFAULT_MAX_BODY)]
     max_frame_bytes: u32,
@@ -269,6 +273,12 @@ fn config(args: &Args) -> Result<ServerConfig, ConfigError> {
             push_buffers: args.push_buffers,
             handshake_timeout: Duration::from_secs(10),
             write_timeout: Duration::from_secs(120),
+            // 0 turns the stall warning off; anything else must be a positive duration.
+            stall_warning: if args.stall_warning == 0.0 {
+                None
+            } else {
+                Some(positive_seconds("--stall-warning", args.stall_warning)?)
+            },
         },
         max_key_memory: args.max_key_memory,
         simd,

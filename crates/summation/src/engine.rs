@@ -23,8 +23,9 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use crate::channel::Receiver;
+use crate::channel::{Receiver, RecvTimeoutError};
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
@@ -59,6 +60,8 @@ struct KeyState {
     waiting: Vec<(u32, bool, Replier)>,
     /// Workers that retired the key (it stays until all of its workers have).
     retired: Vec<u32>,
+    /// The round pulls last waited on, since when, and when its last stall notice went out.
+    stalled: Option<(u64, Instant, Instant)>,
 }
 
 pub struct Engine {
@@ -70,7 +73,12 @@ pub struct Engine {
     /// Workers that have joined: keys created meanwhile start with them joined.
     joined: BTreeSet<u32>,
     dirty: Vec<u64>,
+    /// See `Settings::stall_warning`.
+    stall_warning: Option<Duration>,
 }
+
+/// How often an engine with a stall warning looks for rounds that wait too long.
+const STALL_CHECK: Duration = Duration::from_millis(250);
 
 impl Engine {
     pub fn new(reducer: Reducer, workers: u32) -> Self {
@@ -82,22 +90,92 @@ impl Engine {
             gone: BTreeMap::new(),
             joined: BTreeSet::new(),
             dirty: Vec::new(),
+            stall_warning: None,
         }
+    }
+
+    /// Tells the workers waiting on a round for longer than `warning` which workers have
+    /// not pushed it (see [`Message::Stalled`]); `None`: never.
+    pub fn with_stall_warning(mut self, warning: Option<Duration>) -> Self {
+        self.stall_warning = warning;
+        self
     }
 
     /// Runs until `Stop` arrives or every sender of `commands` is gone.
     pub fn run(mut self, commands: Receiver<Command>) {
         let mut batch = Vec::with_capacity(MAX_BATCH);
-        while let Ok(first) = commands.recv() {
-            batch.push(first);
-            batch.extend(commands.try_iter().take(MAX_BATCH - 1));
-            for cmd in batch.drain(..) {
-                if let Command::Stop = cmd {
-                    return;
+        let mut next_check = Instant::now() + STALL_CHECK;
+        loop {
+            let first = match self.stall_warning {
+                None => commands.recv().ok(),
+                Some(_) => {
+                    match commands
+                        .recv_timeout(next_check.saturating_duration_since(Instant::now()))
+                    {
+                        Ok(cmd) => Some(cmd),
+                        Err(RecvTimeoutError::Timeout) => None,
+                        Err(RecvTimeoutError::Disconnected) => return,
+                    }
                 }
-                self.handle(cmd);
+            };
+            if let Some(first) = first {
+                batch.push(first);
+                batch.extend(commands.try_iter().take(MAX_BATCH - 1));
+                for cmd in batch.drain(..) {
+                    if let Command::Stop = cmd {
+                        return;
+                    }
+                    self.handle(cmd);
+                }
+                self.fold_staged();
+            } else if self.stall_warning.is_none() {
+                return;
             }
-            self.fold_staged();
+            let now = Instant::now();
+            if now >= next_check {
+                self.check_stalls(now);
+                next_check = now + STALL_CHECK;
+            }
+        }
+    }
+
+    /// Sends a stall notice to the pulls of every round that has kept them waiting for the
+    /// stall warning since it was first seen waiting (or since its last notice).
+    fn check_stalls(&mut self, now: Instant) {
+        let Some(warning) = self.stall_warning else {
+            return;
+        };
+        for (&key, k) in &mut self.keys {
+            if k.waiting.is_empty() {
+                k.stalled = None;
+                continue;
+            }
+            let round = k.rounds.current();
+            let (since, last) = match k.stalled {
+                Some((r, since, last)) if r == round => (since, last),
+                _ => {
+                    k.stalled = Some((round, now, now));
+                    continue;
+                }
+            };
+            if now.duration_since(last) < warning {
+                continue;
+            }
+            let waited = now.duration_since(since);
+            k.stalled = Some((round, since, now));
+            let missing = k.rounds.missing();
+            if missing.is_empty() {
+                continue;
+            }
+            for (worker, _, reply) in &k.waiting {
+                let msg = Message::Stalled {
+                    key,
+                    round: k.rounds.own_round(*worker, round),
+                    waited_ms: waited.as_millis() as u64,
+                    missing: missing.clone(),
+                };
+                let _ = reply.send(Outgoing::Message(msg));
+            }
         }
     }
 
@@ -194,6 +272,7 @@ impl Engine {
                 sum: Arc::new(sum),
                 waiting: Vec::new(),
                 retired: Vec::new(),
+                stalled: None,
             },
         );
     }
@@ -510,7 +589,7 @@ fn unknown_key(key: u64, reply: &Replier) {
 
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
+    use std::time::{Duration, Instant};
 
     use crate::channel::{unbounded, Receiver};
     use sumflow_wire::Dtype;
@@ -578,6 +657,49 @@ mod tests {
             Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a notice, got {m:?}"),
             Outgoing::Close => panic!("expected a notice, got Close"),
         }
+    }
+
+    #[test]
+    fn a_round_waiting_past_the_stall_warning_names_the_workers_that_have_not_pushed() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let warning = Duration::from_secs(60);
+        let mut e = engine(3).with_stall_warning(Some(warning));
+        e.push(1, 1, 1, data(&pool, &[1, 2, 3]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        let seen = Instant::now();
+        e.check_stalls(seen);
+        e.check_stalls(seen + warning / 2);
+        assert!(rx.try_recv().is_err(), "no notice before the warning");
+        e.check_stalls(seen + warning);
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Stalled {
+                key: 1,
+                round: 1,
+                waited_ms: 60_000,
+                missing,
+            })) => assert_eq!(missing, vec![0, 2]),
+            Ok(Outgoing::Message(m)) => panic!("expected a stall notice, got {m:?}"),
+            _ => panic!("expected a stall notice"),
+        }
+        // Again only after another stretch, saying how long in all; none once the round
+        // completes.
+        e.check_stalls(seen + warning + warning / 2);
+        assert!(rx.try_recv().is_err(), "a second notice within the warning");
+        e.check_stalls(seen + 2 * warning);
+        assert!(matches!(
+            rx.try_recv(),
+            Ok(Outgoing::Message(Message::Stalled {
+                waited_ms: 120_000,
+                ..
+            }))
+        ));
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 1, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.fold_staged();
+        assert_eq!(sum_of(&rx), vec![3, 4, 5]);
+        e.check_stalls(seen + 3 * warning);
+        assert!(rx.try_recv().is_err(), "a completed round is no stall");
     }
 
     #[test]

@@ -155,6 +155,17 @@ impl RoundTracker {
         self.last_pushed[worker as usize] >= round
     }
 
+    /// The workers whose pushes the round now accumulating still lacks: members that have
+    /// neither pushed it nor joined, ascending.
+    pub fn missing(&self) -> Vec<u32> {
+        let round = self.current();
+        let lacks = |w: &u32| !self.has_pushed(*w, round) && !self.is_joined(*w);
+        match &self.members {
+            Some(m) => m.iter().copied().filter(lacks).collect(),
+            None => (0..self.last_pushed.len() as u32).filter(lacks).collect(),
+        }
+    }
+
     /// Whether `worker` has joined.
     pub fn is_joined(&self, worker: u32) -> bool {
         self.joined[worker as usize]

@@ -87,6 +87,7 @@ impl ServerConfig {
                 max_body: sumflow_wire::DEFAULT_MAX_BODY,
                 push_buffers: 4,
                 handshake_timeout: Duration::from_secs(10),
+                stall_warning: Some(sumflow_wire::timing::DEFAULT_STALL_WARNING),
                 write_timeout: Duration::from_secs(120),
             },
             max_key_memory: None,
@@ -163,7 +164,8 @@ impl SummationService {
         let mut engines = Vec::new();
         for i in 0..cfg.engine_threads {
             let (tx, rx) = bounded(ENGINE_QUEUE);
-            let engine = Engine::new(reducer, worker_names.len() as u32);
+            let engine = Engine::new(reducer, worker_names.len() as u32)
+                .with_stall_warning(cfg.settings.stall_warning);
             engines.push(spawn(format!("sumflow-engine-{i}"), move || {
                 engine.run(rx);
             })?);

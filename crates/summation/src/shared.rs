@@ -26,6 +26,9 @@ pub struct Settings {
     pub handshake_timeout: Duration,
     /// A worker that does not read its replies for this long is disconnected.
     pub write_timeout: Duration,
+    /// A round that keeps pulls waiting this long tells them which workers have not pushed
+    /// it (and again after each further such stretch); `None`: never.
+    pub stall_warning: Option<Duration>,
 }
 
 /// Connections one worker may hold at once. A worker opens several to a CPU server so that

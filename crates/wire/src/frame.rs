@@ -46,6 +46,8 @@ ops! {
     // and worker -> server (each key). Listed here, apart from their neighbours by code.
     Undeclare = 0x08,
     Retire = 0x18,
+    // A round a worker waits on has waited long: server -> worker (the stall inspector).
+    Stalled = 0x19,
     InitKey = 0x10,
     InitAck = 0x11,
     Push = 0x12,

@@ -265,6 +265,16 @@ pub enum Message {
     JoinAck {
         joined: bool,
     },
+    /// The round `round` of `key`, which this worker waits on, has waited `waited_ms`
+    /// milliseconds for the pushes of workers `missing` (ranks, ascending): sent to every
+    /// waiting worker when a round waits longer than the server's stall warning, and again
+    /// after each further such stretch. Nothing to answer.
+    Stalled {
+        key: u64,
+        round: u64,
+        waited_ms: u64,
+        missing: Vec<u32>,
+    },
     /// Payload: the round's result; none for a pull that did not want it.
     PullReply {
         key: u64,
@@ -318,6 +328,7 @@ impl Message {
             Message::PushAck { .. } => Op::PushAck,
             Message::Join { .. } => Op::Join,
             Message::JoinAck { .. } => Op::JoinAck,
+            Message::Stalled { .. } => Op::Stalled,
             Message::PullReply { .. } => Op::PullReply,
             Message::Barrier { .. } => Op::Barrier,
             Message::BarrierDone { .. } => Op::BarrierDone,
@@ -423,6 +434,20 @@ impl Message {
             }
             Message::Retire { key } => {
                 e.u64(*key);
+            }
+            Message::Stalled {
+                key,
+                round,
+                waited_ms,
+                missing,
+            } => {
+                e.u64(*key)
+                    .u64(*round)
+                    .u64(*waited_ms)
+                    .u32(missing.len() as u32);
+                for rank in missing {
+                    e.u32(*rank);
+                }
             }
             Message::InitKey {
                 key,
@@ -582,6 +607,12 @@ impl Message {
                 tensor_id: d.u32("tensor_id")?,
             },
             Op::Retire => Message::Retire { key: d.u64("key")? },
+            Op::Stalled => Message::Stalled {
+                key: d.u64("key")?,
+                round: d.u64("round")?,
+                waited_ms: d.u64("waited_ms")?,
+                missing: members(&mut d)?,
+            },
             Op::InitKey => {
                 let key = d.u64("key")?;
                 let byte_len = d.u64("byte_len")?;

@@ -26,6 +26,15 @@ fn node(rank: u32) -> NodeInfo {
 fn samples() -> Vec<(Message, Vec<u8>)> {
     vec![
         (
+            Message::Stalled {
+                key: 7,
+                round: 3,
+                waited_ms: 61_000,
+                missing: vec![1, 4],
+            },
+            vec![],
+        ),
+        (
             Message::Challenge {
                 service: Service::Summation,
                 nonce: [7; 32],

@@ -3,14 +3,14 @@
 //! caller's tensor (decoding it there when compressed, dividing it there for Average).
 
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use sumflow_client::server::{Reply, ServerReceiver, SumHeader};
 use sumflow_client::ClientError;
 use sumflow_compress::{Compressor, PayloadError};
 use sumflow_wire::{Codec, KeyCodec};
 use thiserror::Error;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::task::{CodecBuffers, PartTask};
 use super::{acknowledged, finished, server_lost, Flight, Shared};
@@ -73,6 +73,15 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
             Ok(Reply::InitAck { key }) => (Some(key), Ok(())),
             // Joins travel on connections of their own (CommunicationService::join).
             Ok(Reply::HeartbeatAck { .. } | Reply::JoinAck { .. }) => (None, Ok(())),
+            Ok(Reply::Stalled {
+                key,
+                round,
+                waited,
+                missing,
+            }) => {
+                stalled(sh, server, key, round, waited, &missing);
+                (Some(key), Ok(()))
+            }
             Err(ClientError::Remote {
                 key: Some(key),
                 code,
@@ -102,6 +111,22 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
             return;
         }
     }
+}
+
+/// The server says a round this worker waits on still lacks some workers' pushes: the
+/// stall inspector's news, logged with the tensor's name (Horovod's stall check names the
+/// ranks that have not submitted, as this does).
+fn stalled(sh: &Shared, server: usize, key: u64, round: u64, waited: Duration, missing: &[u32]) {
+    let what = match sh.in_flight.lock().expect("in-flight lock").get(&key) {
+        Some(f) => format!("tensor '{}' (partition {})", f.task.name, f.task.index),
+        None => format!("key {key}"),
+    };
+    warn!(
+        "{what}: round {round} has waited {:.0} s on {} for workers {missing:?}, which have \
+         not pushed it (stuck in their own code, or not calling it)",
+        waited.as_secs_f64(),
+        sh.server_names[server]
+    );
 }
 
 /// Reads a sum straight into its partition of the caller's tensor, averages it there if
