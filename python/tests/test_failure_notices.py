@@ -26,36 +26,30 @@ HERE = Path(__file__).parent
 HEARTBEAT = 2.0
 
 
+def launch(flags: list[str], worker: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Runs `worker` (a file beside this one) with `args` as a two-worker job of sumflow-run
+    with `flags`, in an environment without SUMFLOW_* variables."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
+    launcher = [sys.executable, "-m", "sumflow.launcher", "-np", "2", *flags]
+    return subprocess.run(
+        [*launcher, sys.executable, str(HERE / worker), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    )
+
+
 def run_job(tmp_path: Path, target: str) -> tuple[subprocess.CompletedProcess[str], float]:
     """Runs failure_notice_worker.py on two one-worker machines, stopping `target`; returns
     the launcher's result and how long the job ran."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
     started = time.monotonic()
+    # The operation timeout is far beyond what the tests allow: only the notice can end
+    # the sums in time.
+    flags = ["--machine-per-worker", "--heartbeat-timeout", str(HEARTBEAT), "--timeout", "120"]
     try:
-        run = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "sumflow.launcher",
-                "-np",
-                "2",
-                "--machine-per-worker",
-                "--heartbeat-timeout",
-                str(HEARTBEAT),
-                # Far beyond what the test allows: only the notice can end the sums in time.
-                "--timeout",
-                "120",
-                sys.executable,
-                str(HERE / "failure_notice_worker.py"),
-                str(tmp_path),
-                target,
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=90,
-            check=False,
-        )
+        run = launch(flags, "failure_notice_worker.py", str(tmp_path), target)
     finally:
         stopped = tmp_path / "stopped.json"
         for pid in json.loads(stopped.read_text()) if stopped.exists() else []:
@@ -148,27 +142,7 @@ def test_leaving_a_broken_job_at_exit_says_so_in_one_line(
     ids=["shared-memory", "servers"],
 )
 def test_a_stalled_wait_says_what_it_waits_for(how: list[str], owes: str) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
-    run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "sumflow.launcher",
-            "-np",
-            "2",
-            "-x",
-            "SUMFLOW_STALL_WARNING=1",
-            *how,
-            sys.executable,
-            str(HERE / "stall_worker.py"),
-            "3.5",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    )
+    run = launch(["-x", "SUMFLOW_STALL_WARNING=1", *how], "stall_worker.py", "3.5")
     log = run.stdout[-3000:] + run.stderr[-3000:]
     assert run.returncode == 0, log
     # The wait is the agreement's (Horovod's negotiation) on the late sum.

@@ -1239,9 +1239,19 @@ impl CommunicationService {
                         ..
                     }),
                     None,
-                ) if Instant::now() < deadline => {
+                ) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        return Err(CommError::Timeout {
+                            tensor,
+                            secs: timeout.as_secs_f64(),
+                            outstanding,
+                            parts,
+                            servers,
+                        });
+                    }
                     if let (Some(at), Some(every)) = (warn_at, self.stall_warning) {
-                        if Instant::now() >= at {
+                        if now >= at {
                             warn!(
                                 "tensor '{tensor}': still waiting after {:.0} s for {outstanding} \
                                  of {parts} partitions from {servers}; failing after {:.0} s \
@@ -1252,24 +1262,6 @@ impl CommunicationService {
                             warn_at = Some(at + every);
                         }
                     }
-                }
-                (
-                    Err(CommError::Timeout {
-                        tensor,
-                        outstanding,
-                        parts,
-                        servers,
-                        ..
-                    }),
-                    None,
-                ) => {
-                    return Err(CommError::Timeout {
-                        tensor,
-                        secs: timeout.as_secs_f64(),
-                        outstanding,
-                        parts,
-                        servers,
-                    })
                 }
                 (Err(CommError::UnknownHandle(h)), _) => return Err(CommError::UnknownHandle(h)),
                 (Err(_), Some(e)) => return Err(e),
