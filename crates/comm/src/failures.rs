@@ -8,7 +8,7 @@
 //! (Failed workers reach this worker through the servers, which fail the rounds that can
 //! no longer complete, and through the shared-memory stage's own subscription.)
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, OnceLock};
 
 use crossbeam_channel::Receiver;
 use sumflow_client::coordinator::NodeFailure;
@@ -19,15 +19,14 @@ use crate::error::CommError;
 use crate::handles::Handles;
 use crate::pipeline::ServerFailures;
 
-/// Why the job cannot go on, once the coordinator is lost.
+/// Why the job cannot go on, once the coordinator is lost: set once, read by every push.
 #[derive(Clone, Debug, Default)]
-pub struct CoordinatorLoss(Arc<Mutex<Option<String>>>);
+pub struct CoordinatorLoss(Arc<OnceLock<String>>);
 
 impl CoordinatorLoss {
     /// The error for an operation on `tensor`, if the coordinator is lost.
     pub fn error(&self, tensor: &str) -> Option<CommError> {
-        let why = self.0.lock().expect("coordinator loss lock");
-        why.as_ref().map(|why| lost(tensor, why))
+        self.0.get().map(|why| lost(tensor, why))
     }
 }
 
@@ -58,7 +57,7 @@ pub fn watch(
                 if f.is_coordinator() {
                     let why = format!("{} is lost: {}", f.name, f.reason);
                     warn!(reason = %why, "failing every operation");
-                    *record.0.lock().expect("coordinator loss lock") = Some(why.clone());
+                    let _ = record.0.set(why.clone());
                     handles.fail_all(None, |t| lost(t, &why));
                 } else if f.node.role == Role::Server {
                     let why = format!("the coordinator declared it failed: {}", f.reason);

@@ -107,7 +107,10 @@ impl Engine {
         let mut next_check = Instant::now() + STALL_CHECK;
         loop {
             let first = match self.stall_warning {
-                None => commands.recv().ok(),
+                None => match commands.recv() {
+                    Ok(cmd) => Some(cmd),
+                    Err(_) => return,
+                },
                 Some(_) => {
                     match commands
                         .recv_timeout(next_check.saturating_duration_since(Instant::now()))
@@ -128,8 +131,6 @@ impl Engine {
                     self.handle(cmd);
                 }
                 self.fold_staged();
-            } else if self.stall_warning.is_none() {
-                return;
             }
             let now = Instant::now();
             if now >= next_check {

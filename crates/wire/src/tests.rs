@@ -914,21 +914,26 @@ fn hello_bytes(name: &str) -> Vec<u8> {
     .encode(0)
 }
 
-/// Reads the server's Challenge off the client's end.
-fn read_challenge(c: &mut TcpStream) {
-    let (msg, _) = FrameReader::new(&mut *c, HANDSHAKE_MAX_BODY)
+/// The service's side of one handshake, ending as `accept` does.
+type Accepting = thread::JoinHandle<Result<(Peer, ()), WireError>>;
+
+/// A summation service accepting one client with `deadline` on a thread, and the client's
+/// end, past the service's Challenge.
+fn accepting(deadline: Duration) -> (TcpStream, Accepting) {
+    let token = JobToken::new("a-job-token-of-some-length").unwrap();
+    let (mut c, mut s) = pair();
+    let server =
+        thread::spawn(move || accept(&mut s, &token, Service::Summation, deadline, |_| Ok(())));
+    let (msg, _) = FrameReader::new(&mut c, HANDSHAKE_MAX_BODY)
         .read_owned()
         .unwrap();
     assert!(matches!(msg, Message::Challenge { .. }), "{msg:?}");
+    (c, server)
 }
 
 #[test]
 fn an_unauthenticated_hello_larger_than_the_handshake_limit_is_refused_unread() {
-    let token = JobToken::new("a-job-token-of-some-length").unwrap();
-    let (mut c, mut s) = pair();
-    let server =
-        thread::spawn(move || accept(&mut s, &token, Service::Summation, TEN_SECONDS, |_| Ok(())));
-    read_challenge(&mut c);
+    let (mut c, server) = accepting(TEN_SECONDS);
     // A header announcing a 60 MiB Hello: refused on the header, nothing allocated for it.
     let header = crate::frame::Header {
         op: Op::Hello,
@@ -944,13 +949,9 @@ fn an_unauthenticated_hello_larger_than_the_handshake_limit_is_refused_unread() 
 
 #[test]
 fn a_client_trickling_its_hello_is_held_to_one_deadline_for_the_whole_handshake() {
-    let token = JobToken::new("a-job-token-of-some-length").unwrap();
-    let (mut c, mut s) = pair();
     let deadline = Duration::from_millis(600);
     let started = Instant::now();
-    let server =
-        thread::spawn(move || accept(&mut s, &token, Service::Summation, deadline, |_| Ok(())));
-    read_challenge(&mut c);
+    let (mut c, server) = accepting(deadline);
     // One byte every 100 ms: each read succeeds well within any per-read timeout.
     let trickle = thread::spawn(move || {
         for b in hello_bytes("slow") {
@@ -996,11 +997,7 @@ fn peer_chosen_names_with_control_characters_are_refused() {
 
 #[test]
 fn a_refused_clients_name_is_logged_escaped() {
-    let token = JobToken::new("a-job-token-of-some-length").unwrap();
-    let (mut c, mut s) = pair();
-    let server =
-        thread::spawn(move || accept(&mut s, &token, Service::Summation, TEN_SECONDS, |_| Ok(())));
-    read_challenge(&mut c);
+    let (mut c, server) = accepting(TEN_SECONDS);
     c.write_all(&hello_bytes("a \"quoted\" name")).unwrap();
     let mut sink = Vec::new();
     let _ = c.read_to_end(&mut sink);

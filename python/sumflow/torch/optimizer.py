@@ -231,7 +231,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if len(ready) < len(batch.params):
             return
         if isinstance(batch, Span):
-            self._sf_push_span(batch, adopted=ready)
+            self._sf_push_span(batch)
             return
         # Each gradient under its own name, as without groups: the same sums and
         # placement, and per-parameter handles for cross_barrier's updates.
@@ -266,15 +266,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         return _work.register(_work.Chain(f"{name}.sparse", then, replace))
 
-    def _sf_push_span(self, span: Span, adopted: set[torch.Tensor] | None = None) -> None:
+    def _sf_push_span(self, span: Span) -> None:
         """Sends a span of the pool; gradients it has not seen this step (parameters
-        unused in the forward; all but those `adopted` already) go as they are, zeros if
-        they have none."""
+        unused in the forward) go as they are, zeros if they have none."""
         assert self._sf_pool is not None
-        if adopted is None or len(adopted) < len(span.params):
-            for q in span.params:
-                if adopted is None or q not in adopted:
-                    self._sf_pool.adopt(q)
+        for q in span.params:
+            self._sf_pool.adopt(q)
         self._sf_ready.pop(span, None)
         handle = self._sf_issue(span.name, span.flat, span.priority)
         self._sf_handles.update((q, handle) for q in span.params)
