@@ -85,6 +85,10 @@ def test_a_hung_server_fails_every_workers_sums_within_the_heartbeat_timeout(
     # other's by leaving the job before its own notice comes, which is named too.
     assert any("the coordinator declared it failed: no heartbeat" in r["message"] for r in got)
     assert run.returncode != 0, log
+    # The launcher blames the server that hung, not the process it saw exit first (a
+    # worker, or the coordinator ending a job with failed nodes).
+    blamed = r"exited with code 1, after server \d '.*' \(pid \d+ on .*\) failed: no heartbeat"
+    assert re.search(blamed, run.stderr), log
     # The core's own warning reaches the worker's stderr, as plain text (no colour codes
     # in a pipe or a file).
     assert re.search(r"\[worker \d\] .*WARN.*lost a summation server", run.stderr), log
@@ -154,5 +158,27 @@ def test_a_stalled_wait_says_what_it_waits_for(how: list[str], owes: str) -> Non
     assert not re.search(r"\[worker 1\] .*still waiting", log), log
     if how:
         # Through the servers, the server names the worker that has not pushed.
-        named = r"\[worker 0\] .*WARN.*round \d+ has waited \d+ s on server \d .* for workers \[1\]"
+        named = (
+            r"\[worker 0\] .*WARN.*round \d+ has waited \d+ s on server \d .* "
+            r"for rank 1 'worker 1', which has not pushed it"
+        )
         assert re.search(named, log), log
+    # The waiting side (the server, or worker 0 in shared memory) tells the coordinator,
+    # which names the stalled worker too.
+    told = r"\[coordinator\] .*WARN.*worker 1 'worker 1': has not pushed round \d+ of tensor"
+    assert re.search(told, log), log
+
+
+@pytest.mark.parametrize("how", [[], ["--machine-per-worker"]], ids=["shared-memory", "servers"])
+def test_the_launcher_blames_a_stalled_worker_not_the_one_that_gave_up_waiting(
+    how: list[str],
+) -> None:
+    flags = [*how, "--timeout", "4", "-x", "SUMFLOW_STALL_WARNING=1"]
+    run = launch(flags, "stall_worker.py", "60")
+    log = run.stdout[-3000:] + run.stderr[-3000:]
+    assert run.returncode != 0, log
+    blamed = (
+        r"worker 0 \(pid \d+\) exited with code 1, after worker 1 'worker 1' \(pid \d+ on "
+        r"[^)]+\) stalled: has not pushed round \d+ of tensor '[^']*late'"
+    )
+    assert re.search(blamed, run.stderr), log

@@ -26,6 +26,7 @@ from sumflow.launcher.hosts import parse_hostfile, parse_hosts, slurm_hosts
 from sumflow.launcher.logs import log_dir
 from sumflow.launcher.plan import ProcSpec, build_processes, make_plan
 from sumflow.launcher.ssh import remote_command, ssh_argv
+from sumflow.launcher.supervise import Incident, first_cause, read_incidents
 
 #: Every subprocess call of this file ends within this many seconds, or the test fails.
 TIMEOUT = 60
@@ -935,3 +936,43 @@ def test_cluster_form_job_sums_and_ends_cleanly(tmp_path: Path) -> None:
         "localhost": 3,
         "127.0.0.1": 2,
     }
+
+
+def _incident(kind: str, rank: int, at: float) -> dict[str, object]:
+    return {
+        "time": at,
+        "kind": kind,
+        "role": "worker",
+        "rank": rank,
+        "name": f"worker {rank}",
+        "host_id": "node-a",
+        "pid": 100 + rank,
+        "reason": "why",
+    }
+
+
+def test_the_first_failure_is_blamed_before_any_stall_and_old_stalls_not_at_all(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "incidents"
+    lines = [
+        json.dumps(_incident("stalled", 3, 100.0)),
+        json.dumps(_incident("failed", 1, 200.0)),
+        json.dumps(_incident("failed", 2, 201.0)),
+        '{"time": 202.0, "kind": "fail',  # being written
+    ]
+    path.write_text("\n".join(lines))
+    incidents = read_incidents(path)
+    assert [i.rank for i in incidents] == [3, 1, 2]
+    cause = first_cause(incidents, at=205.0, stall_window=3.0)
+    assert cause is not None
+    assert cause.rank == 1
+    assert cause.describe() == "worker 1 'worker 1' (pid 101 on node-a) failed: why"
+
+    stalls = [
+        Incident(**_incident("stalled", r, t))  # type: ignore[arg-type]
+        for r, t in ((3, 100.0), (2, 150.0))
+    ]
+    assert first_cause(stalls, at=152.0, stall_window=3.0) == stalls[1]
+    assert first_cause(stalls, at=160.0, stall_window=3.0) is None, "a stall that ended"
+    assert read_incidents(tmp_path / "missing") == []

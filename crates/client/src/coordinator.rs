@@ -389,6 +389,24 @@ impl CoordinatorClient {
         self.conn.inner.lock().failed.clone()
     }
 
+    /// Tells the coordinator (a summation server's word) that round `round` of `key` has
+    /// waited `waited` for the workers in `missing` to push it: it logs them by name and
+    /// records them as stalled for the job's supervisor. Nothing answers it.
+    pub fn report_stall(
+        &self,
+        key: u64,
+        round: u64,
+        waited: Duration,
+        missing: Vec<u32>,
+    ) -> Result<()> {
+        self.conn.inner.send(&Message::Stalled {
+            key,
+            round,
+            waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+            missing,
+        })
+    }
+
     /// Whether the coordinator has told us to shut down (e.g. all workers finished).
     pub fn shutdown_requested(&self) -> bool {
         self.conn.inner.lock().shutdown.is_some()

@@ -23,7 +23,7 @@ use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Message, ReduceOp as WireOp,
     Registration, Role,
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::accounting::{KeyBytes, WireBytes};
 use crate::compression::Compression;
@@ -630,6 +630,7 @@ impl CommunicationService {
             reference,
             Arc::clone(&tracer),
             job.rank(),
+            map.workers.iter().map(|w| w.name.clone()).collect(),
         )?;
         let coordinator_loss = failures::watch(
             job.failures(),
@@ -1252,6 +1253,7 @@ impl CommunicationService {
                     }
                     if let (Some(at), Some(every)) = (warn_at, self.stall_warning) {
                         if now >= at {
+                            self.report_local_stall(handle, started.elapsed());
                             warn!(
                                 "tensor '{tensor}': still waiting after {:.0} s for {outstanding} \
                                  of {parts} partitions from {servers}; failing after {:.0} s \
@@ -1270,6 +1272,21 @@ impl CommunicationService {
                 }
                 (Err(e), None) => return Err(e),
             }
+        }
+    }
+
+    /// Tells the coordinator which of this machine's workers a shared-memory operation has
+    /// waited `waited` for (a server does the same for rounds it holds): it names them,
+    /// and the launcher blames them if the job then fails.
+    fn report_local_stall(&self, handle: u64, waited: Duration) {
+        let Some(w) = self.shared.as_ref().and_then(|s| s.stalled_on(handle)) else {
+            return;
+        };
+        // Keys carry the tensor id in bits 32 to 55 (docs/protocol.md); the coordinator
+        // names the tensor from it.
+        let key = u64::from(w.tensor) << 32;
+        if let Err(e) = self.job.report_stall(key, w.round, waited, w.missing) {
+            debug!("cannot report a stall to the coordinator: {e}");
         }
     }
 

@@ -88,6 +88,11 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     addr_file: Option<PathBuf>,
 
+    /// Append a JSON line here for every node declared failed or seen stalled (for a
+    /// supervisor such as sumflow-run, which blames the first).
+    #[arg(long, value_name = "PATH")]
+    incidents_file: Option<PathBuf>,
+
     /// Log line format.
     #[arg(long, env = "SUMFLOW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -183,6 +188,7 @@ fn config(args: &Args) -> Result<CoordinatorConfig, ConfigError> {
     cfg.join_timeout = positive_seconds("--join-timeout", args.join_timeout)?;
     cfg.max_body = args.max_frame_bytes;
     cfg.job_id = args.job_id.clone().unwrap_or_else(random_job_id);
+    cfg.incidents_file = args.incidents_file.clone();
     cfg.validate()?;
     Ok(cfg)
 }

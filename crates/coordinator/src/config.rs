@@ -1,6 +1,7 @@
 //! What a coordinator needs to know about its job, and the checks that run before it starts.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use sumflow_wire::{JobToken, MAX_STRING};
@@ -32,6 +33,9 @@ pub struct CoordinatorConfig {
     pub max_body: u32,
     /// The job's name in the cluster map and in messages.
     pub job_id: String,
+    /// Where to append a line for every node declared failed or seen stalled
+    /// ([`crate::incidents`]); `None`: nowhere.
+    pub incidents_file: Option<PathBuf>,
 }
 
 impl CoordinatorConfig {
@@ -51,6 +55,7 @@ impl CoordinatorConfig {
             join_timeout: DEFAULT_JOIN_TIMEOUT,
             max_body: DEFAULT_MAX_BODY,
             job_id: random_job_id(),
+            incidents_file: None,
         }
     }
 

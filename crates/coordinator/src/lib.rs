@@ -25,12 +25,14 @@
 
 pub mod cli;
 pub mod config;
+pub mod incidents;
 pub mod liveness;
 pub mod membership;
 pub mod ranks;
 mod service;
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 
 use sumflow_wire::NodeId;
 use thiserror::Error;
@@ -85,6 +87,15 @@ pub enum CoordinatorError {
         missing: String,
         /// The nodes that did join, by role and name.
         joined: String,
+    },
+    /// The incidents file could not be opened.
+    #[error("cannot open the incidents file {}: {source}", path.display())]
+    IncidentsFile {
+        /// The path asked for.
+        path: PathBuf,
+        /// Why it could not be opened.
+        #[source]
+        source: std::io::Error,
     },
     /// A thread could not be started (the process is out of resources).
     #[error("cannot start a coordinator thread: {0}")]

@@ -38,8 +38,43 @@ pub enum Action {
     Close(ConnId),
     /// A decision and its reason, for the log.
     Log(Level, String),
+    /// Something went wrong with a node: for the record a supervisor reads
+    /// (`--incidents-file`), so it blames the node that failed first, not one that noticed.
+    Incident(Incident),
     /// The coordinator's work is over: carry out the actions before this one, then stop.
     Finished(Result<JobOutcome, CoordinatorError>),
+}
+
+/// What the coordinator saw go wrong with one node.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Incident {
+    pub kind: IncidentKind,
+    pub node: NodeId,
+    /// The node's name, machine (host id) and process id, as it registered them.
+    pub name: String,
+    pub host_id: String,
+    pub pid: u32,
+    /// The verdict in words, e.g. "no heartbeat for 10.0 s".
+    pub reason: String,
+}
+
+/// How a node went wrong.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IncidentKind {
+    /// Declared failed: crashed, hung, or its connection lost.
+    Failed,
+    /// Alive, but a summation server has waited past its stall warning for a round the
+    /// worker has not pushed (stuck in its own code while its heartbeat runs).
+    Stalled,
+}
+
+impl IncidentKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            IncidentKind::Failed => "failed",
+            IncidentKind::Stalled => "stalled",
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,6 +104,8 @@ enum Status {
 #[derive(Debug)]
 struct Member {
     name: String,
+    host_id: String,
+    pid: u32,
     conn: Option<ConnId>,
     status: Status,
     /// Highest barrier id entered so far, per group (`group_index`).
@@ -254,6 +291,12 @@ impl Membership {
             } => self.declare(conn, name, Form::new(dtype, elements, compression)),
             Message::Undeclare { name, tensor_id } => self.undeclare(conn, name, tensor_id),
             Message::Shutdown { reason } => self.leave(conn, &reason),
+            Message::Stalled {
+                key,
+                round,
+                waited_ms,
+                missing,
+            } => self.stall_report(conn, key, round, waited_ms, &missing),
             Message::Error(e) => {
                 let who = self.describe(conn);
                 self.log(
@@ -416,6 +459,8 @@ impl Membership {
                 }
                 let member = Member {
                     name: reg.name.clone(),
+                    host_id: reg.host_id.clone(),
+                    pid: reg.pid,
                     conn: Some(*conn),
                     status: Status::Live,
                     last_barrier: [None; 3],
@@ -840,6 +885,7 @@ impl Membership {
         }
         self.log(Level::WARN, format!("{id} '{name}' failed: {reason}"));
         self.failed.push((id, name.clone(), reason.clone()));
+        self.incident(IncidentKind::Failed, id, reason.clone());
         let notify: Vec<ConnId> = self
             .members
             .values()
@@ -873,6 +919,83 @@ impl Membership {
             }
         }
         self.check_finished();
+    }
+
+    /// A server (or a worker, of its machine's shared memory) says a round has waited past
+    /// its stall warning for workers that have not pushed it. They are alive (their
+    /// heartbeats come) but stuck in their own code, or not calling the operation: logged
+    /// by name, and recorded so that the launcher blames them when the waiting workers
+    /// give up, not the workers that gave up.
+    fn stall_report(
+        &mut self,
+        conn: ConnId,
+        key: u64,
+        round: u64,
+        waited_ms: u64,
+        missing: &[u32],
+    ) {
+        let Some(reporter) = self.conns.get(&conn).and_then(|c| c.node) else {
+            let who = self.describe(conn);
+            let why = format!("{who} sent a Stalled frame before the job started");
+            return self.refuse_and_close(conn, ErrorCode::UnexpectedOp, why);
+        };
+        let stalled: Vec<NodeId> = missing
+            .iter()
+            .map(|&rank| NodeId {
+                role: Role::Worker,
+                rank,
+            })
+            .filter(|&id| id != reporter)
+            .filter(|id| {
+                self.members
+                    .get(id)
+                    .is_some_and(|m| m.status == Status::Live)
+            })
+            .collect();
+        if stalled.is_empty() {
+            return;
+        }
+        let tensor = self.tensor_of_key(key);
+        let waiter = self.node_name(reporter);
+        let place = match reporter.role {
+            Role::Server => format!("to {waiter}"),
+            Role::Worker => format!("to their machine's shared memory ({waiter} waits)"),
+        };
+        let reason = format!(
+            "has not pushed round {round} of {tensor} {place} for {:.0} s while the other \
+             workers wait (stuck in its own code, or not calling the operation)",
+            waited_ms as f64 / 1000.0
+        );
+        let names: Vec<String> = stalled.iter().map(|&id| self.node_name(id)).collect();
+        self.log(Level::WARN, format!("{}: {reason}", names.join(", ")));
+        for id in stalled {
+            self.incident(IncidentKind::Stalled, id, reason.clone());
+        }
+    }
+
+    /// `tensor 'name' (key 0x...)`: keys carry their tensor's id in bits 32 to 55
+    /// (docs/protocol.md).
+    fn tensor_of_key(&self, key: u64) -> String {
+        let id = (key >> 32 & 0xff_ffff) as u32;
+        match self.tensors.iter().find(|(_, t)| t.id == id) {
+            Some((name, _)) => format!("tensor '{name}' (key {key:#x})"),
+            None => format!("key {key:#x}"),
+        }
+    }
+
+    fn incident(&mut self, kind: IncidentKind, node: NodeId, reason: String) {
+        let Some(m) = self.members.get(&node) else {
+            return;
+        };
+        let incident = Incident {
+            kind,
+            node,
+            name: m.name.clone(),
+            host_id: m.host_id.clone(),
+            pid: m.pid,
+            reason,
+        };
+        self.out.push(Action::Incident(incident));
     }
 
     /// With no live worker left there is nothing to serve: stop the servers and finish.

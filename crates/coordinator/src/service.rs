@@ -19,6 +19,7 @@ use sumflow_wire::{JobToken, Message, Peer, Service, WireError};
 use tracing::{debug, error, info, warn, Level};
 
 use crate::config::CoordinatorConfig;
+use crate::incidents::IncidentLog;
 use crate::liveness::secs;
 use crate::membership::{Action, ConnId, Membership};
 use crate::{CoordinatorError, JobOutcome};
@@ -72,6 +73,11 @@ impl CoordinatorService {
         let listener = TcpListener::bind(cfg.bind).map_err(bind_err)?;
         let addr = listener.local_addr().map_err(bind_err)?;
         listener.set_nonblocking(true).map_err(bind_err)?;
+        let incidents = cfg
+            .incidents_file
+            .as_deref()
+            .map(IncidentLog::open)
+            .transpose()?;
         info!(
             job = %cfg.job_id, %addr,
             "coordinator listening for {} workers and {} servers",
@@ -96,7 +102,7 @@ impl CoordinatorService {
         let core = thread::Builder::new()
             .name("coord-core".into())
             .spawn(move || {
-                let result = run_core(&cfg, inbox);
+                let result = run_core(&cfg, inbox, incidents);
                 stop.store(true, Ordering::Relaxed);
                 result
             })
@@ -337,12 +343,16 @@ fn write_loop(mut stream: TcpStream, queue: Receiver<Message>) {
 fn run_core(
     cfg: &CoordinatorConfig,
     inbox: Receiver<Event>,
+    incidents: Option<IncidentLog>,
 ) -> Result<JobOutcome, CoordinatorError> {
     let span = tracing::info_span!("coordinator", job = %cfg.job_id);
     let _entered = span.enter();
     let tick = MAX_TICK.min(cfg.heartbeat_timeout / 4);
     let mut core = Membership::new(cfg, Instant::now());
-    let mut io = Io::default();
+    let mut io = Io {
+        incidents,
+        ..Io::default()
+    };
     let mut next_tick = Instant::now() + tick;
     let result = loop {
         let actions = match inbox.recv_deadline(next_tick) {
@@ -377,7 +387,9 @@ fn run_core(
     };
     // Dropping the queues lets each writer flush its last frames (the Shutdown notices) and
     // close; waiting for them means a process exiting after `wait` does not cut them off.
-    let Io { writers, threads } = io;
+    let Io {
+        writers, threads, ..
+    } = io;
     drop(writers);
     for t in threads {
         let _ = t.join();
@@ -389,6 +401,7 @@ fn run_core(
 struct Io {
     writers: HashMap<ConnId, Sender<Message>>,
     threads: Vec<JoinHandle<()>>,
+    incidents: Option<IncidentLog>,
 }
 
 impl Io {
@@ -415,6 +428,11 @@ impl Io {
                         self.writers.remove(&conn);
                     }
                     Action::Log(level, line) => log(level, &line),
+                    Action::Incident(incident) => {
+                        if let Some(file) = &mut self.incidents {
+                            file.record(&incident);
+                        }
+                    }
                     Action::Finished(result) => finished = Some(result),
                 }
             }

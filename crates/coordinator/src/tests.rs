@@ -9,7 +9,7 @@ use sumflow_wire::{
 
 use crate::config::CoordinatorConfig;
 use crate::liveness::silence_verdict;
-use crate::membership::{Action, ConnId, Membership};
+use crate::membership::{Action, ConnId, Incident, IncidentKind, Membership};
 use crate::ranks::{admit, assign_ranks};
 use crate::{CoordinatorError, JobOutcome};
 
@@ -155,6 +155,16 @@ fn logs(actions: &[Action]) -> String {
         })
         .collect();
     lines.join("\n")
+}
+
+fn incidents(actions: &[Action]) -> Vec<&Incident> {
+    actions
+        .iter()
+        .filter_map(|a| match a {
+            Action::Incident(i) => Some(i),
+            _ => None,
+        })
+        .collect()
 }
 
 fn barrier(id: u64, group: BarrierGroup) -> Message {
@@ -984,4 +994,100 @@ fn the_table_limit_counts_live_tensors_only() {
         "{}",
         e[0].message
     );
+}
+
+#[test]
+fn a_failure_is_an_incident_naming_the_node_its_machine_and_pid() {
+    let (mut h, _) = Harness::running(&cfg(2, 1));
+    let a = h.m.disconnected(2, "connection reset");
+    let i = incidents(&a);
+    assert_eq!(i.len(), 1, "{a:?}");
+    assert_eq!(i[0].kind, IncidentKind::Failed);
+    assert_eq!((i[0].node, i[0].name.as_str()), (worker(1), "w1"));
+    assert_eq!(
+        (i[0].host_id.as_str(), i[0].reason.as_str()),
+        ("h1", "connection reset")
+    );
+    assert_eq!(i[0].pid, reg(W, None, "w1", "h1").pid);
+}
+
+#[test]
+fn a_servers_stall_report_names_the_stalled_workers_and_the_tensor() {
+    let (mut h, _) = Harness::running(&cfg(3, 1));
+    let id = declared(
+        &h.send(1, declare("fc.weight", Dtype::F32, 8), 0),
+        1,
+        "fc.weight",
+    )
+    .unwrap();
+    let key = u64::from(id) << 32 | 2;
+    let report = Message::Stalled {
+        key,
+        round: 7,
+        waited_ms: 61_000,
+        missing: vec![1, 2],
+    };
+    let a = h.send(101, report.clone(), 5);
+    let i = incidents(&a);
+    let stalled: Vec<(NodeId, IncidentKind)> = i.iter().map(|i| (i.node, i.kind)).collect();
+    assert_eq!(
+        stalled,
+        [
+            (worker(1), IncidentKind::Stalled),
+            (worker(2), IncidentKind::Stalled)
+        ]
+    );
+    let log = logs(&a);
+    assert!(
+        log.contains("worker 1 'w1', worker 2 'w2': has not pushed round 7 of tensor 'fc.weight'")
+            && log.contains("server 0 's0' for 61 s"),
+        "{log}"
+    );
+    assert!(sent(&a, 101).is_empty(), "nothing answers a report");
+    assert!(
+        !closed(&a, 2),
+        "a stalled worker is not failed: it may yet come back"
+    );
+
+    // A worker gone meanwhile is a failure already, not a stall.
+    h.m.disconnected(3, "connection reset");
+    let i = h.send(101, report, 6);
+    assert_eq!(
+        incidents(&i).iter().map(|i| i.node).collect::<Vec<_>>(),
+        [worker(1)]
+    );
+}
+
+#[test]
+fn a_worker_reports_the_stalls_of_its_machines_shared_memory_but_not_before_the_job_starts() {
+    let (mut h, _) = Harness::running(&cfg(2, 0));
+    let report = Message::Stalled {
+        key: 0,
+        round: 3,
+        waited_ms: 2_000,
+        missing: vec![0, 1],
+    };
+    let a = h.send(1, report.clone(), 5);
+    let i = incidents(&a);
+    assert_eq!(
+        i.iter().map(|i| i.node).collect::<Vec<_>>(),
+        [worker(1)],
+        "not itself"
+    );
+    assert!(
+        i[0].reason
+            .starts_with("has not pushed round 3 of key 0x0 to their machine's shared memory (worker 0 'w0' waits) for 2 s"),
+        "{}",
+        i[0].reason
+    );
+
+    let mut h = Harness::new(&cfg(2, 0));
+    h.join(1, reg(W, None, "w0", "h0"), 0);
+    let a = h.send(1, report, 5);
+    assert_eq!(errors(&a, 1)[0].code, ErrorCode::UnexpectedOp);
+    assert!(
+        errors(&a, 1)[0].message.contains("before the job started"),
+        "{a:?}"
+    );
+    assert!(closed(&a, 1));
 }

@@ -30,7 +30,7 @@ use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
 use crate::directory::KeyMeta;
-use crate::messages::{Command, JoinAck, Outgoing, Replier};
+use crate::messages::{Command, JoinAck, Outgoing, Replier, StallReport};
 use crate::pool::PooledBuf;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
 use sumflow_reduce::buffer::AlignedBuf;
@@ -75,6 +75,8 @@ pub struct Engine {
     dirty: Vec<u64>,
     /// See `Settings::stall_warning`.
     stall_warning: Option<Duration>,
+    /// Where the longest stall of each check goes (to the coordinator), if anywhere.
+    stall_reports: Option<std::sync::mpsc::Sender<StallReport>>,
 }
 
 /// How often an engine with a stall warning looks for rounds that wait too long.
@@ -91,6 +93,7 @@ impl Engine {
             joined: BTreeSet::new(),
             dirty: Vec::new(),
             stall_warning: None,
+            stall_reports: None,
         }
     }
 
@@ -98,6 +101,13 @@ impl Engine {
     /// not pushed it (see [`Message::Stalled`]); `None`: never.
     pub fn with_stall_warning(mut self, warning: Option<Duration>) -> Self {
         self.stall_warning = warning;
+        self
+    }
+
+    /// Also reports the longest stall of each check to `reports` (the server's coordinator
+    /// link), so that the coordinator can name the stalled workers to the job's supervisor.
+    pub fn with_stall_reports(mut self, reports: std::sync::mpsc::Sender<StallReport>) -> Self {
+        self.stall_reports = Some(reports);
         self
     }
 
@@ -146,6 +156,7 @@ impl Engine {
         let Some(warning) = self.stall_warning else {
             return;
         };
+        let mut longest: Option<StallReport> = None;
         for (&key, k) in &mut self.keys {
             if k.waiting.is_empty() {
                 k.stalled = None;
@@ -177,6 +188,17 @@ impl Engine {
                 };
                 let _ = reply.send(Outgoing::Message(msg));
             }
+            if longest.as_ref().is_none_or(|l| waited > l.waited) {
+                longest = Some(StallReport {
+                    key,
+                    round,
+                    waited,
+                    missing,
+                });
+            }
+        }
+        if let (Some(report), Some(to)) = (longest, &self.stall_reports) {
+            let _ = to.send(report);
         }
     }
 
@@ -665,7 +687,10 @@ mod tests {
         let pool = BufferPool::new(8);
         let (tx, rx) = unbounded();
         let warning = Duration::from_secs(60);
-        let mut e = engine(3).with_stall_warning(Some(warning));
+        let (to_coordinator, reports) = std::sync::mpsc::channel();
+        let mut e = engine(3)
+            .with_stall_warning(Some(warning))
+            .with_stall_reports(to_coordinator);
         e.push(1, 1, 1, data(&pool, &[1, 2, 3]), &tx);
         e.pull(1, 1, 1, tx.clone());
         let seen = Instant::now();
@@ -683,6 +708,13 @@ mod tests {
             Ok(Outgoing::Message(m)) => panic!("expected a stall notice, got {m:?}"),
             _ => panic!("expected a stall notice"),
         }
+        let report = StallReport {
+            key: 1,
+            round: 1,
+            waited: warning,
+            missing: vec![0, 2],
+        };
+        assert_eq!(reports.try_iter().collect::<Vec<_>>(), [report]);
         // Again only after another stretch, saying how long in all; none once the round
         // completes.
         e.check_stalls(seen + warning + warning / 2);
@@ -701,6 +733,32 @@ mod tests {
         assert_eq!(sum_of(&rx), vec![3, 4, 5]);
         e.check_stalls(seen + 3 * warning);
         assert!(rx.try_recv().is_err(), "a completed round is no stall");
+        assert_eq!(
+            reports.try_iter().count(),
+            1,
+            "the second stretch's report only"
+        );
+    }
+
+    #[test]
+    fn only_the_longest_stall_of_a_check_goes_to_the_coordinator() {
+        let pool = BufferPool::new(8);
+        let (tx, _rx) = unbounded();
+        let warning = Duration::from_secs(60);
+        let (to_coordinator, reports) = std::sync::mpsc::channel();
+        let mut e = engine(2)
+            .with_stall_warning(Some(warning))
+            .with_stall_reports(to_coordinator);
+        let seen = Instant::now();
+        e.push(1, 1, 1, data(&pool, &[1]), &tx);
+        e.pull(1, 1, 1, tx.clone());
+        e.check_stalls(seen);
+        e.push(2, 1, 0, data(&pool, &[1]), &tx);
+        e.pull(2, 1, 0, tx.clone());
+        e.check_stalls(seen + warning / 2);
+        e.check_stalls(seen + 2 * warning);
+        let sent: Vec<(u64, Vec<u32>)> = reports.try_iter().map(|r| (r.key, r.missing)).collect();
+        assert_eq!(sent, [(1, vec![0])], "key 2 waited less");
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::channel::Sender;
 use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
@@ -12,6 +13,18 @@ use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 use crate::directory::KeyMeta;
 use crate::pool::PooledBuf;
 use sumflow_reduce::buffer::AlignedBuf;
+
+/// A round that has kept its pulls waiting past the stall warning, for the coordinator
+/// (which names the stalled workers to the job's supervisor): an engine's longest wait of
+/// each check that sent notices.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StallReport {
+    pub key: u64,
+    pub round: u64,
+    pub waited: Duration,
+    /// Workers that have not pushed the round, ascending.
+    pub missing: Vec<u32>,
+}
 
 /// What a connection's reader (or the service) asks of an engine thread.
 pub enum Command {

@@ -17,6 +17,7 @@ use tracing::{error, info, warn};
 
 use crate::channel::bounded;
 use crate::engine::Engine;
+use crate::messages::StallReport;
 use crate::shared::{Settings, Shared};
 use sumflow_reduce::{Reducer, SimdLevel};
 
@@ -162,10 +163,14 @@ impl SummationService {
         };
         let mut engine_txs = Vec::new();
         let mut engines = Vec::new();
+        let (stall_tx, stall_reports) = std::sync::mpsc::channel();
         for i in 0..cfg.engine_threads {
             let (tx, rx) = bounded(ENGINE_QUEUE);
-            let engine = Engine::new(reducer, worker_names.len() as u32)
+            let mut engine = Engine::new(reducer, worker_names.len() as u32)
                 .with_stall_warning(cfg.settings.stall_warning);
+            if coordinator.is_some() {
+                engine = engine.with_stall_reports(stall_tx.clone());
+            }
             engines.push(spawn(format!("sumflow-engine-{i}"), move || {
                 engine.run(rx);
             })?);
@@ -214,7 +219,7 @@ impl SummationService {
                 let client = Arc::clone(client);
                 let local = local_addr.clone();
                 Some(spawn("sumflow-monitor".into(), move || {
-                    monitor(shared, client, addr, local.as_deref());
+                    monitor(&shared, &client, &stall_reports, addr, local.as_deref());
                 })?)
             }
             None => None,
@@ -326,11 +331,12 @@ fn accept_loop(
     }
 }
 
-/// Relays the coordinator's failure notices to the engines and stops the server when the
-/// coordinator ends the job.
+/// Relays the coordinator's failure notices to the engines and the engines' stall reports
+/// to the coordinator, and stops the server when the coordinator ends the job.
 fn monitor(
-    shared: Arc<Shared>,
-    client: Arc<Mutex<Option<CoordinatorClient>>>,
+    shared: &Shared,
+    client: &Mutex<Option<CoordinatorClient>>,
+    stall_reports: &std::sync::mpsc::Receiver<StallReport>,
     addr: SocketAddr,
     local: Option<&str>,
 ) {
@@ -349,11 +355,17 @@ fn monitor(
                 let why = format!("lost the job's {}: {}", f.name, f.reason);
                 error!(reason = %why, "the job is gone; stopping");
                 shared.fail(why);
-                stop(&shared, addr, local);
+                stop(shared, addr, local);
             }
             Ok(f) => warn!(node = %f.name, reason = %f.reason, "node failed"),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => break,
+        }
+        if let Some(c) = client.lock().expect("coordinator lock").as_ref() {
+            for r in stall_reports.try_iter() {
+                // A lost coordinator is reported through `failures`.
+                let _ = c.report_stall(r.key, r.round, r.waited, r.missing);
+            }
         }
         let done = client
             .lock()
@@ -362,7 +374,7 @@ fn monitor(
             .is_some_and(|c| c.shutdown_requested());
         if done {
             info!("the coordinator ended the job; stopping");
-            stop(&shared, addr, local);
+            stop(shared, addr, local);
         }
     }
 }

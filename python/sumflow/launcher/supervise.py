@@ -4,6 +4,7 @@ when the job ends, fails or is stopped by a signal."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import secrets
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import IO, BinaryIO
@@ -61,6 +63,67 @@ def describe_exit(code: int) -> str:
 def exit_status(code: int) -> int:
     """The launcher's exit status for a child's Popen return code (128+N for signal N)."""
     return 128 - code if code < 0 else code
+
+
+@dataclass(frozen=True)
+class Incident:
+    """A line of the coordinator's incidents file: a node it declared failed or a worker
+    a summation server saw stalled (``crates/coordinator/src/incidents.rs``)."""
+
+    time: float
+    kind: str
+    role: str
+    rank: int
+    name: str
+    host_id: str
+    pid: int
+    reason: str
+
+    def describe(self) -> str:
+        """``worker 1 'worker 1' (pid 4242 on node-b) stalled: has not pushed ...``."""
+        return (
+            f"{self.role} {self.rank} '{self.name}' (pid {self.pid} on {self.host_id}) "
+            f"{self.kind}: {self.reason}"
+        )
+
+
+def read_incidents(path: Path) -> list[Incident]:
+    """The incidents recorded so far, in order; lines that are not whole are skipped (the
+    coordinator may be writing one)."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    found = []
+    for line in text.splitlines():
+        try:
+            v = json.loads(line)
+            found.append(
+                Incident(
+                    float(v["time"]),
+                    str(v["kind"]),
+                    str(v["role"]),
+                    int(v["rank"]),
+                    str(v["name"]),
+                    str(v["host_id"]),
+                    int(v["pid"]),
+                    str(v["reason"]),
+                )
+            )
+        except (ValueError, KeyError, TypeError):
+            continue
+    return found
+
+
+def first_cause(incidents: list[Incident], at: float, stall_window: float) -> Incident | None:
+    """What to blame for a job that failed at ``at`` (Unix time): the first node the
+    coordinator declared failed; else a worker stalled within ``stall_window`` seconds
+    before ``at`` (a stall that ended long before is no cause: the job went on)."""
+    failed = [i for i in incidents if i.kind == "failed"]
+    if failed:
+        return failed[0]
+    recent = [i for i in incidents if i.kind == "stalled" and at - i.time <= stall_window]
+    return recent[-1] if recent else None
 
 
 def _isatty(stream: IO[str]) -> bool:
@@ -196,6 +259,7 @@ class Launcher:
         self._events: queue.Queue[Child] = queue.Queue()
         self._signals: list[int] = []
         self._tmp: Path | None = None
+        self._incidents: Path | None = None
         self._token = ""
         # The coordinator's job id: the workers' shared-memory files on this machine are
         # named by it, so that teardown can remove what killed workers left.
@@ -245,6 +309,7 @@ class Launcher:
         self._base_env[settings.JOB_TOKEN_FILE.name] = str(token_file)
 
         addr_file = self._tmp / "coordinator"
+        self._incidents = self._tmp / "incidents"
         argv = [
             *program("sumflow-coordinator"),
             "--bind",
@@ -257,6 +322,8 @@ class Launcher:
             str(addr_file),
             "--job-id",
             self._job_id,
+            "--incidents-file",
+            str(self._incidents),
             *plan.coordinator_args,
         ]
         spec = ProcSpec("coordinator", "coordinator", argv, dict(plan.service_env))
@@ -396,8 +463,8 @@ class Launcher:
                     if child.spec.host is not None and code == 255:
                         hint = " (ssh's status when it cannot connect)"
                     self.out.message(
-                        f"{child.describe()} {describe_exit(code)}{hint}; stopping the "
-                        f"other {others} process{'es' if others != 1 else ''}"
+                        f"{child.describe()} {describe_exit(code)}{hint}{self._cause(child)}; "
+                        f"stopping the other {others} process{'es' if others != 1 else ''}"
                     )
                     return exit_status(code)
                 if code != 0:
@@ -422,6 +489,25 @@ class Launcher:
                         f"{self.plan.shutdown_grace:g} s later (--shutdown-grace)"
                     )
                     return 0
+
+    def _cause(self, child: Child) -> str:
+        """``, after ...`` naming what failed first when that is not ``child``: the process
+        whose exit the launcher sees first is often one that noticed a failure (a hung
+        server, a worker stuck in its own code never exits), not its cause."""
+        if self._incidents is None:
+            return ""
+        # A stall counts while its server keeps reporting it (every stall warning).
+        stall = settings.STALL_WARNING
+        given = {**self.plan.worker_env, **self.plan.service_env}.get(stall.name, "")
+        try:
+            warning = stall.kind.convert(given) if given.strip() else stall.default
+        except ValueError:
+            warning = stall.default
+        window = 2 * warning + 1.0
+        cause = first_cause(read_incidents(self._incidents), time.time(), window)
+        if cause is None or cause.pid == child.pid or cause.name == child.spec.name:
+            return ""
+        return f", after {cause.describe()}"
 
     def _stop_for_signal(self) -> int:
         sig = self._signals[0]

@@ -21,7 +21,7 @@ use sumflow_wire::ClusterMap;
 use crate::error::CommError;
 use crate::handles::Handles;
 use crate::trace::Tracer;
-pub use stage::{LocalOp, LOCAL_KEY, LOCAL_SERVER};
+pub use stage::{LocalOp, Waited, LOCAL_KEY, LOCAL_SERVER};
 
 use area::{MachineArea, MAX_LOCAL};
 use stage::{Command, Peers, Stage, Waiting};
@@ -160,8 +160,18 @@ impl SharedMemory {
             .lock()
             .expect("waiting")
             .get(&handle)
-            .cloned()
+            .map(|w| w.text.clone())
             .unwrap_or_else(|| "this machine's shared memory".into())
+    }
+
+    /// The tensor, round and members the operation of `handle` waits for, when it waits
+    /// for members.
+    pub fn stalled_on(&self, handle: u64) -> Option<Waited> {
+        let waiting = self.waiting.lock().expect("waiting");
+        waiting
+            .get(&handle)
+            .filter(|w| !w.missing.is_empty())
+            .cloned()
     }
 
     /// Ranks of the workers on this machine.

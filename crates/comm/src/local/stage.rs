@@ -99,8 +99,21 @@ struct Pending {
     waited: Vec<u32>,
 }
 
-/// What each blocked operation waits for, by handle, for timeout messages.
-pub type Waiting = Arc<Mutex<HashMap<u64, String>>>;
+/// What each blocked operation waits for, by handle, for timeout messages and stall
+/// reports.
+pub type Waiting = Arc<Mutex<HashMap<u64, Waited>>>;
+
+/// What a blocked operation waits for.
+#[derive(Clone, Debug)]
+pub struct Waited {
+    pub tensor: u32,
+    pub round: u64,
+    /// The members it waits for, by rank.
+    pub missing: Vec<u32>,
+    /// All of it in words: "this machine's shared memory, waiting for workers [1] to
+    /// push round 3".
+    pub text: String,
+}
 
 struct Area {
     area: TensorArea,
@@ -252,12 +265,18 @@ impl Stage {
             ),
         };
         if missing != p.waited {
-            let text =
-                format!("this machine's shared memory, waiting for workers {missing:?} {what}");
+            let waited = Waited {
+                tensor: p.op.tensor,
+                round,
+                text: format!(
+                    "this machine's shared memory, waiting for workers {missing:?} {what}"
+                ),
+                missing: missing.clone(),
+            };
             self.waiting
                 .lock()
                 .expect("waiting")
-                .insert(p.op.handle, text);
+                .insert(p.op.handle, waited);
             p.waited = missing;
         }
     }

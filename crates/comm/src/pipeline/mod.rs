@@ -83,6 +83,8 @@ struct Shared {
     /// Per server: (its first lane, how many).
     server_lanes: Vec<(usize, usize)>,
     server_names: Vec<String>,
+    /// The job's workers' names by rank, for messages naming them.
+    worker_names: Vec<String>,
     scheduler: Mutex<Scheduler<PartTask>>,
     /// Wakes the timer thread when the scheduler's next deadline may have moved.
     timer: Condvar,
@@ -166,7 +168,7 @@ pub struct Pipeline {
 
 impl Pipeline {
     /// Starts the lanes' threads and the scheduler's timer over each server's lanes, for
-    /// worker `rank`.
+    /// worker `rank` of the workers named `worker_names`.
     pub fn start(
         links: Vec<ServerLink>,
         handles: Arc<Handles>,
@@ -174,6 +176,7 @@ impl Pipeline {
         partition_bytes: u64,
         tracer: Arc<Tracer>,
         rank: u32,
+        worker_names: Vec<String>,
     ) -> Result<Pipeline, CommError> {
         let mut lanes = Vec::new();
         let mut receivers = Vec::new();
@@ -205,6 +208,7 @@ impl Pipeline {
             lanes,
             server_lanes,
             server_names: names,
+            worker_names,
             scheduler: Mutex::new(scheduler),
             timer: Condvar::new(),
             in_flight: Mutex::new(HashMap::new()),

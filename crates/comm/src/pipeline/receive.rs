@@ -121,11 +121,21 @@ fn stalled(sh: &Shared, server: usize, key: u64, round: u64, waited: Duration, m
         Some(f) => format!("tensor '{}' (partition {})", f.task.name, f.task.index),
         None => format!("key {key}"),
     };
+    let workers: Vec<String> = missing
+        .iter()
+        .map(|&rank| match sh.worker_names.get(rank as usize) {
+            Some(name) if !name.is_empty() => format!("rank {rank} '{name}'"),
+            _ => format!("rank {rank}"),
+        })
+        .collect();
     warn!(
-        "{what}: round {round} has waited {:.0} s on {} for workers {missing:?}, which have \
-         not pushed it (stuck in their own code, or not calling it)",
+        "{what}: round {round} has waited {:.0} s on {} for {}, which {} not pushed it \
+         (stuck in {} own code, or not calling the operation)",
         waited.as_secs_f64(),
-        sh.server_names[server]
+        sh.server_names[server],
+        workers.join(", "),
+        if workers.len() == 1 { "has" } else { "have" },
+        if workers.len() == 1 { "its" } else { "their" },
     );
 }
 

@@ -64,6 +64,7 @@ fn pipeline(
         1000,
         Arc::new(Tracer::without_window(0, "test")),
         0,
+        vec!["worker 0".into()],
     )
     .unwrap()
 }
