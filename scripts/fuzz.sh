@@ -4,6 +4,8 @@
 #   handshake      arbitrary bytes as the other side of the job-token handshake
 #   membership     the coordinator's state machine under arbitrary connections and frames
 #   payloads       compressed payloads through the server's validator and decoder
+#   connection     a summation server's connection handler (and its engine) fed frames
+#                  built from the input by an authenticated worker, on loopback
 #
 #     scripts/fuzz.sh [SECS] [TARGET...]     (default: every target)
 #
@@ -14,7 +16,7 @@ cd "$(dirname "$0")/../fuzz"
 secs=${1:-60}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(frame_decoder handshake membership payloads)
+[ ${#targets[@]} -gt 0 ] || targets=(frame_decoder handshake membership payloads connection)
 export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-coverage-level=4 \
  -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
  -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
