@@ -691,6 +691,13 @@ PROGRAM_VARIABLES = (
         "SUMFLOW_MAX_FRAME_BYTES", "--max-frame-bytes", "the largest frame body accepted", _BOTH
     ),
     ProgramVariable("SUMFLOW_JOB_ID", "--job-id", "the job's name in messages", _COORDINATOR),
+    ProgramVariable(
+        "SUMFLOW_METRICS_BIND",
+        "--metrics-bind",
+        "where a server or the coordinator serves Prometheus metrics (GET /metrics); "
+        "unset: nowhere",
+        _BOTH,
+    ),
     ProgramVariable("SUMFLOW_LOG_FORMAT", "--log-format", "text or JSON log lines", _BOTH),
 )
 

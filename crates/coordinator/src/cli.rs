@@ -93,6 +93,11 @@ struct Args {
     #[arg(long, value_name = "PATH")]
     incidents_file: Option<PathBuf>,
 
+    /// Serve Prometheus metrics (GET /metrics) on this address, e.g. 0.0.0.0:9464
+    /// (port 0 picks a free one, logged) [default: nowhere].
+    #[arg(long, env = "SUMFLOW_METRICS_BIND", value_name = "ADDR")]
+    metrics_bind: Option<SocketAddr>,
+
     /// Log line format.
     #[arg(long, env = "SUMFLOW_LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
@@ -189,6 +194,7 @@ fn config(args: &Args) -> Result<CoordinatorConfig, ConfigError> {
     cfg.max_body = args.max_frame_bytes;
     cfg.job_id = args.job_id.clone().unwrap_or_else(random_job_id);
     cfg.incidents_file = args.incidents_file.clone();
+    cfg.metrics_bind = args.metrics_bind;
     cfg.validate()?;
     Ok(cfg)
 }

@@ -36,6 +36,8 @@ pub struct CoordinatorConfig {
     /// Where to append a line for every node declared failed or seen stalled
     /// ([`crate::incidents`]); `None`: nowhere.
     pub incidents_file: Option<PathBuf>,
+    /// Where to serve metrics (`GET /metrics`, Prometheus' text format); `None`: nowhere.
+    pub metrics_bind: Option<SocketAddr>,
 }
 
 impl CoordinatorConfig {
@@ -56,6 +58,7 @@ impl CoordinatorConfig {
             max_body: DEFAULT_MAX_BODY,
             job_id: random_job_id(),
             incidents_file: None,
+            metrics_bind: None,
         }
     }
 

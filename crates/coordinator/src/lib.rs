@@ -28,6 +28,7 @@ pub mod config;
 pub mod incidents;
 pub mod liveness;
 pub mod membership;
+pub mod metrics;
 pub mod ranks;
 mod service;
 
@@ -94,6 +95,15 @@ pub enum CoordinatorError {
         /// The path asked for.
         path: PathBuf,
         /// Why it could not be opened.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The metrics endpoint could not listen.
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        /// The address asked for.
+        addr: SocketAddr,
+        /// Why the operating system refused it.
         #[source]
         source: std::io::Error,
     },

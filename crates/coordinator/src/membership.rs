@@ -205,7 +205,26 @@ pub struct Membership {
     /// The declaration error that ended the job's agreement on tensors. Every later
     /// declaration gets it again: the table can no longer be trusted.
     declare_error: Option<ErrorReply>,
+    /// Workers reported stalled so far (one per worker per report).
+    stalls_reported: u64,
     out: Vec<Action>,
+}
+
+/// What the coordinator's metrics show (see [`Membership::counts`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Counts {
+    /// Whether the cluster map went out and the job has not ended.
+    pub running: bool,
+    /// Ranked nodes by role (worker, server) and status: live, left, failed.
+    pub nodes: [[u64; 3]; 2],
+    /// Nodes registered while the job gathers, before ranks are given.
+    pub joining: u64,
+    pub connections: u64,
+    pub tensors: u64,
+    pub tensor_ids: u64,
+    pub tensors_retired: u64,
+    pub barriers_waiting: u64,
+    pub stalls_reported: u64,
 }
 
 impl Membership {
@@ -230,7 +249,33 @@ impl Membership {
             peak_tensors: 0,
             retired_tensors: 0,
             declare_error: None,
+            stalls_reported: 0,
             out: Vec::new(),
+        }
+    }
+
+    /// The job's state in numbers, for metrics.
+    pub fn counts(&self) -> Counts {
+        let mut nodes = [[0; 3]; 2];
+        for (id, m) in &self.members {
+            let role = usize::from(id.role == Role::Server);
+            let status = match m.status {
+                Status::Live => 0,
+                Status::Left => 1,
+                Status::Failed => 2,
+            };
+            nodes[role][status] += 1;
+        }
+        Counts {
+            running: self.phase == Phase::Running,
+            nodes,
+            joining: self.joined.len() as u64,
+            connections: self.conns.len() as u64,
+            tensors: self.tensors.len() as u64,
+            tensor_ids: u64::from(self.next_id),
+            tensors_retired: self.retired_tensors,
+            barriers_waiting: self.barriers.len() as u64,
+            stalls_reported: self.stalls_reported,
         }
     }
 
@@ -969,6 +1014,7 @@ impl Membership {
         let names: Vec<String> = stalled.iter().map(|&id| self.node_name(id)).collect();
         self.log(Level::WARN, format!("{}: {reason}", names.join(", ")));
         for id in stalled {
+            self.stalls_reported += 1;
             self.incident(IncidentKind::Stalled, id, reason.clone());
         }
     }

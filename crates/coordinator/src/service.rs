@@ -15,6 +15,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{bounded, Receiver, RecvTimeoutError, Sender, TrySendError};
 use sumflow_wire::gate::{Gate, Pass, MAX_HANDSHAKES};
 use sumflow_wire::io::{accept, write_message, FrameReader};
+use sumflow_wire::metrics::{MetricsEndpoint, Render};
 use sumflow_wire::{JobToken, Message, Peer, Service, WireError};
 use tracing::{debug, error, info, warn, Level};
 
@@ -30,6 +31,8 @@ const EVENT_QUEUE: usize = 4096;
 const WRITE_QUEUE: usize = 256;
 /// Longest pause between two liveness checks.
 const MAX_TICK: Duration = Duration::from_millis(100);
+/// How long a scrape waits for the core thread.
+const SCRAPE_WAIT: Duration = Duration::from_secs(1);
 /// How often the accept loop looks at the stop flag.
 const ACCEPT_POLL: Duration = Duration::from_millis(20);
 /// Connections allowed beyond the job's nodes' (and those in their handshake): tools
@@ -55,6 +58,8 @@ enum Event {
         conn: ConnId,
         reason: String,
     },
+    /// A metrics scrape: the core answers with the exposition.
+    Scrape(Sender<String>),
     Stop,
 }
 
@@ -84,6 +89,17 @@ impl CoordinatorService {
             cfg.num_workers, cfg.num_servers
         );
         let (events, inbox) = bounded(EVENT_QUEUE);
+        let metrics = match cfg.metrics_bind {
+            Some(bind) => {
+                let events = events.clone();
+                let render: Render = Arc::new(move || scrape(&events));
+                let endpoint = MetricsEndpoint::start(bind, render)
+                    .map_err(|source| CoordinatorError::Metrics { addr: bind, source })?;
+                info!(addr = %endpoint.local_addr(), "serving metrics at /metrics");
+                Some(endpoint)
+            }
+            None => None,
+        };
         let stop = Arc::new(AtomicBool::new(false));
         let nodes = cfg.num_workers as usize + cfg.num_servers as usize;
         let conn_cfg = ConnSettings {
@@ -111,6 +127,7 @@ impl CoordinatorService {
             addr,
             events,
             core: Some(core),
+            metrics,
         })
     }
 }
@@ -121,12 +138,18 @@ pub struct CoordinatorHandle {
     addr: SocketAddr,
     events: Sender<Event>,
     core: Option<JoinHandle<Result<JobOutcome, CoordinatorError>>>,
+    metrics: Option<MetricsEndpoint>,
 }
 
 impl CoordinatorHandle {
     /// The address nodes connect to (the actual port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Where metrics are served, when they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::local_addr)
     }
 
     /// Tells every node `Shutdown { reason: "coordinator stopping" }` and stops.
@@ -370,6 +393,10 @@ fn run_core(
             Ok(Event::Invalid { conn, error }) => core.invalid_frame(conn, &error),
             Ok(Event::Closed { conn, reason }) => core.disconnected(conn, &reason),
             // Unreachable while the handle holds a sender; stopping is the safe answer.
+            Ok(Event::Scrape(reply)) => {
+                let _ = reply.try_send(crate::metrics::render(&core.counts()));
+                Vec::new()
+            }
             Ok(Event::Stop) | Err(RecvTimeoutError::Disconnected) => core.stop(),
             Err(RecvTimeoutError::Timeout) => Vec::new(),
         };
@@ -450,6 +477,18 @@ impl Io {
                 .collect();
         }
     }
+}
+
+/// Asks the core thread for a scrape's exposition; a core that does not answer within a
+/// second (or has stopped) shows as not running.
+fn scrape(events: &Sender<Event>) -> String {
+    let (tx, rx) = bounded(1);
+    let answered = events
+        .send_timeout(Event::Scrape(tx), SCRAPE_WAIT)
+        .is_ok()
+        .then(|| rx.recv_timeout(SCRAPE_WAIT).ok())
+        .flatten();
+    answered.unwrap_or_else(|| crate::metrics::render(&crate::membership::Counts::default()))
 }
 
 fn log(level: Level, line: &str) {

@@ -75,6 +75,10 @@ struct Args {
     /// SIMD kernels to use.
     #[arg(long, env = "SUMFLOW_SIMD", value_enum, default_value_t = Simd::Auto)]
     simd: Simd,
+    /// Serve Prometheus metrics (GET /metrics) on this address, e.g. 0.0.0.0:9464
+    /// (port 0 picks a free one, logged) [default: nowhere].
+    #[arg(long, env = "SUMFLOW_METRICS_BIND", value_name = "ADDR")]
+    metrics_bind: Option<SocketAddr>,
     /// Seconds between heartbeats to the coordinator.
     #[arg(
         long,
@@ -283,6 +287,7 @@ fn config(args: &Args) -> Result<ServerConfig, ConfigError> {
         max_key_memory: args.max_key_memory,
         simd,
         max_connections: 4096,
+        metrics_bind: args.metrics_bind,
     })
 }
 

@@ -22,6 +22,7 @@
 //! Compressed keys are only summed (the wire decoder refuses any other op on them).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,7 @@ use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
 use crate::directory::KeyMeta;
 use crate::messages::{Command, JoinAck, Outgoing, Replier, StallReport};
+use crate::metrics::EngineCounters;
 use crate::pool::PooledBuf;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
 use sumflow_reduce::buffer::AlignedBuf;
@@ -77,6 +79,8 @@ pub struct Engine {
     stall_warning: Option<Duration>,
     /// Where the longest stall of each check goes (to the coordinator), if anywhere.
     stall_reports: Option<std::sync::mpsc::Sender<StallReport>>,
+    /// Rounds summed and keys stalled, for metrics.
+    counters: Arc<EngineCounters>,
 }
 
 /// How often an engine with a stall warning looks for rounds that wait too long.
@@ -94,7 +98,14 @@ impl Engine {
             dirty: Vec::new(),
             stall_warning: None,
             stall_reports: None,
+            counters: Arc::default(),
         }
+    }
+
+    /// Counts rounds and stalled keys into `counters` (read by metrics scrapes).
+    pub fn with_counters(mut self, counters: Arc<EngineCounters>) -> Self {
+        self.counters = counters;
+        self
     }
 
     /// Tells the workers waiting on a round for longer than `warning` which workers have
@@ -157,6 +168,7 @@ impl Engine {
             return;
         };
         let mut longest: Option<StallReport> = None;
+        let mut stalled = 0;
         for (&key, k) in &mut self.keys {
             if k.waiting.is_empty() {
                 k.stalled = None;
@@ -170,6 +182,9 @@ impl Engine {
                     continue;
                 }
             };
+            if now.duration_since(since) >= warning {
+                stalled += 1;
+            }
             if now.duration_since(last) < warning {
                 continue;
             }
@@ -197,6 +212,7 @@ impl Engine {
                 });
             }
         }
+        self.counters.stalled.store(stalled, Ordering::Relaxed);
         if let (Some(report), Some(to)) = (longest, &self.stall_reports) {
             let _ = to.send(report);
         }
@@ -337,6 +353,7 @@ impl Engine {
                 k.staged.extend(data);
                 k.round_op = Some(op);
                 complete_round(&self.reducer, &mut self.scratch, key, k);
+                self.counters.rounds.fetch_add(1, Ordering::Relaxed);
             }
             Ok(false) => {
                 k.round_op = Some(op);
@@ -385,7 +402,10 @@ impl Engine {
         for (&key, k) in &mut self.keys {
             match k.rounds.join(worker) {
                 Ok(false) => {}
-                Ok(true) => complete_round(&self.reducer, &mut self.scratch, key, k),
+                Ok(true) => {
+                    complete_round(&self.reducer, &mut self.scratch, key, k);
+                    self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+                }
                 Err(e) => refuse(key, e, ack.reply()),
             }
         }

@@ -15,6 +15,7 @@ mod connection;
 pub mod directory;
 mod engine;
 mod messages;
+mod metrics;
 mod pool;
 pub mod rounds;
 pub mod service;

@@ -2,7 +2,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::os::unix::net::UnixListener;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -11,6 +11,7 @@ use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::link::{connect_local, listen_local, local_name, Link};
 use sumflow_client::ClientError;
 use sumflow_wire::cluster::host_port;
+use sumflow_wire::metrics::{MetricsEndpoint, Render};
 use sumflow_wire::{JobToken, Registration, Role};
 use thiserror::Error;
 use tracing::{error, info, warn};
@@ -18,6 +19,7 @@ use tracing::{error, info, warn};
 use crate::channel::bounded;
 use crate::engine::Engine;
 use crate::messages::StallReport;
+use crate::metrics::{EngineCounters, Served};
 use crate::shared::{Settings, Shared};
 use sumflow_reduce::{Reducer, SimdLevel};
 
@@ -38,6 +40,12 @@ pub enum ServerError {
     Config(String),
     #[error("cannot start a thread: {0}")]
     Thread(#[source] std::io::Error),
+    #[error("cannot serve metrics on {addr}: {source}")]
+    Metrics {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 /// How the server learns who the workers are.
@@ -74,6 +82,8 @@ pub struct ServerConfig {
     pub simd: Option<SimdLevel>,
     /// Connections served at once; more are closed on arrival.
     pub max_connections: usize,
+    /// Where to serve metrics (`GET /metrics`, Prometheus' text format); `None`: nowhere.
+    pub metrics_bind: Option<SocketAddr>,
 }
 
 impl ServerConfig {
@@ -94,6 +104,7 @@ impl ServerConfig {
             max_key_memory: None,
             simd: None,
             max_connections: 1024,
+            metrics_bind: None,
         }
     }
 }
@@ -141,6 +152,23 @@ impl SummationService {
             }
         };
         let local_addr = local.as_ref().map(|_| advertised.clone());
+        // Listening before the server joins: a port in use fails it before the job counts
+        // on it. Scrapes before it serves see only that it is not up yet.
+        let serving: Arc<OnceLock<Served>> = Arc::default();
+        let metrics = match cfg.metrics_bind {
+            Some(bind) => {
+                let serving = Arc::clone(&serving);
+                let render: Render = Arc::new(move || match serving.get() {
+                    Some(served) => crate::metrics::render(&served.shared, &served.engines),
+                    None => crate::metrics::not_serving(),
+                });
+                let endpoint = MetricsEndpoint::start(bind, render)
+                    .map_err(|source| ServerError::Metrics { addr: bind, source })?;
+                info!(addr = %endpoint.local_addr(), "serving metrics at /metrics");
+                Some(endpoint)
+            }
+            None => None,
+        };
         let (worker_names, rank, coordinator) = match &cfg.membership {
             Membership::Standalone { workers } => {
                 if *workers == 0 {
@@ -163,11 +191,15 @@ impl SummationService {
         };
         let mut engine_txs = Vec::new();
         let mut engines = Vec::new();
+        let mut counters = Vec::new();
         let (stall_tx, stall_reports) = std::sync::mpsc::channel();
         for i in 0..cfg.engine_threads {
             let (tx, rx) = bounded(ENGINE_QUEUE);
+            let counted = Arc::new(EngineCounters::default());
+            counters.push(Arc::clone(&counted));
             let mut engine = Engine::new(reducer, worker_names.len() as u32)
-                .with_stall_warning(cfg.settings.stall_warning);
+                .with_stall_warning(cfg.settings.stall_warning)
+                .with_counters(counted);
             if coordinator.is_some() {
                 engine = engine.with_stall_reports(stall_tx.clone());
             }
@@ -191,6 +223,10 @@ impl SummationService {
             simd = reducer.level().name(),
             "summation server listening"
         );
+        let _ = serving.set(Served {
+            shared: Arc::clone(&shared),
+            engines: counters,
+        });
         let connections = Arc::new(Mutex::new(Vec::new()));
         let accept = {
             let shared = Arc::clone(&shared);
@@ -235,6 +271,7 @@ impl SummationService {
             monitor,
             connections,
             coordinator,
+            metrics,
         })
     }
 }
@@ -409,6 +446,7 @@ pub struct ServerHandle {
     monitor: Option<JoinHandle<()>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
     coordinator: Option<Arc<Mutex<Option<CoordinatorClient>>>>,
+    metrics: Option<MetricsEndpoint>,
 }
 
 impl ServerHandle {
@@ -419,6 +457,11 @@ impl ServerHandle {
     /// The server's rank in the job (coordinator mode).
     pub fn rank(&self) -> Option<u32> {
         self.rank
+    }
+
+    /// Where metrics are served, when they are.
+    pub fn metrics_addr(&self) -> Option<SocketAddr> {
+        self.metrics.as_ref().map(MetricsEndpoint::local_addr)
     }
 
     /// Whether the server has stopped accepting (after `shutdown` or the job's end).

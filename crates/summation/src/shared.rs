@@ -57,6 +57,15 @@ impl Registry {
     }
 }
 
+/// The job's workers as a server sees them (see [`Shared::worker_states`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerStates {
+    pub connected: usize,
+    pub waiting: usize,
+    pub gone: usize,
+    pub connections: usize,
+}
+
 #[derive(Debug)]
 pub struct Shared {
     pub settings: Settings,
@@ -119,6 +128,25 @@ impl Shared {
                 joined,
                 ack: Arc::clone(&ack),
             });
+        }
+    }
+
+    /// How many of the job's workers are connected, not yet connected, or gone, and the
+    /// open connections (for metrics).
+    pub fn worker_states(&self) -> WorkerStates {
+        let r = self.registry.lock().expect("registry lock");
+        let gone = r.gone.iter().filter(|g| g.is_some()).count();
+        let connected = r
+            .attached
+            .iter()
+            .zip(&r.gone)
+            .filter(|(&a, g)| a > 0 && g.is_none())
+            .count();
+        WorkerStates {
+            connected,
+            waiting: r.gone.len() - gone - connected,
+            gone,
+            connections: r.streams.len(),
         }
     }
 

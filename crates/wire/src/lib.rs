@@ -17,6 +17,7 @@ pub mod io;
 #[cfg(feature = "cli")]
 pub mod logging;
 pub mod message;
+pub mod metrics;
 #[cfg(feature = "cli")]
 pub mod program;
 pub mod timing;

@@ -160,6 +160,13 @@ def build_parser() -> argparse.ArgumentParser:
         "with sumflow.torch.server_wire_bytes); over ssh, on each server's host",
     )
     job.add_argument(
+        "--metrics-port",
+        type=int,
+        metavar="PORT",
+        help="serve Prometheus metrics (GET /metrics): the coordinator on PORT, summation "
+        "server i on PORT+1+i, each on its own host (docs/metrics.md)",
+    )
+    job.add_argument(
         "--trace",
         metavar="DIR",
         help="record a Chrome trace of every worker into DIR (SUMFLOW_TRACE_DIR for workers; "

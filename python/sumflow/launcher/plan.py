@@ -61,6 +61,8 @@ class Plan:
     #: Variables every server and the coordinator get (timeouts, -x).
     service_env: dict[str, str]
     coordinator_args: list[str]
+    #: The coordinator's metrics port; server i's is one more than it plus i (None: off).
+    metrics_port: int | None
     rust_log: str
     start_timeout: float
     #: Where each process's output is also written (--output-filename), or None.
@@ -335,6 +337,15 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if join_timeout is not None:
         common[settings.JOIN_TIMEOUT.name] = repr(float(join_timeout))
         coordinator_args += ["--join-timeout", common[settings.JOIN_TIMEOUT.name]]
+    if args.metrics_port is not None:
+        last = args.metrics_port + (len(machines) if args.colocated else 0) + cpu_servers
+        if args.metrics_port < 1 or last > 65535:
+            raise ConfigError(
+                f"--metrics-port {args.metrics_port}: the coordinator and every server need "
+                f"a port of their own, {args.metrics_port} to {last}, within 1 to 65535"
+            )
+        host, _ = split_host_port(coordinator_bind, "--coordinator-bind")
+        coordinator_args += ["--metrics-bind", join_host_port(host, args.metrics_port)]
     worker_env = dict(common)
     # torch.distributed's env:// rendezvous, so a worker can open gloo/nccl groups next to
     # sumflow (rank 0 of the first machine hosts the store, as under torchrun).
@@ -388,6 +399,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
         worker_env=worker_env,
         service_env=service_env,
         coordinator_args=coordinator_args,
+        metrics_port=args.metrics_port,
         rust_log=rust_log,
         start_timeout=DEFAULT_START_TIMEOUT if args.start_timeout is None else args.start_timeout,
         output_dir=_output_dir(args.output_filename),
@@ -424,16 +436,21 @@ def _trace_env(args: argparse.Namespace) -> dict[str, str]:
 def build_processes(plan: Plan, coordinator: str) -> list[ProcSpec]:
     """The servers, then the workers, of ``plan`` once the coordinator listens at
     ``coordinator`` (the address they dial). The token is not in these environments."""
-    specs = []
+    specs: list[ProcSpec] = []
     local_server = plan.server_program or program("sumflow-server")
     remote_server = plan.server_program or ["sumflow-server"]
 
     def server(name: str, host_id: str, ssh_host: str | None) -> ProcSpec:
         argv = [*(remote_server if ssh_host else local_server), "--coordinator", coordinator]
+        bind_host = "127.0.0.1"
         if ssh_host is not None:
             advertise = Host(ssh_host, 1).address
-            argv += ["--bind", join_host_port("0.0.0.0", plan.server_port)]
+            bind_host = "0.0.0.0"
+            argv += ["--bind", join_host_port(bind_host, plan.server_port)]
             argv += ["--advertise", advertise]
+        if plan.metrics_port is not None:
+            port = plan.metrics_port + 1 + sum(1 for s in specs if s.kind == "server")
+            argv += ["--metrics-bind", join_host_port(bind_host, port)]
         argv += ["--host-id", host_id]
         if plan.engine_threads is not None:
             argv += ["--engine-threads", str(plan.engine_threads)]
