@@ -1,7 +1,8 @@
 """A worker process for test_shared_memory.py, started by ``sumflow-run -np N`` on one
 machine: ``python shared_memory_worker.py OUTDIR EXPECT`` with EXPECT ``shared`` (every
-operation sums in the machine's shared memory: not a byte to a server) or ``servers``
-(``SUMFLOW_SHARED_MEMORY=off``: they go through the summation server).
+operation sums in the machine's shared memory: not a byte to a server), ``servers``
+(``SUMFLOW_SHARED_MEMORY=off``: they go through the summation server) or ``machines``
+(several emulated machines: what spans machines goes through the servers).
 
 Runs every collective on integer and float data against its exact result; writes
 OUTDIR/rank<r>.txt: "ok", or the failures.
@@ -84,8 +85,12 @@ def main() -> None:
     moved = wire_total() - before
     if expect == "shared":
         check(f"{moved} bytes crossed a socket; none should have", moved == 0)
-    else:
+    elif expect == "servers":
         check(f"only {moved} bytes crossed a socket", moved > 1 << 20)
+    else:
+        # Aggregated inside each machine first, each worker carries its share of its
+        # machine's bytes (a small share of small tensors may be none).
+        check("nothing crossed a socket", moved > 0)
     (out / f"rank{rank}.txt").write_text("ok" if not failures else "\n".join(failures))
 
 

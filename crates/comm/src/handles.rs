@@ -6,7 +6,7 @@
 //! push round r + 1.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use sumflow_plan::partition::Partition;
@@ -34,13 +34,40 @@ struct State {
     busy: HashSet<u32>,
 }
 
+/// Operations on tensor ids with this bit set are the network legs of shared-memory
+/// rounds (a machine's slice crossing to the servers, aggregated inside the machine
+/// first): when one ends, the shared-memory stage is woken (see [`Handles::on_crossing`]).
+pub const CROSSING: u32 = 1 << 31;
+
+/// What wakes the shared-memory stage.
+struct Wake(Box<dyn Fn() + Send + Sync>);
+
+impl std::fmt::Debug for Wake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Wake")
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct Handles {
     state: Mutex<State>,
     changed: Condvar,
+    crossing: OnceLock<Wake>,
 }
 
 impl Handles {
+    /// Calls `wake` whenever an operation on a [`CROSSING`] tensor id completes or fails
+    /// (the shared-memory stage sleeps on its machine's doorbell). Set once.
+    pub fn on_crossing(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        let _ = self.crossing.set(Wake(wake));
+    }
+
+    fn crossed(&self, ended: bool) {
+        if let (true, Some(wake)) = (ended, self.crossing.get()) {
+            (wake.0)();
+        }
+    }
+
     /// Tensors with an operation whose partitions are not all done.
     pub fn busy(&self) -> usize {
         self.state.lock().expect("handles lock").busy.len()
@@ -133,21 +160,27 @@ impl Handles {
         if op.in_use == 0 {
             self.changed.notify_all();
         }
-        if let Some(key) = done {
-            Self::complete(&mut s, handle, key, &self.changed);
-        }
+        let crossed = match done {
+            Some(key) => Self::complete(&mut s, handle, key, &self.changed),
+            None => false,
+        };
+        drop(s);
+        self.crossed(crossed);
     }
 
-    fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) {
+    /// Marks partition `key` done; true when that ended a [`CROSSING`] operation.
+    fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) -> bool {
         let Some(op) = s.ops.get_mut(&handle) else {
-            return;
+            return false;
         };
         op.outstanding.remove(&key);
         if op.outstanding.is_empty() {
             let t = op.tensor_id;
             s.busy.remove(&t);
             changed.notify_all();
+            return t & CROSSING != 0;
         }
+        false
     }
 
     /// Fails the operation; its tensor may be used again (the job is likely broken anyway,
@@ -164,6 +197,8 @@ impl Handles {
         s.busy.remove(&t);
         // An access in progress ends with end_access, which notifies again.
         self.changed.notify_all();
+        drop(s);
+        self.crossed(t & CROSSING != 0);
     }
 
     /// Whether the operation finished; an error if it failed. Does not consume the handle.
@@ -232,10 +267,13 @@ impl Handles {
                 freed.push(op.tensor_id);
             }
         }
+        let crossed = freed.iter().any(|t| t & CROSSING != 0);
         for t in freed {
             s.busy.remove(&t);
         }
         self.changed.notify_all();
+        drop(s);
+        self.crossed(crossed);
     }
 }
 

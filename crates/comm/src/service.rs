@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
 use sumflow_client::server::Reply;
 use sumflow_client::{ClientError, ServerClient, ServerOptions};
+use sumflow_plan::hierarchy;
 use sumflow_plan::lanes;
 use sumflow_plan::layout::{Layout, MAX_GENERATIONS, MAX_TENSOR_ID};
 use sumflow_plan::partition::{
@@ -30,6 +31,7 @@ use crate::compression::Compression;
 use crate::error::CommError;
 use crate::failures::{self, CoordinatorLoss};
 use crate::handles::Handles;
+use crate::local::cross::{self, Round};
 use crate::local::{LocalOp, SharedMemory, LOCAL_KEY, LOCAL_SERVER};
 use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
@@ -470,12 +472,25 @@ fn spec_bytes(spec: &TensorSpec<'_>) -> u64 {
     spec.elements.saturating_mul(spec.dtype.size() as u64)
 }
 
+/// The one "partition" of an operation summed in the machine's shared memory.
+fn local_partition(tensor: u32, len: usize) -> Partition {
+    Partition {
+        key: LOCAL_KEY,
+        tensor,
+        offset: 0,
+        bytes: len as u64,
+        server: LOCAL_SERVER,
+    }
+}
+
 /// The worker side of a job.
 #[derive(Debug)]
 pub struct CommunicationService {
     job: CoordinatorClient,
     servers: ServerSet,
-    pipeline: Pipeline,
+    /// Shared with the shared-memory stage, which starts the network legs of rounds
+    /// aggregated inside the machine first.
+    pipeline: Arc<Pipeline>,
     handles: Arc<Handles>,
     table: Mutex<Table>,
     /// Lanes per server, by rank.
@@ -623,7 +638,7 @@ impl CommunicationService {
             schedule.window_bytes = window;
         }
         schedule.prophet = cfg.prophet.clone();
-        let pipeline = Pipeline::start(
+        let pipeline = Arc::new(Pipeline::start(
             links,
             Arc::clone(&handles),
             schedule,
@@ -631,7 +646,7 @@ impl CommunicationService {
             Arc::clone(&tracer),
             job.rank(),
             map.workers.iter().map(|w| w.name.clone()).collect(),
-        )?;
+        )?);
         let coordinator_loss = failures::watch(
             job.failures(),
             pipeline.server_failures(),
@@ -1089,15 +1104,47 @@ impl CommunicationService {
         // SAFETY: the caller's contract is exactly HostSlice::new's.
         let whole = unsafe { HostSlice::new(ptr, len) }
             .ok_or_else(|| CommError::Invalid(format!("tensor '{}': null buffer", t.name)))?;
-        if let Some(shared) = self.shared_for(t) {
-            let local = Partition {
-                key: LOCAL_KEY,
+        if let Some((shared, local)) = self.crossing_for(t) {
+            let handle = self
+                .handles
+                .start(t.id, &t.name, &[local_partition(t.id, len)])?;
+            let generation = table_generation;
+            if t.rounds.len() <= generation {
+                t.rounds.resize(generation + 1, 0);
+            }
+            t.rounds[generation] += 1;
+            let round = Round {
                 tensor: t.id,
-                offset: 0,
-                bytes: len as u64,
-                server: LOCAL_SERVER,
+                name: &t.name,
+                dtype: t.dtype,
+                parts: &t.parts,
+                members: t.members.clone(),
+                round: t.rounds[generation],
+                priority,
+                op: op.on_servers(),
+                divisor,
             };
-            let handle = self.handles.start(t.id, &t.name, &[local])?;
+            let cross = cross::plan(&round, &self.pipeline, &self.handles);
+            shared.submit(LocalOp {
+                handle,
+                tensor: t.id,
+                name: Arc::clone(&t.name),
+                data: whole,
+                dtype: t.dtype,
+                members: local,
+                op: op.on_servers(),
+                // The servers' sums come back averaged over every member.
+                divisor: None,
+                contributes: exchange.pushes.as_ref().is_none_or(|p| !p.is_empty()),
+                pulls: exchange.pulls.clone(),
+                cross: Some(cross),
+            })?;
+            return Ok(handle);
+        }
+        if let Some(shared) = self.shared_for(t) {
+            let handle = self
+                .handles
+                .start(t.id, &t.name, &[local_partition(t.id, len)])?;
             let members: Arc<[u32]> = match &t.members {
                 Some(m) => Arc::clone(m),
                 None => shared.here(),
@@ -1113,6 +1160,7 @@ impl CommunicationService {
                 divisor,
                 contributes: exchange.pushes.as_ref().is_none_or(|p| !p.is_empty()),
                 pulls: exchange.pulls.clone(),
+                cross: None,
             })?;
             return Ok(handle);
         }
@@ -1147,6 +1195,29 @@ impl CommunicationService {
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
+    }
+
+    /// The shared-memory stage and this machine's members of the tensor, when it is
+    /// aggregated inside the machine first (`sumflow_plan::hierarchy`): raw elements, not
+    /// kept on one worker's machine (a relay region or a reduce-scatter share), members
+    /// on several machines and at least two on this one.
+    fn crossing_for(&self, t: &Tensor) -> Option<(&SharedMemory, Arc<[u32]>)> {
+        let shared = self.shared.as_ref()?;
+        if t.compression.is_some() || t.home.is_some() {
+            return None;
+        }
+        let map = self.job.cluster_map();
+        let all: Vec<u32>;
+        let members = match t.members.as_deref() {
+            Some(m) => m,
+            None => {
+                all = (0..map.workers.len() as u32).collect();
+                &all
+            }
+        };
+        let host = |r: u32| map.workers[r as usize].host_id.as_str();
+        let here = hierarchy::machine_members(members, self.rank(), host)?;
+        Some((shared, Arc::from(here)))
     }
 
     /// The shared-memory stage, when it sums this tensor: every member on this machine,

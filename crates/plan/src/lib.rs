@@ -22,6 +22,7 @@
 //! 4 at every push_pull, acknowledgement and sum. A [`partition::Partition`] carries a
 //! partition through all of them, and through the runtime and the simulator after them.
 
+pub mod hierarchy;
 pub mod lanes;
 pub mod layout;
 pub mod partition;

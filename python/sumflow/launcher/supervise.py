@@ -115,6 +115,12 @@ def read_incidents(path: Path) -> list[Incident]:
     return found
 
 
+#: Beyond the stall warning's period, how long the launcher may take to see the exit of a
+#: worker that gave up waiting on a stalled one (its traceback, its leaving the job, a
+#: busy machine): a stall reported this recently is still the cause.
+_STALL_EXIT_GRACE = 30.0
+
+
 def first_cause(incidents: list[Incident], at: float, stall_window: float) -> Incident | None:
     """What to blame for a job that failed at ``at`` (Unix time): the first node the
     coordinator declared failed; else a worker stalled within ``stall_window`` seconds
@@ -503,7 +509,7 @@ class Launcher:
             warning = stall.kind.convert(given) if given.strip() else stall.default
         except ValueError:
             warning = stall.default
-        window = 2 * warning + 1.0
+        window = 2 * warning + _STALL_EXIT_GRACE
         cause = first_cause(read_incidents(self._incidents), time.time(), window)
         if cause is None or cause.pid == child.pid or cause.name == child.spec.name:
             return ""

@@ -1,6 +1,7 @@
 //! What lies where in the machine's shared files: the machine's area (doorbell, who is
-//! there, who has joined) and each tensor's (per member: the round it pushed, reduced and
-//! consumed; then a slot per member and the result).
+//! there, who has joined) and each tensor's (per member: the round it pushed, reduced,
+//! consumed, and the last whose slice it could not bring back from the servers; then a
+//! slot per member and the result).
 //!
 //! Every field a process reads from another is an atomic with its own cache line, written
 //! with release and read with acquire ordering: a member stores its slot's bytes, then its
@@ -132,6 +133,7 @@ const R_PUSHED: usize = 0;
 const R_FLAGS: usize = 8;
 const R_REDUCED: usize = 16;
 const R_CONSUMED: usize = 24;
+const R_FAILED: usize = 32;
 
 /// One tensor's area: a record and a slot per member, and the result.
 #[derive(Debug)]
@@ -206,6 +208,18 @@ impl TensorArea {
     pub fn publish_reduced(&self, member: usize, round: u64) {
         self.record(member, R_REDUCED)
             .store(round, Ordering::Release);
+    }
+
+    /// Publishes that `member` could not bring back its slice of `round` from the
+    /// summation servers: the others fail the round too rather than wait for it.
+    pub fn publish_failed(&self, member: usize, round: u64) {
+        self.record(member, R_FAILED)
+            .fetch_max(round, Ordering::AcqRel);
+    }
+
+    /// The last round whose slice `member` could not bring back (0: none).
+    pub fn failed(&self, member: usize) -> u64 {
+        self.record(member, R_FAILED).load(Ordering::Acquire)
     }
 
     pub fn publish_consumed(&self, member: usize, round: u64) {

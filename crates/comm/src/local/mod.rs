@@ -7,6 +7,7 @@
 //! job, that the workers that claim to share a machine really share its memory.
 
 mod area;
+pub mod cross;
 mod shm;
 mod stage;
 
@@ -86,6 +87,10 @@ impl SharedMemory {
             source: Arc::new(e),
         })?);
         machine.register(local_rank);
+        // The network legs of rounds aggregated inside the machine first end on the
+        // pipeline's threads; the stage sleeps on the doorbell.
+        let woken = Arc::clone(&machine);
+        handles.on_crossing(Box::new(move || woken.ring()));
         let (tx, rx) = unbounded();
         let waiting = Waiting::default();
         let stage = Stage::new(

@@ -35,6 +35,8 @@ use crate::error::CommError;
 use crate::handles::Handles;
 use crate::pipeline::HostSlice;
 use crate::trace::{Arg, Tracer, Track};
+use sumflow_plan::hierarchy;
+use sumflow_plan::partition::Partition;
 
 /// The handles' key and server of a shared-memory operation (its one "partition").
 pub const LOCAL_KEY: u64 = u64::MAX;
@@ -42,6 +44,8 @@ pub const LOCAL_SERVER: u32 = u32::MAX;
 
 /// How long the stage sleeps at most before checking for failures again.
 const POLL: Duration = Duration::from_millis(100);
+/// How long a failed slice's push and pull may take to let go of the result.
+const ABANDON_WAIT: Duration = Duration::from_secs(1);
 
 /// One operation on a tensor all of whose members share this machine.
 #[derive(Debug)]
@@ -59,6 +63,35 @@ pub struct LocalOp {
     pub contributes: bool,
     /// Byte ranges it takes back; `None`: all.
     pub pulls: Option<Vec<Range<u64>>>,
+    /// For a tensor whose members span machines: this worker's part in carrying the
+    /// machine's sum across them (`None`: every member is on this machine).
+    pub cross: Option<Cross>,
+}
+
+/// This worker's part in a round aggregated inside the machine first
+/// (`sumflow_plan::hierarchy`): of the machine's members that take part, the i-th
+/// reduces the machine's sum of the i-th run of the tensor's partitions, then pushes it to
+/// the summation servers and pulls back the sum over every machine into the round's
+/// result (`local::cross`).
+pub struct Cross {
+    /// The tensor's partitions in the layout of the round.
+    pub parts: Vec<Partition>,
+    /// Starts the push and pull of the run (partition indices) it carries from the result
+    /// (the whole tensor's span in the shared memory), the run's push a skip when
+    /// `pushes` is false (no member of the machine contributed), and a skip for every
+    /// other partition; returns the handle to poll.
+    pub send: SendLeg,
+}
+
+/// Starts a round's network leg (see [`Cross::send`]).
+pub type SendLeg = Box<dyn FnOnce(HostSlice, Range<usize>, bool) -> Result<u64, CommError> + Send>;
+
+impl std::fmt::Debug for Cross {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cross")
+            .field("parts", &self.parts.len())
+            .finish_non_exhaustive()
+    }
 }
 
 pub enum Command {
@@ -85,6 +118,8 @@ pub struct Peers {
 enum Phase {
     Enter,
     Pushed,
+    /// Its slice is on its way to and from the summation servers.
+    Crossing,
     Reduced,
 }
 
@@ -97,6 +132,9 @@ struct Pending {
     mode: &'static str,
     /// The members it last waited for, by rank, as published in `Waiting`.
     waited: Vec<u32>,
+    /// The handle of its slice's push and pull, while it crosses, and since when.
+    net: Option<u64>,
+    crossed: Instant,
 }
 
 /// What each blocked operation waits for, by handle, for timeout messages and stall
@@ -219,6 +257,7 @@ impl Stage {
                     Err(e) => {
                         let p = pending.swap_remove(i);
                         self.waiting.lock().expect("waiting").remove(&p.op.handle);
+                        self.abandon_crossing(&p, &e);
                         self.handles.fail(p.op.handle, |_| e);
                     }
                 }
@@ -256,21 +295,31 @@ impl Stage {
                     .collect(),
                 format!("to push round {round}"),
             ),
+            Phase::Crossing => (
+                Vec::new(),
+                format!(
+                    "the summation servers' sum of its slice of round {round} over every machine"
+                ),
+            ),
             Phase::Reduced => (
                 (0..p.op.members.len())
-                    .filter(|&k| a.area.reduced(k) < round)
+                    .filter(|&k| a.area.pushed(k) >= round && a.area.reduced(k) < round)
                     .map(|k| p.op.members[k])
                     .collect(),
                 format!("to reduce their slices of round {round}"),
             ),
         };
-        if missing != p.waited {
+        let crossing = matches!(p.phase, Phase::Crossing);
+        if missing != p.waited || crossing {
+            let text = if crossing {
+                format!("this machine's shared memory, waiting for {what}")
+            } else {
+                format!("this machine's shared memory, waiting for workers {missing:?} {what}")
+            };
             let waited = Waited {
                 tensor: p.op.tensor,
                 round,
-                text: format!(
-                    "this machine's shared memory, waiting for workers {missing:?} {what}"
-                ),
+                text,
                 missing: missing.clone(),
             };
             self.waiting
@@ -283,10 +332,26 @@ impl Stage {
 
     fn stop(&mut self, pending: Vec<Pending>) {
         for p in pending {
+            self.abandon_crossing(&p, &CommError::Shutdown);
             self.handles.fail(p.op.handle, |_| CommError::Shutdown);
         }
         for (_, a) in self.areas.drain() {
             a.area.unlink();
+        }
+    }
+
+    /// A failed round's slice still crossing: fails it (the pipeline then no longer
+    /// writes into the result), releases its handle, and tells the machine's other
+    /// members, which would otherwise wait for the slice.
+    fn abandon_crossing(&self, p: &Pending, why: &CommError) {
+        let Some(net) = p.net else {
+            return;
+        };
+        self.handles.fail(net, |_| why.clone());
+        let _ = self.handles.wait(net, ABANDON_WAIT, |_| String::new());
+        if let Some(a) = self.areas.get(&p.op.tensor) {
+            a.area.publish_failed(a.me, p.round);
+            self.machine.ring();
         }
     }
 
@@ -318,6 +383,8 @@ impl Stage {
             issued: Instant::now(),
             mode: "",
             waited: Vec::new(),
+            net: None,
+            crossed: Instant::now(),
         })
     }
 
@@ -401,6 +468,7 @@ impl Stage {
         match p.phase {
             Phase::Enter => self.enter(p),
             Phase::Pushed => self.pushed(p),
+            Phase::Crossing => self.crossing(p),
             Phase::Reduced => self.reduced(p),
         }
     }
@@ -487,8 +555,18 @@ impl Stage {
         let took_part: Vec<usize> = (0..members.len())
             .filter(|&k| a.area.pushed(k) == round)
             .collect();
-        let two_phase = took_part.len() == members.len()
-            && took_part.iter().all(|&k| a.area.flags(k).pulls_all);
+        // The members taking part share the runs (a joined member's goes to the others).
+        let run = p.op.cross.as_ref().map(|c| {
+            let i = took_part
+                .iter()
+                .position(|&k| k == a.me)
+                .expect("took part");
+            hierarchy::runs(&c.parts, took_part.len())[i].clone()
+        });
+        // Across machines, every member's slice must cross whatever it takes back.
+        let two_phase = p.op.cross.is_some()
+            || (took_part.len() == members.len()
+                && took_part.iter().all(|&k| a.area.flags(k).pulls_all));
         let sources: Vec<usize> = took_part
             .into_iter()
             .filter(|&k| a.area.flags(k).contributes)
@@ -500,9 +578,14 @@ impl Stage {
         }
         p.mode = "two phases";
         let began = Instant::now();
-        let es = p.op.dtype.size();
-        let slice = slice_of(p.op.data.len / es, members.len(), a.me);
-        let bytes = slice.start * es..slice.end * es;
+        let bytes = match (&p.op.cross, &run) {
+            (Some(cross), Some(run)) => hierarchy::byte_range(&cross.parts, run),
+            _ => {
+                let es = p.op.dtype.size();
+                let slice = slice_of(p.op.data.len / es, members.len(), a.me);
+                slice.start * es..slice.end * es
+            }
+        };
         let result = a.area.slot_offset(members.len());
         let a = self.areas.get_mut(&p.op.tensor).expect("area");
         if !a.result_reserved {
@@ -524,7 +607,6 @@ impl Stage {
             let srcs = slot_views(&a.area, &sources, bytes.clone());
             reduce(self.reducer, p.op.dtype, p.op.op, &srcs, out);
         }
-        a.area.publish_reduced(a.me, round);
         self.tracer.span(
             Track::SharedMemory,
             "reduce slice",
@@ -532,15 +614,88 @@ impl Stage {
             Instant::now(),
             &[("sources", Arg::Uint(sources.len() as u64))],
         );
+        if let (Some(cross), Some(run)) = (p.op.cross.take(), run) {
+            // SAFETY: the result region lies inside the mapping, which stays mapped while
+            // the tensor has an operation (it is unmapped at retirement, refused while one
+            // is in flight); the network leg writes only this member's slice of it.
+            let result = unsafe { HostSlice::new(a.area.at(result), p.op.data.len) }
+                .expect("a mapping is never at address 0");
+            match (cross.send)(result, run, !sources.is_empty()) {
+                Ok(net) => {
+                    p.net = Some(net);
+                    p.crossed = Instant::now();
+                    p.phase = Phase::Crossing;
+                    return Ok(Step::Moved);
+                }
+                Err(e) => {
+                    a.area.publish_failed(a.me, round);
+                    return Err(e);
+                }
+            }
+        }
+        a.area.publish_reduced(a.me, round);
         p.phase = Phase::Reduced;
         Ok(Step::Moved)
+    }
+
+    /// Once this worker's slice is back from the summation servers (summed over every
+    /// machine), publishes it as reduced.
+    fn crossing(&mut self, p: &mut Pending) -> Result<Step, CommError> {
+        let net = p.net.expect("a crossing round has its network leg");
+        match self.handles.poll(net) {
+            Ok(false) => {
+                self.check_peers(&p.op)?;
+                Ok(Step::Blocked)
+            }
+            Ok(true) => {
+                // Done: this releases the handle once the receiver has let go of it (at
+                // once, but it may still be returning). A timeout here must not become
+                // the operation's error: its waiter would take it for its own.
+                match self.handles.wait(net, ABANDON_WAIT, |_| String::new()) {
+                    Ok(()) => p.net = None,
+                    Err(CommError::Timeout { .. }) => {
+                        let why = format!(
+                            "its slice of round {} came back, but its buffer stayed in use",
+                            p.round
+                        );
+                        return Err(self.fail_text(&p.op, why));
+                    }
+                    Err(e) => {
+                        p.net = None;
+                        return Err(e);
+                    }
+                }
+                let a = &self.areas[&p.op.tensor];
+                a.area.publish_reduced(a.me, p.round);
+                self.tracer.span(
+                    Track::SharedMemory,
+                    "cross machines",
+                    p.crossed,
+                    Instant::now(),
+                    &[],
+                );
+                p.phase = Phase::Reduced;
+                Ok(Step::Moved)
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Once every slice is reduced, copies the result into the caller's tensor.
     fn reduced(&mut self, p: &mut Pending) -> Result<Step, CommError> {
         let a = &self.areas[&p.op.tensor];
         let n = p.op.members.len();
-        if !(0..n).all(|k| a.area.reduced(k) >= p.round) {
+        if let Some(k) = (0..n).find(|&k| k != a.me && a.area.failed(k) >= p.round) {
+            let why = format!(
+                "worker {} of this machine could not bring back its slice of round {} from \
+                 the summation servers (its own error says why)",
+                p.op.members[k], p.round
+            );
+            return Err(self.fail_text(&p.op, why));
+        }
+        // A joined member that did not push this round reduces nothing of it.
+        let took_part = |k: usize| a.area.pushed(k) >= p.round;
+        if !(0..n).all(|k| !took_part(k) || a.area.reduced(k) >= p.round) {
             self.check_peers(&p.op)?;
             return Ok(Step::Blocked);
         }
