@@ -59,7 +59,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     net = p.add_argument_group("emulated network")
-    net.add_argument("--workers", type=int, default=4, help="worker hosts n (one worker each)")
+    net.add_argument("--workers", type=int, default=4, help="worker hosts n")
+    net.add_argument(
+        "--workers-per-host",
+        type=int,
+        default=1,
+        help="worker processes G on each worker host (as one per GPU); gloo's ring then spans "
+        "all n x G of them, and sumflow aggregates inside each host first",
+    )
     net.add_argument(
         "--cpu-servers",
         default="0,1,2,3,4",
@@ -192,6 +199,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         )
     except ValueError as e:
         p.error(str(e))
+    if args.workers_per_host < 1:
+        p.error("--workers-per-host must be at least 1")
     if args.workers < 2:
         p.error("--workers must be at least 2")
     if any(k < 0 for k in args.ks) or not args.ks:
@@ -349,6 +358,7 @@ def goodput_runs(
         what="goodput gloo",
         log_path=logs / "goodput-gloo.log",
         timeout=args.job_timeout,
+        per_host=args.workers_per_host,
     )
     gloo = _with_cpu(read_result(out, "goodput gloo"), sampler)
     gloo["goodput_gbit"] = gloo["goodput_bytes_per_s"] / GBIT
@@ -372,6 +382,7 @@ def goodput_runs(
             what=f"goodput sumflow k={k}",
             log_path=logs / f"goodput-sumflow-k{k}.log",
             timeout=args.job_timeout,
+            per_host=args.workers_per_host,
             launcher_args=[
                 *(("--partition-bytes", str(args.partition_bytes)) if args.partition_bytes else ()),
                 *(a for item in args.worker_env for a in ("-x", item)),
@@ -450,6 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: dict[str, Any] = {
         "config": {
             "workers": args.workers,
+            "workers_per_host": args.workers_per_host,
             "cpu_servers": args.ks,
             "cpu_hosts": cpu_hosts,
             "rate_mbit": args.rate_mbit,

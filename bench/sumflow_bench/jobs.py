@@ -174,21 +174,25 @@ def run_torch_job(
     what: str,
     log_path: Path,
     timeout: float,
+    per_host: int = 1,
 ) -> JobResult:
-    """``worker_argv`` on one process per host in ``workers``, with torchrun's variables
-    (the store on the first host)."""
+    """``worker_argv`` on ``per_host`` processes per host in ``workers``, with torchrun's
+    variables (the store on the first host)."""
     commands = []
     base = {k: v for k, v in os.environ.items() if not k.startswith(settings.PREFIX)}
-    for rank, host in enumerate(workers):
-        env = dict(
-            base,
-            RANK=str(rank),
-            WORLD_SIZE=str(len(workers)),
-            LOCAL_RANK="0",
-            LOCAL_WORLD_SIZE="1",
-            MASTER_ADDR=workers[0].address,
-            MASTER_PORT=str(TORCH_MASTER_PORT),
-            GLOO_SOCKET_IFNAME="eth0",
-        )
-        commands.append((f"[worker {rank}] ", cluster.command(host, list(worker_argv)), env))
+    size = len(workers) * per_host
+    for m, host in enumerate(workers):
+        for local in range(per_host):
+            rank = m * per_host + local
+            env = dict(
+                base,
+                RANK=str(rank),
+                WORLD_SIZE=str(size),
+                LOCAL_RANK=str(local),
+                LOCAL_WORLD_SIZE=str(per_host),
+                MASTER_ADDR=workers[0].address,
+                MASTER_PORT=str(TORCH_MASTER_PORT),
+                GLOO_SOCKET_IFNAME="eth0",
+            )
+            commands.append((f"[worker {rank}] ", cluster.command(host, list(worker_argv)), env))
     return _run(what, commands, log_path, timeout)

@@ -106,7 +106,9 @@ def test_servers_that_lose_their_coordinator_stop_and_the_job_ends(tmp_path: Pat
     # record its own failure, but one that does names the lost coordinator in time.
     for r in results(tmp_path):
         check_failed_in_time(r)
-        assert "coordinator" in r["message"], r
+        # Its own notice, or (a worker noticing a few hundred ms before the other and
+        # leaving) the server's word that the other left: either way, in time.
+        assert "coordinator" in r["message"] or "left the job" in r["message"], r
     # Start-up, three sums, the heartbeat timeout and the launcher's grace for the
     # stopped coordinator (5 s): nowhere near the 120 s operation timeout.
     assert took < 45, log

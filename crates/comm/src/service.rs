@@ -1361,14 +1361,22 @@ impl CommunicationService {
         }
     }
 
-    /// A peer's failure may follow from a job-fatal error that has not reached this worker
-    /// yet (the worker that saw a declaration mismatch first left at once, and its
-    /// servers said so sooner than the coordinator's notice arrived): waits briefly for
-    /// it, the real cause, and returns it if it comes.
+    /// A peer's failure may follow from a cause that has not reached this worker yet: a
+    /// job-fatal error (the worker that saw a declaration mismatch first left at once,
+    /// and its servers said so sooner than the coordinator's notice arrived), or the
+    /// coordinator's loss (a worker that noticed it first left). Waits briefly for either,
+    /// the real cause, and returns it if it comes.
     fn cause_of_failure(&self, e: CommError) -> CommError {
         let deadline = Instant::now() + JOB_ERROR_GRACE;
+        let tensor = match &e {
+            CommError::Failed { tensor, .. } => tensor.clone(),
+            _ => String::new(),
+        };
         while Instant::now() < deadline {
             if let Some(cause) = self.job_error() {
+                return cause;
+            }
+            if let Some(cause) = self.coordinator_loss.error(&tensor) {
                 return cause;
             }
             std::thread::sleep(Duration::from_millis(5));
