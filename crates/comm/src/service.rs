@@ -1104,50 +1104,41 @@ impl CommunicationService {
         // SAFETY: the caller's contract is exactly HostSlice::new's.
         let whole = unsafe { HostSlice::new(ptr, len) }
             .ok_or_else(|| CommError::Invalid(format!("tensor '{}': null buffer", t.name)))?;
-        if let Some((shared, local)) = self.crossing_for(t) {
+        let crossing = self.crossing_for(t);
+        let shared = crossing
+            .as_ref()
+            .map(|(s, _)| *s)
+            .or_else(|| self.shared_for(t));
+        if let Some(shared) = shared {
             let handle = self
                 .handles
                 .start(t.id, &t.name, &[local_partition(t.id, len)])?;
-            let generation = table_generation;
-            if t.rounds.len() <= generation {
-                t.rounds.resize(generation + 1, 0);
-            }
-            t.rounds[generation] += 1;
-            let round = Round {
-                tensor: t.id,
-                name: &t.name,
-                dtype: t.dtype,
-                parts: &t.parts,
-                members: t.members.clone(),
-                round: t.rounds[generation],
-                priority,
-                op: op.on_servers(),
-                divisor,
-            };
-            let cross = cross::plan(&round, &self.pipeline, &self.handles);
-            shared.submit(LocalOp {
-                handle,
-                tensor: t.id,
-                name: Arc::clone(&t.name),
-                data: whole,
-                dtype: t.dtype,
-                members: local,
-                op: op.on_servers(),
-                // The servers' sums come back averaged over every member.
-                divisor: None,
-                contributes: exchange.pushes.as_ref().is_none_or(|p| !p.is_empty()),
-                pulls: exchange.pulls.clone(),
-                cross: Some(cross),
-            })?;
-            return Ok(handle);
-        }
-        if let Some(shared) = self.shared_for(t) {
-            let handle = self
-                .handles
-                .start(t.id, &t.name, &[local_partition(t.id, len)])?;
-            let members: Arc<[u32]> = match &t.members {
-                Some(m) => Arc::clone(m),
-                None => shared.here(),
+            let (members, local_divisor, cross) = match crossing {
+                Some((_, here)) => {
+                    let generation = table_generation;
+                    if t.rounds.len() <= generation {
+                        t.rounds.resize(generation + 1, 0);
+                    }
+                    t.rounds[generation] += 1;
+                    let round = Round {
+                        tensor: t.id,
+                        name: &t.name,
+                        dtype: t.dtype,
+                        parts: &t.parts,
+                        members: t.members.clone(),
+                        round: t.rounds[generation],
+                        priority,
+                        op: op.on_servers(),
+                        divisor,
+                    };
+                    let cross = cross::plan(&round, &self.pipeline, &self.handles);
+                    // The servers' sums come back averaged over every member.
+                    (here, None, Some(cross))
+                }
+                None => {
+                    let members = t.members.clone().unwrap_or_else(|| shared.here());
+                    (members, divisor, None)
+                }
             };
             shared.submit(LocalOp {
                 handle,
@@ -1157,10 +1148,10 @@ impl CommunicationService {
                 dtype: t.dtype,
                 members,
                 op: op.on_servers(),
-                divisor,
+                divisor: local_divisor,
                 contributes: exchange.pushes.as_ref().is_none_or(|p| !p.is_empty()),
                 pulls: exchange.pulls.clone(),
-                cross: None,
+                cross,
             })?;
             return Ok(handle);
         }
