@@ -5,6 +5,7 @@ saw (rank, size, local rank and size, the sum)."""
 from __future__ import annotations
 
 import json
+import sys
 
 import torch
 
@@ -19,5 +20,8 @@ seen = {
     "local_size": hvd.local_size(),
     "sum": total.tolist(),
 }
-print(json.dumps(seen), flush=True)
+# One write of the whole line: tasks share the stand-in srun's stdout, and print() writes
+# the text and its newline apart when Python runs unbuffered (PYTHONUNBUFFERED).
+sys.stdout.write(json.dumps(seen) + "\n")
+sys.stdout.flush()
 hvd.shutdown()
