@@ -2,9 +2,9 @@
 
 Runs jobs of ``--machines`` machines on this one (``sumflow-run --local-size G``, each
 machine's workers sharing a host id and ``/dev/shm``), G workers each, for every G given,
-with the defaults (a tensor spanning machines is aggregated inside each machine first) and
-with ``SUMFLOW_SHARED_MEMORY=off`` (every worker's tensor summed on the servers, as before
-issue 23). Each job sums a float32 tensor of ``--mib`` MiB ``--sums`` times (integers, so
+with ``SUMFLOW_HIERARCHICAL=on`` (a tensor spanning machines is aggregated inside each
+machine first) and with ``SUMFLOW_SHARED_MEMORY=off`` (every worker's tensor summed on the
+servers, as by default today). Each job sums a float32 tensor of ``--mib`` MiB ``--sums`` times (integers, so
 every sum is checked exactly) and counts the bytes its workers exchanged with the
 summation servers for those sums (the core's wire accounting, frames whole), summed over
 workers. A machine then carries one push and one pull of the tensor per sum, whatever G:
@@ -86,9 +86,10 @@ def main() -> None:
     per_sum = 2 * (args.mib << 20)
     rows = []
     base: dict[str, int] = {}
-    print("| workers per machine | shared memory | bytes | per machine per sum / 2S | vs G = 1 |")
+    print("| workers per machine | summed | bytes | per machine per sum / 2S | vs G = 1 |")
     print("|---|---|---|---|---|")
-    for how, extra in (("on (default)", []), ("off", ["-x", "SUMFLOW_SHARED_MEMORY=off"])):
+    on = ["-x", "SUMFLOW_HIERARCHICAL=on"]
+    for how, extra in (("aggregated", on), ("flat", ["-x", "SUMFLOW_SHARED_MEMORY=off"])):
         for g in args.per_machine:
             got = total_bytes(args.machines, g, extra, args.mib, args.sums)
             base.setdefault(how, got)

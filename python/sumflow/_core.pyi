@@ -152,6 +152,7 @@ class CommunicationService:
         connections_per_cpu_server: int | None = None,
         shared_memory: bool = True,
         local_sockets: bool = True,
+        hierarchical: bool = False,
         join_timeout: float = ...,
         declare_timeout: float = ...,
         connect_timeout: float = ...,
@@ -190,7 +191,9 @@ class CommunicationService:
         agree), a tensor whose workers all share this machine is summed in the machine's
         shared memory (``/dev/shm``) instead of through a summation server. With
         ``local_sockets``, a summation server on this machine is reached through its Unix
-        socket rather than TCP (the same frames, for less CPU per byte).
+        socket rather than TCP (the same frames, for less CPU per byte). With
+        ``hierarchical`` (and ``shared_memory``), a tensor whose workers span machines is
+        aggregated inside each machine first, so a machine sends each byte once.
 
         With ``trace_dir`` the worker records a Chrome trace of steps ``trace_start_step``
         (default 10) to ``trace_start_step + trace_steps - 1`` (default 5 steps), at most

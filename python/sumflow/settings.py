@@ -380,6 +380,18 @@ SHARED_MEMORY = _add(
     )
 )
 
+HIERARCHICAL = _add(
+    Setting(
+        name="SUMFLOW_HIERARCHICAL",
+        kind=on_off(),
+        doc="with shared memory on, aggregate a tensor whose workers span machines inside "
+        "each machine first (each machine sends each byte once, not once per worker); off by "
+        "default until a hang of Horovod's suite on two machines of two workers is fixed",
+        readers=(WORKER,),
+        default="off",
+    )
+)
+
 LOCAL_SOCKETS = _add(
     Setting(
         name="SUMFLOW_LOCAL_SOCKETS",

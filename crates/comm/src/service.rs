@@ -96,6 +96,10 @@ pub struct CommConfig {
     /// Reach a summation server on this worker's machine through its Unix socket rather
     /// than TCP (`sumflow_client::link`).
     pub local_sockets: bool,
+    /// With `shared_memory`, aggregate a tensor whose members span machines inside each
+    /// machine first (`crate::local::cross`). Workers need not agree: the keys are the
+    /// same either way.
+    pub hierarchical: bool,
     /// After how long a `wait` logs what it still waits for (and again after each further
     /// such stretch); `None`: never.
     pub stall_warning: Option<Duration>,
@@ -121,6 +125,7 @@ impl CommConfig {
             connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             trace: None,
             shared_memory: true,
+            hierarchical: false,
             local_sockets: true,
             stall_warning: Some(timing::DEFAULT_STALL_WARNING),
         }
@@ -503,6 +508,7 @@ pub struct CommunicationService {
     name: String,
     connect_timeout: Duration,
     local_sockets: bool,
+    hierarchical: bool,
     /// The shared-memory stage, unless turned off.
     shared: Option<SharedMemory>,
     /// Whether the credit and the push window are counted in partitions of the reference
@@ -687,6 +693,7 @@ impl CommunicationService {
             name: cfg.name.clone(),
             connect_timeout: cfg.connect_timeout,
             local_sockets: cfg.local_sockets,
+            hierarchical: cfg.hierarchical,
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
@@ -1193,7 +1200,7 @@ impl CommunicationService {
     /// kept on one worker's machine (a relay region or a reduce-scatter share), members
     /// on several machines and at least two on this one.
     fn crossing_for(&self, t: &Tensor) -> Option<(&SharedMemory, Arc<[u32]>)> {
-        let shared = self.shared.as_ref()?;
+        let shared = self.shared.as_ref().filter(|_| self.hierarchical)?;
         if t.compression.is_some() || t.home.is_some() {
             return None;
         }

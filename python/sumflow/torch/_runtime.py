@@ -48,6 +48,7 @@ class _Options(TypedDict, total=False):
     push_window_bytes: int | None
     connections_per_cpu_server: int | None
     shared_memory: bool
+    hierarchical: bool
     local_sockets: bool
     join_timeout: float
     heartbeat_timeout: float
@@ -70,6 +71,7 @@ def _service_options() -> _Options:
         "push_window_bytes": settings.PUSH_WINDOW_BYTES.read(),
         "connections_per_cpu_server": settings.CPU_SERVER_CONNECTIONS.read(),
         "shared_memory": settings.SHARED_MEMORY.read() == "on",
+        "hierarchical": settings.HIERARCHICAL.read() == "on",
         "local_sockets": settings.LOCAL_SOCKETS.read() == "on",
         "join_timeout": settings.JOIN_TIMEOUT.read(),
         "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
