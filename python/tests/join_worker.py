@@ -1,8 +1,9 @@
 """A worker process for test_join.py: `python join_worker.py OUTDIR`.
 
 Each worker in turn joins (``hvd.join()``) first while the others run allreduces (Sum and
-Average, int32 and float32), which count the joined worker as zeros, and an allgather and
-a broadcast, which must fail on them; every worker's join returns the same last rank.
+Average, int32 and float32), which count the joined worker as zeros, and allgathers (named
+and unnamed) and a broadcast, which must fail on them; every worker's join returns the same
+last rank, never the worker that joined first, and an unnamed allgather after it works.
 Afterwards every operation works as before, under names used before the joins too (the
 servers' round offsets). Writes OUTDIR/rank<r>.txt: "ok", or the failures, one per line.
 """
@@ -60,6 +61,9 @@ def main() -> None:
             gathers = [
                 ("allgather", lambda: hvd.allgather(torch.tensor([rank]), name="gathered")),
                 ("broadcast", lambda: hvd.broadcast(torch.zeros(2), 0, name="broadcasted")),
+                # Unnamed: the joined worker makes no such call, yet after join() every
+                # worker's next unnamed call must meet the others' (Horovod's own tests).
+                ("unnamed allgather", lambda: hvd.allgather(torch.tensor([rank]))),
             ]
             for kind, call in gathers:
                 try:
@@ -71,8 +75,10 @@ def main() -> None:
                             failures.append(f"joiner {joiner}: {kind}'s error lacks {words!r}: {e}")
             last = hvd.join()
         lasts.append(last)
-        if not 0 <= last < size:
-            failures.append(f"joiner {joiner}: join() returned {last}")
+        if not 0 <= last < size or last == joiner:
+            failures.append(f"joiner {joiner} (joined first): join() returned {last}")
+        got = hvd.allgather(torch.tensor([rank]))
+        expect(f"joiner {joiner}: unnamed allgather after join", got, torch.arange(size))
 
     # Every worker got the same last ranks, and everything works again.
     gathered = hvd.allgather(torch.tensor([lasts]), name="lasts")

@@ -102,6 +102,15 @@ impl NodeFailure {
     }
 }
 
+/// A barrier this node has entered and not yet waited for
+/// ([`CoordinatorClient::enter_barrier`]).
+#[must_use = "a barrier entered is waited for with await_barrier"]
+#[derive(Debug)]
+pub struct Barrier {
+    id: u64,
+    group: BarrierGroup,
+}
+
 /// A joined node's connection to its job's coordinator.
 ///
 /// Call [`leave`](Self::leave) when done; dropping the client without it closes the
@@ -186,6 +195,14 @@ impl CoordinatorClient {
     /// order. Fails with [`ClientError::NodeFailed`] if a member has failed or fails while
     /// we wait.
     pub fn barrier(&self, group: BarrierGroup, timeout: Duration) -> Result<NodeId> {
+        let entered = self.enter_barrier(group)?;
+        self.await_barrier(entered, timeout)
+    }
+
+    /// Enters the next barrier of `group` without waiting for it: the coordinator
+    /// records this node's arrival now (which decides the node that entered last), and
+    /// [`await_barrier`](Self::await_barrier) waits for the others.
+    pub fn enter_barrier(&self, group: BarrierGroup) -> Result<Barrier> {
         if group != BarrierGroup::All && self.role == Role::Server {
             return Err(ClientError::Invalid(format!(
                 "a server is not a member of {} barriers; use BarrierGroup::All",
@@ -202,6 +219,13 @@ impl CoordinatorClient {
             *seq * 3 + g
         };
         inner.send(&Message::Barrier { id, group })?;
+        Ok(Barrier { id, group })
+    }
+
+    /// Waits until every live member has entered `barrier`; see [`barrier`](Self::barrier).
+    pub fn await_barrier(&self, barrier: Barrier, timeout: Duration) -> Result<NodeId> {
+        let Barrier { id, group } = barrier;
+        let inner = &self.conn.inner;
         let what = format!("{} barrier {id}", group_name(group));
         let mut st = inner.lock();
         let deadline = Instant::now() + timeout;

@@ -1401,11 +1401,13 @@ impl CommunicationService {
     ///
     /// Operations of this worker still in flight are waited for first (the others'
     /// rounds complete without the workers that joined, so they do complete). Then, on
-    /// a connection of its own to each server: `Join(1)` and its acknowledgement from
-    /// every server; a join barrier of the coordinator, whose last worker is the answer;
-    /// `Join(0)` and its acknowledgements; and a second join barrier, so that no worker
-    /// pushes again while another is still joined on some server. Each wait is bounded
-    /// by `timeout` and its error names what it waited for.
+    /// a connection of its own to each server: a join barrier of the coordinator entered
+    /// first, so that its last worker, the answer, is the last to have called `join()`
+    /// (a worker still summing cannot finish before the servers learn of this join, and
+    /// so enters after this one); `Join(1)` and its acknowledgement from every server;
+    /// the wait in that barrier; `Join(0)` and its acknowledgements; and then a second
+    /// join barrier, so that no worker pushes again while another is still joined on
+    /// some server. Each wait is bounded by `timeout` and its error names what it waited for.
     pub fn join(&self, timeout: Duration) -> Result<u32, CommError> {
         if let Some(e) = self.job_error() {
             return Err(e);
@@ -1462,6 +1464,19 @@ impl CommunicationService {
         timeout: Duration,
     ) -> Result<u32, CommError> {
         let step = if joined { "joining" } else { "leaving join" };
+        let barrier = if joined {
+            "waiting for every worker to join"
+        } else {
+            "waiting for every worker to leave join"
+        };
+        let enter = || {
+            self.job
+                .enter_barrier(BarrierGroup::Join)
+                .map_err(|e| join_error(barrier, e))
+        };
+        // Leaving, the barrier is entered only once every server has acknowledged, so
+        // that no worker leaves it while another is still joined somewhere.
+        let entered_early = if joined { Some(enter()?) } else { None };
         for (what, c) in controls.iter_mut() {
             c.tx.send_raw(&Message::Join { joined }, &[])
                 .map_err(|e| join_error(&format!("telling {what} of {step}"), e))?;
@@ -1486,20 +1501,18 @@ impl CommunicationService {
                 }
             }
         }
-        // The machine's other workers go on without this one from here (as the servers
-        // already do); set last, so that this worker reaches the barrier before a worker
-        // that was waiting for it can finish and join after it.
+        // The machine's other workers go on without this one from here, as the servers
+        // already do.
         if let Some(shared) = &self.shared {
             shared.set_joined(joined);
         }
-        let barrier = if joined {
-            "waiting for every worker to join"
-        } else {
-            "waiting for every worker to leave join"
+        let entered = match entered_early {
+            Some(entered) => entered,
+            None => enter()?,
         };
         let last = self
             .job
-            .barrier(BarrierGroup::Join, timeout)
+            .await_barrier(entered, timeout)
             .map_err(|e| join_error(barrier, e))?;
         Ok(last.rank)
     }

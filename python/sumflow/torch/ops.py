@@ -9,7 +9,6 @@ across workers as long as they make the same calls in the same order, as in Horo
 from __future__ import annotations
 
 import io
-import itertools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,7 +49,8 @@ Min = ReduceOp("Min")
 Max = ReduceOp("Max")
 Product = ReduceOp("Product")
 
-_unnamed: dict[str, itertools.count[int]] = {}
+#: Unnamed calls made so far, per kind and process set: the next call's number.
+_unnamed: dict[str, int] = {}
 #: Names given to unnamed calls and not yet issued: their tensors are retired once the
 #: operation is synchronized, since the names never recur.
 _unnamed_fresh: set[str] = set()
@@ -76,8 +76,9 @@ def _auto_name(kind: str, name: str | None, group: Group | None = None) -> str:
             raise ValueError(f"a tensor name must be a non-empty string, not {name!r}")
         return f"{prefix}{name}"
     with _unnamed_lock:
-        counter = _unnamed.setdefault(prefix, itertools.count())
-        full = f"{prefix}noname.{next(counter)}"
+        n = _unnamed.get(prefix, 0)
+        _unnamed[prefix] = n + 1
+        full = f"{prefix}noname.{n}"
         _unnamed_fresh.add(full)
         return full
 
@@ -612,7 +613,25 @@ def join(device: int = -1) -> int:
     del device
     rt = _runtime.current()
     _work.quiesce(rt.timeout)
-    return int(rt.service.join(rt.timeout))
+    last = int(rt.service.join(rt.timeout))
+    _agree_unnamed()
+    return last
+
+
+def _agree_unnamed() -> None:
+    """Sets every unnamed-call counter to the highest any worker has reached. A worker
+    that joined made none of the calls the others made meanwhile (their gathers failed,
+    their sums went on without it), so its counters lag and its next unnamed call would
+    not meet theirs; ``join()`` is the one point every worker passes, so they agree
+    there."""
+    from sumflow.torch import collectives
+
+    with _unnamed_lock:
+        mine = dict(_unnamed)
+    for theirs in collectives.allgather_object(mine, name="join.unnamed"):
+        with _unnamed_lock:
+            for prefix, n in theirs.items():
+                _unnamed[prefix] = max(_unnamed.get(prefix, 0), n)
 
 
 def barrier(process_set: Any = None) -> None:
