@@ -2,14 +2,14 @@
 
 Runs jobs of ``--machines`` machines on this one (``sumflow-run --local-size G``, each
 machine's workers sharing a host id and ``/dev/shm``), G workers each, for every G given,
-with ``SUMFLOW_HIERARCHICAL=on`` (a tensor spanning machines is aggregated inside each
-machine first) and with ``SUMFLOW_SHARED_MEMORY=off`` (every worker's tensor summed on
-the servers, as by default today). Each job sums a float32 tensor of ``--mib`` MiB
-``--sums`` times (integers, so every sum is checked exactly) and counts the bytes its
-workers exchanged with the summation servers for those sums (the core's wire
-accounting, frames whole), summed over workers. A machine then carries one push and one
-pull of the tensor per sum, whatever G: the table gives the bytes per machine per sum
-over that (``/ 2S``), and each job's bytes against the same job at G = 1.
+by default (a tensor spanning machines is aggregated inside each machine first) and with
+``SUMFLOW_SHARED_MEMORY=off`` (every worker's tensor summed on the servers). Each job
+sums a float32 tensor of ``--mib`` MiB ``--sums`` times (integers, so every sum is
+checked exactly) and counts the bytes its workers exchanged with the summation servers
+for those sums (the core's wire accounting, frames whole), summed over workers. A
+machine then carries one push and one pull of the tensor per sum, whatever G: the table
+gives the bytes per machine per sum over that (``/ 2S``), and each job's bytes against
+the same job at G = 1.
 
     python -m sumflow_bench.machine_bytes --machines 2 --per-machine 1 2 3 4
 """
@@ -88,8 +88,7 @@ def main() -> None:
     base: dict[str, int] = {}
     print("| workers per machine | summed | bytes | per machine per sum / 2S | vs G = 1 |")
     print("|---|---|---|---|---|")
-    on = ["-x", "SUMFLOW_HIERARCHICAL=on"]
-    for how, extra in (("aggregated", on), ("flat", ["-x", "SUMFLOW_SHARED_MEMORY=off"])):
+    for how, extra in (("aggregated", []), ("flat", ["-x", "SUMFLOW_SHARED_MEMORY=off"])):
         for g in args.per_machine:
             got = total_bytes(args.machines, g, extra, args.mib, args.sums)
             base.setdefault(how, got)

@@ -152,7 +152,7 @@ class CommunicationService:
         connections_per_cpu_server: int | None = None,
         shared_memory: bool = True,
         local_sockets: bool = True,
-        hierarchical: bool = False,
+        hierarchical: bool = True,
         join_timeout: float = ...,
         declare_timeout: float = ...,
         connect_timeout: float = ...,

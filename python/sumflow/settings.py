@@ -385,10 +385,9 @@ HIERARCHICAL = _add(
         name="SUMFLOW_HIERARCHICAL",
         kind=on_off(),
         doc="with shared memory on, aggregate a tensor whose workers span machines inside "
-        "each machine first (each machine sends each byte once, not once per worker); off by "
-        "default until a hang of Horovod's suite on two machines of two workers is fixed",
+        "each machine first (each machine sends each byte once, not once per worker)",
         readers=(WORKER,),
-        default="off",
+        default="on",
     )
 )
 

@@ -2,7 +2,9 @@
 horovod-torch/run.sh, only its import line changed): every test that passes today must
 keep passing. The tests that pass are listed in horovod_conformance_passing.txt (today
 every one that does not skip itself, the three join tests included; docs/torch.md says
-which skip and why). The whole suite runs in one job, as under horovodrun."""
+which skip and why). The whole suite runs in one job, as under horovodrun: on one
+machine of two workers, and on two machines of two workers each (their sums aggregated
+inside each machine first)."""
 
 from __future__ import annotations
 
@@ -19,10 +21,18 @@ PASSING = Path(__file__).with_name("horovod_conformance_passing.txt")
 
 
 @pytest.mark.skipif(not RUN.exists(), reason=f"Horovod's suite is not at {RUN}")
-def test_no_horovod_test_that_passed_fails_now() -> None:
+@pytest.mark.parametrize(
+    "shape",
+    [
+        ["--launcher-flags", "--timeout 60"],
+        ["-np", "4", "--launcher-flags", "--local-size 2 --timeout 60"],
+    ],
+    ids=["1x2", "2x2"],
+)
+def test_no_horovod_test_that_passed_fails_now(shape: list[str]) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO / "bench")])}
     done = subprocess.run(
-        ["bash", str(RUN), "--launcher-flags", "--timeout 60"],
+        ["bash", str(RUN), *shape],
         capture_output=True,
         text=True,
         timeout=900,

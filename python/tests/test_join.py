@@ -24,7 +24,7 @@ def test_joined_workers_count_as_zeros_gathers_fail_and_everything_works_after(
         cpu_servers,
         colocated=cpu_servers == 0,
         machines=machines,
-        env={"SUMFLOW_TIMEOUT": "60", "SUMFLOW_HIERARCHICAL": "on"},
+        env={"SUMFLOW_TIMEOUT": "60"},
     )
     for o in outcomes:
         assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"

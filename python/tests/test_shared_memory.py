@@ -17,10 +17,6 @@ HERE = Path(__file__).parent
 WORKER = HERE / "shared_memory_worker.py"
 
 
-#: Aggregation inside each machine first (off by default for now).
-HIERARCHICAL = ["-x", "SUMFLOW_HIERARCHICAL=on"]
-
-
 def clean_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith("SUMFLOW_")}
 
@@ -50,8 +46,8 @@ def launch(np: int, argv: list[str], env: dict[str, str]) -> subprocess.Complete
         # Several machines of several workers (issue 23's shapes): tensors that span
         # machines go through the servers, a process set of one machine's workers stays
         # in its shared memory; with CPU-only servers too.
-        (4, "machines", "unix", ["--local-size", "2", "--servers", "1", *HIERARCHICAL]),
-        (6, "machines", "unix", ["--local-size", "3", *HIERARCHICAL]),
+        (4, "machines", "unix", ["--local-size", "2", "--servers", "1"]),
+        (6, "machines", "unix", ["--local-size", "3"]),
     ],
     ids=["shared-3", "shared-4", "servers-unix", "servers-tcp", "2x2-k1", "2x3-k0"],
 )

@@ -157,7 +157,7 @@ impl PyCommunicationService {
         partition_bytes = None, scheduler = None, credit_bytes = None,
         push_window_bytes = None, prophet_stage_factor = 0.0,
         connections_per_cpu_server = None, shared_memory = true, local_sockets = true,
-        hierarchical = false,
+        hierarchical = true,
         join_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
         declare_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
         connect_timeout = timing::DEFAULT_CONNECT_TIMEOUT.as_secs_f64(),

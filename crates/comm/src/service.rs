@@ -125,7 +125,7 @@ impl CommConfig {
             connect_timeout: timing::DEFAULT_CONNECT_TIMEOUT,
             trace: None,
             shared_memory: true,
-            hierarchical: false,
+            hierarchical: true,
             local_sockets: true,
             stall_warning: Some(timing::DEFAULT_STALL_WARNING),
         }
