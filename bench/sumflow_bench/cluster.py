@@ -331,6 +331,37 @@ def _cpu_line(run: dict[str, Any], gloo: dict[str, Any]) -> str:
     )
 
 
+class PortCounter:
+    """Bytes through each worker host's switch port over one job, per round of the
+    gradient set (the job's whole traffic, start-up included, over its warm-up and
+    measured rounds): what issue 23's "bytes each host's NIC carries" counts."""
+
+    def __init__(self, cluster: EmulatedCluster, hosts: Sequence[Any], rounds: int) -> None:
+        self._cluster, self._hosts, self._rounds = cluster, hosts, rounds
+        self._before = cluster.port_bytes()
+
+    def per_round(self) -> dict[str, Any]:
+        """Per worker host: bytes sent and received per round; and the largest of them."""
+        after = self._cluster.port_bytes()
+        hosts = {}
+        for h in self._hosts:
+            (s0, r0), (s1, r1) = self._before[h.address], after[h.address]
+            hosts[h.address] = {
+                "sent": (s1 - s0) / self._rounds,
+                "received": (r1 - r0) / self._rounds,
+            }
+        most = max(max(v["sent"], v["received"]) for v in hosts.values())
+        return {"hosts": hosts, "most": most}
+
+
+def _nic_line(run: dict[str, Any], what: str) -> str:
+    nic = run["nic_bytes"]
+    return (
+        f"\n      worker NICs per round: at most {nic['most'] / 1e6:.2f} MB each way, "
+        f"{run['nic_vs_model']:.3f}x {what}"
+    )
+
+
 def goodput_runs(
     args: argparse.Namespace,
     cluster: EmulatedCluster,
@@ -351,6 +382,8 @@ def goodput_runs(
     ]
     progress.step("goodput: gloo all_reduce")
     out = tmp / "goodput-gloo.json"
+    rounds = args.warmup + args.rounds
+    ports = PortCounter(cluster, workers, rounds)
     run_torch_job(
         cluster,
         workers,
@@ -362,18 +395,24 @@ def goodput_runs(
     )
     gloo = _with_cpu(read_result(out, "goodput gloo"), sampler)
     gloo["goodput_gbit"] = gloo["goodput_bytes_per_s"] / GBIT
+    m = gloo["bytes"]
+    gloo["nic_bytes"] = ports.per_round()
+    # A ring over n x G ranks, each host's G adjacent: every host sends 2(nG - 1)/(nG) M.
+    ranks = n * args.workers_per_host
+    gloo["nic_vs_model"] = gloo["nic_bytes"]["most"] / (2 * (ranks - 1) * m / ranks)
     per_gb = gloo.get("cpu_seconds_per_gb")
     print(
         f"    gloo all_reduce: {gloo['goodput_gbit']:.3f} Gbit/s per worker"
-        + (f", {per_gb['busy']:.2f} core-s per GB summed" if per_gb else ""),
+        + (f", {per_gb['busy']:.2f} core-s per GB summed" if per_gb else "")
+        + _nic_line(gloo, "a ring's traffic"),
         file=sys.stderr,
         flush=True,
     )
-    m = gloo["bytes"]
     runs = []
     for k in args.ks:
         progress.step(f"goodput: sumflow push_pull, k = {k}")
         out = tmp / f"goodput-sumflow-k{k}.json"
+        ports = PortCounter(cluster, workers, rounds)
         run_sumflow_job(
             cluster,
             workers,
@@ -394,6 +433,9 @@ def goodput_runs(
         run["optimum_gbit"] = theory.goodput(m, theory.optimal_time(n, k, m, b)) / GBIT
         run["vs_optimum"] = run["goodput_gbit"] / run["optimum_gbit"]
         run["vs_gloo"] = run["goodput_gbit"] / gloo["goodput_gbit"]
+        run["nic_bytes"] = ports.per_round()
+        # Eq. 6's traffic: what each worker machine's NIC carries each way at the optimum.
+        run["nic_vs_model"] = run["nic_bytes"]["most"] / theory.optimal_time(n, k, m, 1.0)
         if "cpu_seconds_per_gb" in run and "cpu_seconds_per_gb" in gloo:
             run["cpu_vs_gloo"] = (
                 run["cpu_seconds_per_gb"]["busy"] / gloo["cpu_seconds_per_gb"]["busy"]
@@ -401,7 +443,7 @@ def goodput_runs(
         print(
             f"    sumflow k={k}: {run['goodput_gbit']:.3f} Gbit/s per worker, "
             f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo"
-            f"{_cpu_line(run, gloo)}",
+            f"{_cpu_line(run, gloo)}{_nic_line(run, 'Eq. 6 traffic')}",
             file=sys.stderr,
             flush=True,
         )

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import ipaddress
+import json
 import os
 import shlex
 import shutil
@@ -404,6 +405,24 @@ class EmulatedCluster:
             )
 
     # -- using ----------------------------------------------------------------------------
+
+    def port_bytes(self) -> dict[str, tuple[int, int]]:
+        """What each host's switch port has carried so far, by host address: the bytes of
+        the frames from the host and of those to it (whole Ethernet frames: every header
+        and every TCP acknowledgement counted, as a switch counts them)."""
+        argv = ["ip", "-n", self.switch, "-s", "-j", "link", "show"]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=COMMAND_TIMEOUT)
+        if done.returncode != 0:
+            raise ClusterError(f"reading the switch's port counters: {done.stderr.strip()}")
+        ports = {link["ifname"]: link["stats64"] for link in json.loads(done.stdout)}
+        counts = {}
+        for host in self.hosts:
+            stats = ports.get(f"port{host.index + 1}")
+            if stats is None:
+                raise ClusterError(f"the switch has no port for host {host.address}")
+            # The port receives what the host sends, and transmits what it receives.
+            counts[host.address] = (int(stats["rx"]["bytes"]), int(stats["tx"]["bytes"]))
+        return counts
 
     def command(self, host: EmulatedHost, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside ``host``'s namespace."""

@@ -50,21 +50,23 @@ def markdown(results: dict[str, Any]) -> str:
     if goodput:
         lines += [
             "| system | k (CPU-server hosts) | goodput per worker | Eq. 6 optimum | "
-            "vs optimum | vs gloo all-reduce | CPU | CPU per GB summed |",
-            "|---|---|---|---|---|---|---|---|",
+            "vs optimum | vs gloo all-reduce | CPU | CPU per GB summed | "
+            "worker NIC bytes per round |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         gloo = goodput["gloo"]
         lines.append(
             f"| gloo all_reduce | - | {gloo['goodput_gbit']:.3f} Gbit/s | "
             f"{goodput['allreduce_theory_gbit']:.3f} Gbit/s (all-reduce, Table 1) | "
             f"{gloo['goodput_gbit'] / goodput['allreduce_theory_gbit']:.2f}x | 1.00x | "
-            f"{_cpu(gloo, flag)} | {_per_gb(gloo)} |"
+            f"{_cpu(gloo, flag)} | {_per_gb(gloo)} | {_nic(gloo, 'ring traffic')} |"
         )
         for run in goodput["sumflow"]:
             lines.append(
                 f"| sumflow push_pull | {run['k']} | {run['goodput_gbit']:.3f} Gbit/s | "
                 f"{run['optimum_gbit']:.3f} Gbit/s | **{run['vs_optimum']:.2f}x** | "
-                f"**{run['vs_gloo']:.2f}x** | {_cpu(run, flag)} | {_per_gb(run)} |"
+                f"**{run['vs_gloo']:.2f}x** | {_cpu(run, flag)} | {_per_gb(run)} | "
+                f"{_nic(run, 'Eq. 6 traffic')} |"
             )
         lines.append("")
     training = results.get("training")
@@ -84,6 +86,14 @@ def markdown(results: dict[str, Any]) -> str:
                 )
         lines.append("")
     return "\n".join(lines)
+
+
+def _nic(run: dict[str, Any], model: str) -> str:
+    """The most any worker host's switch port carried per round, one way, against the
+    traffic the model says (runs from before the ports were counted have none)."""
+    if "nic_bytes" not in run:
+        return "-"
+    return f"{run['nic_bytes']['most'] / 1e6:.2f} MB ({run['nic_vs_model']:.3f}x {model})"
 
 
 def cell_name(cell: dict[str, Any], cells: list[dict[str, Any]]) -> str:

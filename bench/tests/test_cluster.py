@@ -316,6 +316,9 @@ def test_two_host_emulated_run(tmp_path: Path) -> None:
         assert run["bytes"] == 4_000_000
         # Nothing can beat the link: the optimum for n = 2, k = 0 is B (2(n-1)/n = 1).
         assert 0 < run["goodput_gbit"] < 1.05 * link["b_mbit"] / 1e3
+        # Each host's switch port carries M each way per round (Eq. 6 and a ring of two
+        # agree), plus the frames' headers and the job's start-up.
+        assert 1.0 < run["nic_vs_model"] < 1.15, run["nic_bytes"]
     (model,) = results["training"]
     assert [r["label"] for r in model["runs"]] == ["DDP/gloo", "sumflow k=0"]
     assert all(r["iterations_per_s"] > 0 and r["checked"] for r in model["runs"])
