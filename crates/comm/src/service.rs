@@ -872,8 +872,22 @@ impl CommunicationService {
         table.partition_bytes().is_none().then(|| {
             // Alone on one server (a colocated one, one connection) or spread over all.
             let lanes = if servers == 1 { 1 } else { self.max_lanes() };
-            derived_partition_bytes(bytes, servers, lanes)
+            let carriers = if servers == 1 {
+                1
+            } else {
+                self.most_workers_per_machine()
+            };
+            derived_partition_bytes(bytes, servers, lanes, carriers)
         })
+    }
+
+    /// The most workers any machine of the job runs, the same on every worker.
+    fn most_workers_per_machine(&self) -> u32 {
+        let mut per_machine: HashMap<&str, u32> = HashMap::new();
+        for w in &self.cluster_map().workers {
+            *per_machine.entry(w.host_id.as_str()).or_default() += 1;
+        }
+        per_machine.into_values().max().unwrap_or(1)
     }
 
     /// The layout in the table's generation with its set partition size, or `derived`.
