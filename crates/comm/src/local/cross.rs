@@ -4,7 +4,6 @@
 //! pulls back the sum over every machine, and pushes a skip (taking only the notice) for
 //! every other partition, so that the keys' rounds complete as for any push of the tensor.
 
-use std::ops::Range;
 use std::sync::Arc;
 
 use sumflow_plan::partition::Partition;
@@ -41,13 +40,13 @@ pub fn plan(r: &Round<'_>, pipeline: &Arc<Pipeline>, handles: &Arc<Handles>) -> 
     let (pipeline, handles) = (Arc::clone(pipeline), Arc::clone(handles));
     let legs = parts.clone();
     let send = Box::new(
-        move |result: HostSlice, run: Range<usize>, pushes: bool| -> Result<u64, _> {
+        move |result: HostSlice, run: Vec<usize>, pushes: bool| -> Result<u64, _> {
             let handle = handles.start(tensor | CROSSING, &name, &legs)?;
             let tasks = legs
                 .iter()
                 .enumerate()
                 .map(|(index, &partition)| {
-                    let carried = run.contains(&index);
+                    let carried = run.binary_search(&index).is_ok();
                     PartTask {
                         name: Arc::clone(&name),
                         index: index as u32,

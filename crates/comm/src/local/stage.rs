@@ -76,7 +76,7 @@ pub struct LocalOp {
 pub struct Cross {
     /// The tensor's partitions in the layout of the round.
     pub parts: Vec<Partition>,
-    /// Starts the push and pull of the run (partition indices) it carries from the result
+    /// Starts the push and pull of the run (partition indices, ascending) it carries from the result
     /// (the whole tensor's span in the shared memory), the run's push a skip when
     /// `pushes` is false (no member of the machine contributed), and a skip for every
     /// other partition; returns the handle to poll.
@@ -84,7 +84,7 @@ pub struct Cross {
 }
 
 /// Starts a round's network leg (see [`Cross::send`]).
-pub type SendLeg = Box<dyn FnOnce(HostSlice, Range<usize>, bool) -> Result<u64, CommError> + Send>;
+pub type SendLeg = Box<dyn FnOnce(HostSlice, Vec<usize>, bool) -> Result<u64, CommError> + Send>;
 
 impl std::fmt::Debug for Cross {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -561,7 +561,7 @@ impl Stage {
                 .iter()
                 .position(|&k| k == a.me)
                 .expect("took part");
-            hierarchy::runs(&c.parts, took_part.len())[i].clone()
+            hierarchy::runs(&c.parts, took_part.len()).swap_remove(i)
         });
         // Across machines, every member's slice must cross whatever it takes back.
         let two_phase = p.op.cross.is_some()
@@ -578,12 +578,12 @@ impl Stage {
         }
         p.mode = "two phases";
         let began = Instant::now();
-        let bytes = match (&p.op.cross, &run) {
-            (Some(cross), Some(run)) => hierarchy::byte_range(&cross.parts, run),
+        let ranges = match (&p.op.cross, &run) {
+            (Some(cross), Some(run)) => hierarchy::byte_ranges(&cross.parts, run),
             _ => {
                 let es = p.op.dtype.size();
                 let slice = slice_of(p.op.data.len / es, members.len(), a.me);
-                slice.start * es..slice.end * es
+                std::iter::once(slice.start * es..slice.end * es).collect()
             }
         };
         let result = a.area.slot_offset(members.len());
@@ -596,15 +596,16 @@ impl Stage {
             a.result_reserved = true;
         }
         let a = &self.areas[&p.op.tensor];
-        if !bytes.is_empty() {
-            // SAFETY: the result's slice m is written by member m alone in this phase
-            // (no one reads the result before every slice is published); the slots are
-            // read only, their members published them and write them again only after
-            // this member consumes the round.
+        for bytes in ranges.into_iter().filter(|r| !r.is_empty()) {
+            // SAFETY: the result's ranges of member m (its slice, or its run's partitions)
+            // are written by member m alone in this phase (no one reads the result before
+            // every member has published its part); the slots are read only, their members
+            // published them and write them again only after this member consumes the
+            // round.
             let out = unsafe {
                 std::slice::from_raw_parts_mut(a.area.at(result + bytes.start), bytes.len())
             };
-            let srcs = slot_views(&a.area, &sources, bytes.clone());
+            let srcs = slot_views(&a.area, &sources, bytes);
             reduce(self.reducer, p.op.dtype, p.op.op, &srcs, out);
         }
         self.tracer.span(
