@@ -184,3 +184,6 @@ def test_the_launcher_blames_a_stalled_worker_not_the_one_that_gave_up_waiting(
         r"[^)]+\) stalled: has not pushed round \d+ of tensor '[^']*late'"
     )
     assert re.search(blamed, run.stderr), log
+    # Worker 0's own error names the worker it waited for, as the server told it.
+    waited_for = r"rank 1 'worker 1' to push" if how else r"waiting for workers \[1\] to push"
+    assert re.search(r"\[worker 0\] .*timed out after .*" + waited_for, run.stderr), log

@@ -1307,7 +1307,7 @@ impl CommunicationService {
             let slice = JOB_ERROR_CHECK.min(deadline.saturating_duration_since(Instant::now()));
             let result = self.handles.wait(handle, slice, |s| match &self.shared {
                 Some(shared) if s == LOCAL_SERVER as usize => shared.waiting_for(handle),
-                _ => self.pipeline.server_name(s),
+                _ => self.pipeline.server_wait(s),
             });
             match (result, self.job_error()) {
                 (Ok(()), _) => return Ok(()),

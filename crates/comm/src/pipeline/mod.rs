@@ -92,6 +92,9 @@ struct Shared {
     in_flight: Mutex<HashMap<u64, Flight>>,
     tracer: Arc<Tracer>,
     dead: Vec<Mutex<Option<String>>>,
+    /// Per server: the last round it said lacks other workers' pushes (key, and what it
+    /// said, naming them), until that key's sum comes back; timeout errors repeat it.
+    stalls: Vec<Mutex<Option<(u64, String)>>>,
     handles: Arc<Handles>,
     wire: Ledger,
     /// This worker's rank: its stream of random draws.
@@ -205,6 +208,7 @@ impl Pipeline {
         let scheduler = Scheduler::new(schedule, partition_bytes, names.len(), Instant::now());
         let shared = Arc::new(Shared {
             dead: names.iter().map(|_| Mutex::new(None)).collect(),
+            stalls: names.iter().map(|_| Mutex::new(None)).collect(),
             lanes,
             server_lanes,
             server_names: names,
@@ -369,6 +373,16 @@ impl Pipeline {
     /// The name of a server, for messages.
     pub fn server_name(&self, server: usize) -> String {
         self.shared.server_names[server].clone()
+    }
+
+    /// A server's name and, if it said a round this worker waits on lacks other workers'
+    /// pushes, what it said (naming them): what a timeout error tells about the server.
+    pub fn server_wait(&self, server: usize) -> String {
+        let name = self.server_name(server);
+        match &*self.shared.stalls[server].lock().expect("stalls lock") {
+            Some((_, said)) => format!("{name}, where {said}"),
+            None => name,
+        }
     }
 
     /// Stops every stage, leaving each server gracefully; operations still in flight fail,

@@ -128,6 +128,14 @@ fn stalled(sh: &Shared, server: usize, key: u64, round: u64, waited: Duration, m
             _ => format!("rank {rank}"),
         })
         .collect();
+    *sh.stalls[server].lock().expect("stalls lock") = Some((
+        key,
+        format!(
+            "{what} round {round} waited {:.0} s for {} to push",
+            waited.as_secs_f64(),
+            workers.join(", ")
+        ),
+    ));
     warn!(
         "{what}: round {round} has waited {:.0} s on {} for {}, which {} not pushed it \
          (stuck in {} own code, or not calling the operation)",
@@ -172,6 +180,12 @@ fn receive_sum(
             })
         }
     };
+    {
+        let mut stall = sh.stalls[task.server()].lock().expect("stalls lock");
+        if stall.as_ref().is_some_and(|(key, _)| *key == head.key) {
+            *stall = None;
+        }
+    }
     // The credit returns before the sum is read: the next push overlaps the read.
     finished(sh, order, true);
     if !task.wants_sum {
