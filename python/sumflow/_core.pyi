@@ -21,6 +21,7 @@ __all__ = [
     "DEFAULT_TRACE_START_STEP",
     "DEFAULT_TRACE_STEPS",
     "DEFAULT_WINDOW_PARTITIONS",
+    "DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS",
     "MAX_CPU_SERVER_CONNECTIONS",
     "SCHEDULERS",
     "CommunicationService",
@@ -52,6 +53,7 @@ DEFAULT_PROPHET_STAGE_FACTOR: float
 DEFAULT_CREDIT_PARTITIONS: int
 #: The push window per server a job starts with, in partitions of its starting size.
 DEFAULT_WINDOW_PARTITIONS: int
+DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS: int
 #: The most connections a worker may open to one CPU summation server.
 MAX_CPU_SERVER_CONNECTIONS: int
 #: Longest wait for one collective operation, in seconds.

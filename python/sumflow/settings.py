@@ -348,7 +348,9 @@ PUSH_WINDOW_BYTES = _add(
         kind=integer(least=0, unit="bytes, 0: no limit"),
         doc="bytes pushed to one server before their sums come back",
         readers=(WORKER,),
-        unset=f"{_core.DEFAULT_WINDOW_PARTITIONS} partitions of the starting partition size",
+        unset=f"{_core.DEFAULT_WINDOW_PARTITIONS} partitions of the starting partition size "
+        f"({_core.DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS} where a machine runs several "
+        "workers)",
     )
 )
 PROPHET_STAGE_FACTOR = _add(

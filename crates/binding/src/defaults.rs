@@ -32,6 +32,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "DEFAULT_WINDOW_PARTITIONS",
         scheduler::DEFAULT_WINDOW_PARTITIONS,
     )?;
+    m.add(
+        "DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS",
+        scheduler::DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS,
+    )?;
     m.add("MAX_CPU_SERVER_CONNECTIONS", lanes::MAX)?;
     m.add(
         "DEFAULT_OPERATION_TIMEOUT_S",

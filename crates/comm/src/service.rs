@@ -18,7 +18,7 @@ use sumflow_plan::partition::{
 };
 use sumflow_plan::placement::ServerSet;
 use sumflow_plan::scheduler::prophet::ProphetConfig;
-use sumflow_plan::scheduler::{Schedule, SchedulerKind};
+use sumflow_plan::scheduler::{default_window_partitions, Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Message, ReduceOp as WireOp,
@@ -477,6 +477,15 @@ fn spec_bytes(spec: &TensorSpec<'_>) -> u64 {
     spec.elements.saturating_mul(spec.dtype.size() as u64)
 }
 
+/// The most workers any machine of the job runs, the same on every worker.
+fn most_workers_per_machine(map: &ClusterMap) -> u32 {
+    let mut per_machine: HashMap<&str, u32> = HashMap::new();
+    for w in &map.workers {
+        *per_machine.entry(w.host_id.as_str()).or_default() += 1;
+    }
+    per_machine.into_values().max().unwrap_or(1)
+}
+
 /// The one "partition" of an operation summed in the machine's shared memory.
 fn local_partition(tensor: u32, len: usize) -> Partition {
     Partition {
@@ -637,6 +646,8 @@ impl CommunicationService {
         };
         let reference = partition_bytes.unwrap_or(DEFAULT_PARTITION_BYTES);
         let mut schedule = Schedule::new(cfg.scheduler, reference);
+        schedule.window_bytes =
+            reference.saturating_mul(default_window_partitions(most_workers_per_machine(&map)));
         if let Some(credit) = cfg.credit_bytes {
             schedule.credit_bytes = credit;
         }
@@ -875,19 +886,10 @@ impl CommunicationService {
             let carriers = if servers == 1 {
                 1
             } else {
-                self.most_workers_per_machine()
+                most_workers_per_machine(self.cluster_map())
             };
             derived_partition_bytes(bytes, servers, lanes, carriers)
         })
-    }
-
-    /// The most workers any machine of the job runs, the same on every worker.
-    fn most_workers_per_machine(&self) -> u32 {
-        let mut per_machine: HashMap<&str, u32> = HashMap::new();
-        for w in &self.cluster_map().workers {
-            *per_machine.entry(w.host_id.as_str()).or_default() += 1;
-        }
-        per_machine.into_values().max().unwrap_or(1)
     }
 
     /// The layout in the table's generation with its set partition size, or `derived`.
@@ -918,7 +920,9 @@ impl CommunicationService {
             self.pipeline.set_credit(schedule.credit_bytes, bytes);
         }
         if window {
-            self.pipeline.set_window(schedule.window_bytes);
+            let partitions =
+                default_window_partitions(most_workers_per_machine(self.cluster_map()));
+            self.pipeline.set_window(bytes.saturating_mul(partitions));
         }
     }
 

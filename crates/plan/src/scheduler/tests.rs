@@ -236,3 +236,15 @@ fn drain_removes_the_waiting_partitions_of_a_server() {
     assert_eq!(s.in_flight(), 1);
     assert!(s.poll(t).is_empty(), "server 0 is still full");
 }
+
+#[test]
+fn machines_of_several_workers_get_a_narrower_default_window() {
+    assert_eq!(default_window_partitions(0), DEFAULT_WINDOW_PARTITIONS);
+    assert_eq!(default_window_partitions(1), DEFAULT_WINDOW_PARTITIONS);
+    for g in [2, 4, 8] {
+        assert_eq!(
+            default_window_partitions(g),
+            DEFAULT_WINDOW_PARTITIONS_SEVERAL_WORKERS
+        );
+    }
+}
