@@ -18,7 +18,7 @@ use sumflow_plan::partition::{
 };
 use sumflow_plan::placement::ServerSet;
 use sumflow_plan::scheduler::prophet::ProphetConfig;
-use sumflow_plan::scheduler::{default_window_partitions, Schedule, SchedulerKind};
+use sumflow_plan::scheduler::{Schedule, SchedulerKind};
 use sumflow_wire::timing;
 use sumflow_wire::{
     BarrierGroup, ClusterMap, Dtype, ErrorCode, JobToken, KeyCodec, Message, ReduceOp as WireOp,
@@ -518,6 +518,8 @@ pub struct CommunicationService {
     connect_timeout: Duration,
     local_sockets: bool,
     hierarchical: bool,
+    /// The most workers any machine of the job runs (the cluster map's, fixed).
+    workers_per_machine: u32,
     /// The shared-memory stage, unless turned off.
     shared: Option<SharedMemory>,
     /// Whether the credit and the push window are counted in partitions of the reference
@@ -645,9 +647,8 @@ impl CommunicationService {
             None
         };
         let reference = partition_bytes.unwrap_or(DEFAULT_PARTITION_BYTES);
-        let mut schedule = Schedule::new(cfg.scheduler, reference);
-        schedule.window_bytes =
-            reference.saturating_mul(default_window_partitions(most_workers_per_machine(&map)));
+        let workers_per_machine = most_workers_per_machine(&map);
+        let mut schedule = Schedule::for_machines(cfg.scheduler, reference, workers_per_machine);
         if let Some(credit) = cfg.credit_bytes {
             schedule.credit_bytes = credit;
         }
@@ -705,6 +706,7 @@ impl CommunicationService {
             connect_timeout: cfg.connect_timeout,
             local_sockets: cfg.local_sockets,
             hierarchical: cfg.hierarchical,
+            workers_per_machine,
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
@@ -886,7 +888,7 @@ impl CommunicationService {
             let carriers = if servers == 1 {
                 1
             } else {
-                most_workers_per_machine(self.cluster_map())
+                self.workers_per_machine
             };
             derived_partition_bytes(bytes, servers, lanes, carriers)
         })
@@ -915,14 +917,13 @@ impl CommunicationService {
     fn follow_partition_size(&self, table: &mut Table, bytes: u64) {
         table.reference = bytes;
         let (credit, window) = self.follow;
-        let schedule = Schedule::new(self.pipeline.schedule().kind, bytes);
+        let kind = self.pipeline.schedule().kind;
+        let schedule = Schedule::for_machines(kind, bytes, self.workers_per_machine);
         if credit {
             self.pipeline.set_credit(schedule.credit_bytes, bytes);
         }
         if window {
-            let partitions =
-                default_window_partitions(most_workers_per_machine(self.cluster_map()));
-            self.pipeline.set_window(bytes.saturating_mul(partitions));
+            self.pipeline.set_window(schedule.window_bytes);
         }
     }
 

@@ -164,10 +164,21 @@ pub struct Schedule {
 impl Schedule {
     /// `kind` with its default credit and window for `partition_bytes`.
     pub fn new(kind: SchedulerKind, partition_bytes: u64) -> Schedule {
+        Schedule::for_machines(kind, partition_bytes, 1)
+    }
+
+    /// `kind` with its default credit and window for `partition_bytes`, in a job whose
+    /// machines run at most `workers_per_machine` workers.
+    pub fn for_machines(
+        kind: SchedulerKind,
+        partition_bytes: u64,
+        workers_per_machine: u32,
+    ) -> Schedule {
+        let window = default_window_partitions(workers_per_machine);
         Schedule {
             kind,
             credit_bytes: partition_bytes.saturating_mul(DEFAULT_CREDIT_PARTITIONS),
-            window_bytes: partition_bytes.saturating_mul(DEFAULT_WINDOW_PARTITIONS),
+            window_bytes: partition_bytes.saturating_mul(window),
             prophet: ProphetConfig::default(),
         }
     }
