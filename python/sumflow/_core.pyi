@@ -154,6 +154,7 @@ class CommunicationService:
         connections_per_cpu_server: int | None = None,
         shared_memory: bool = True,
         local_sockets: bool = True,
+        server_shared_memory: bool = True,
         hierarchical: bool = True,
         join_timeout: float = ...,
         declare_timeout: float = ...,
@@ -193,7 +194,9 @@ class CommunicationService:
         agree), a tensor whose workers all share this machine is summed in the machine's
         shared memory (``/dev/shm``) instead of through a summation server. With
         ``local_sockets``, a summation server on this machine is reached through its Unix
-        socket rather than TCP (the same frames, for less CPU per byte). With
+        socket rather than TCP (the same frames, for less CPU per byte); with
+        ``server_shared_memory`` too, the payloads of those sockets pass through memory
+        shared with that server, which sums a push where the worker put it. With
         ``hierarchical`` (and ``shared_memory``), a tensor whose workers span machines is
         aggregated inside each machine first, so a machine sends each byte once.
 

@@ -405,6 +405,18 @@ LOCAL_SOCKETS = _add(
     )
 )
 
+SERVER_SHARED_MEMORY = _add(
+    Setting(
+        name="SUMFLOW_SERVER_SHARED_MEMORY",
+        kind=on_off(),
+        doc="pass the payloads to and from a summation server on this worker's machine "
+        "through memory shared with it (BytePS §6.2: the server sums a push where the "
+        "worker put it); needs SUMFLOW_LOCAL_SOCKETS (off: through the Unix socket)",
+        readers=(WORKER,),
+        default="on",
+    )
+)
+
 # ---- timeouts ---------------------------------------------------------------------------
 
 TIMEOUT = _add(

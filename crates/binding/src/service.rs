@@ -157,7 +157,7 @@ impl PyCommunicationService {
         partition_bytes = None, scheduler = None, credit_bytes = None,
         push_window_bytes = None, prophet_stage_factor = 0.0,
         connections_per_cpu_server = None, shared_memory = true, local_sockets = true,
-        hierarchical = true,
+        server_shared_memory = true, hierarchical = true,
         join_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
         declare_timeout = timing::DEFAULT_JOIN_TIMEOUT.as_secs_f64(),
         connect_timeout = timing::DEFAULT_CONNECT_TIMEOUT.as_secs_f64(),
@@ -182,6 +182,7 @@ impl PyCommunicationService {
         connections_per_cpu_server: Option<u32>,
         shared_memory: bool,
         local_sockets: bool,
+        server_shared_memory: bool,
         hierarchical: bool,
         join_timeout: f64,
         declare_timeout: f64,
@@ -219,6 +220,7 @@ impl PyCommunicationService {
         cfg.connections_per_cpu_server = connections_per_cpu_server;
         cfg.shared_memory = shared_memory;
         cfg.local_sockets = local_sockets;
+        cfg.server_shared_memory = server_shared_memory;
         cfg.hierarchical = hierarchical;
         cfg.join_timeout = seconds("join_timeout", join_timeout)?;
         cfg.declare_timeout = seconds("declare_timeout", declare_timeout)?;

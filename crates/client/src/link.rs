@@ -17,6 +17,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::Duration;
@@ -97,6 +98,118 @@ impl Link {
     }
 }
 
+/// Writes `bytes` with the descriptor `fd` attached (`SCM_RIGHTS`): the reader receives
+/// its own descriptor of the same file along with the first of these bytes, if it reads
+/// them with [`Receiving`].
+pub fn send_with_fd(stream: &UnixStream, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<()> {
+    let raw = fd.as_raw_fd();
+    let mut control = Control([0u8; CONTROL_BYTES]);
+    let mut iov = libc::iovec {
+        iov_base: bytes.as_ptr() as *mut libc::c_void,
+        iov_len: bytes.len(),
+    };
+    // SAFETY: msghdr is plain data, valid zeroed; every pointer set below points into
+    // locals that outlive the sendmsg call.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.0.as_mut_ptr().cast();
+    // SAFETY: CMSG_SPACE only computes a size.
+    msg.msg_controllen = unsafe { libc::CMSG_SPACE(size_of::<libc::c_int>() as u32) } as _;
+    // SAFETY: the control buffer holds one header and one int (CONTROL_BYTES is at least
+    // CMSG_SPACE of an int), so the first header and its data are inside it; the buffer
+    // is aligned for cmsghdr (see `Control`).
+    let sent = unsafe {
+        let cmsg = libc::CMSG_FIRSTHDR(&msg);
+        (*cmsg).cmsg_level = libc::SOL_SOCKET;
+        (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+        (*cmsg).cmsg_len = libc::CMSG_LEN(size_of::<libc::c_int>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(cmsg).cast::<libc::c_int>(), raw);
+        libc::sendmsg(stream.as_raw_fd(), &msg, libc::MSG_NOSIGNAL)
+    };
+    if sent < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // The descriptor went with the first byte; the rest, if the socket took only part,
+    // follows as plain bytes.
+    (&*stream).write_all(&bytes[sent as usize..])
+}
+
+/// Room for the control message of one descriptor, aligned for `cmsghdr`.
+const CONTROL_BYTES: usize = 64;
+
+#[repr(C, align(8))]
+struct Control([u8; CONTROL_BYTES]);
+
+/// A reading end of a [`Link`] that keeps a descriptor the peer passed along with its
+/// bytes ([`send_with_fd`]) instead of letting the kernel discard it: the summation
+/// server's reader, which may be handed a mailbox.
+#[derive(Debug)]
+pub struct Receiving<'a> {
+    link: &'a Link,
+    passed: Option<OwnedFd>,
+}
+
+impl<'a> Receiving<'a> {
+    pub fn new(link: &'a Link) -> Receiving<'a> {
+        Receiving { link, passed: None }
+    }
+
+    pub fn link(&self) -> &'a Link {
+        self.link
+    }
+
+    /// The descriptor most recently passed, if any (taken: a second call gives `None`).
+    pub fn take_passed(&mut self) -> Option<OwnedFd> {
+        self.passed.take()
+    }
+}
+
+impl Read for Receiving<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let Link::Local(stream) = self.link else {
+            return (&*self.link).read(buf);
+        };
+        let mut control = Control([0u8; CONTROL_BYTES]);
+        let mut iov = libc::iovec {
+            iov_base: buf.as_mut_ptr().cast(),
+            iov_len: buf.len(),
+        };
+        // SAFETY: as in send_with_fd: plain data, pointers into locals that outlive the call.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = control.0.as_mut_ptr().cast();
+        msg.msg_controllen = CONTROL_BYTES as _;
+        // SAFETY: recvmsg into `buf` (its length given) and the control buffer; with
+        // MSG_CMSG_CLOEXEC any descriptor received is close-on-exec.
+        let got = unsafe { libc::recvmsg(stream.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if got < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: the kernel filled `msg` and the control buffer; CMSG_FIRSTHDR and
+        // CMSG_NXTHDR stay within msg_controllen, and each SCM_RIGHTS header's data holds
+        // (cmsg_len - CMSG_LEN(0)) / 4 descriptors that are now ours.
+        unsafe {
+            let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+            while !cmsg.is_null() {
+                if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                    let data = libc::CMSG_DATA(cmsg).cast::<libc::c_int>();
+                    let count = ((*cmsg).cmsg_len as usize - libc::CMSG_LEN(0) as usize)
+                        / size_of::<libc::c_int>();
+                    for i in 0..count {
+                        // Owned even if unwanted, so that it is closed: only the last is kept.
+                        let fd = OwnedFd::from_raw_fd(std::ptr::read_unaligned(data.add(i)));
+                        self.passed = Some(fd);
+                    }
+                }
+                cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+            }
+        }
+        Ok(got as usize)
+    }
+}
+
 impl sumflow_wire::io::Timed for Link {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         Link::set_read_timeout(self, timeout)
@@ -160,5 +273,31 @@ mod tests {
         link.shutdown(Shutdown::Both).unwrap();
         assert_eq!(served.read(&mut got).unwrap(), 0, "the end is seen");
         assert!(connect_local("127.0.0.1:1").is_none(), "no server there");
+    }
+
+    #[test]
+    fn a_descriptor_passed_with_a_frame_is_kept_by_the_reader_only() {
+        use std::fs::File;
+        use std::os::fd::AsFd;
+        let (a, b) = UnixStream::pair().unwrap();
+        let file = tempfile_in_memory();
+        (&file).write_all(b"shared").unwrap();
+        send_with_fd(&a, b"frame bytes", file.as_fd()).unwrap();
+        (&a).write_all(b" and more").unwrap();
+        let link = Link::Local(b);
+        let mut r = Receiving::new(&link);
+        let mut got = vec![0u8; 20];
+        r.read_exact(&mut got).unwrap();
+        assert_eq!(&got, b"frame bytes and more");
+        let passed = File::from(r.take_passed().expect("the descriptor came along"));
+        assert_eq!(passed.metadata().unwrap().len(), 6, "the same file");
+        assert!(r.take_passed().is_none(), "taken once");
+    }
+
+    fn tempfile_in_memory() -> std::fs::File {
+        let (_, fd) = crate::mailbox::Mailbox::create(1, 1, 4096).unwrap();
+        let f = std::fs::File::from(fd);
+        f.set_len(0).unwrap();
+        f
     }
 }

@@ -5,20 +5,31 @@
 
 use std::io::Write;
 use std::net::Shutdown;
+use std::os::fd::AsFd;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    Codec, Dtype, JobToken, KeyCodec, KeyInit, Message, Peer, PushMode, ReduceOp, Role, Service,
-    WireError,
+    Codec, Dtype, JobToken, KeyCodec, KeyInit, Lent, Message, Peer, PushMode, ReduceOp, Role,
+    Service, WireError,
 };
 
 use tracing::warn;
 
 use crate::dial::connect_retrying;
 use crate::error::{ClientError, Result};
-use crate::link::{connect_local, Link};
+use crate::link::{connect_local, send_with_fd, Link};
+use crate::mailbox::{Mailbox, Side};
+
+/// The shape of the mailbox a worker offers a server on its machine: enough push slots
+/// for the pushes a server holds before summing them (a push window's worth and the
+/// engine's batch) and pull slots for the sums the worker has not read yet; payloads
+/// larger than a slot go through the socket. Pages are taken only as slots are written.
+const MAILBOX_PUSH_SLOTS: u32 = 8;
+const MAILBOX_PULL_SLOTS: u32 = 4;
+const MAILBOX_SLOT_BYTES: u64 = 4 << 20;
 
 #[derive(Clone, Debug)]
 pub struct ServerOptions {
@@ -32,6 +43,9 @@ pub struct ServerOptions {
     /// Reaches a server on this machine through its Unix socket ([`crate::link`]), TCP
     /// otherwise; false always uses TCP (tests of the TCP path on one machine).
     pub machine_local: bool,
+    /// Over the Unix socket, offers the server a mailbox ([`crate::mailbox`]), so that
+    /// payloads pass through shared memory rather than the socket.
+    pub mailbox: bool,
 }
 
 impl Default for ServerOptions {
@@ -41,6 +55,7 @@ impl Default for ServerOptions {
             reply_timeout: Some(Duration::from_secs(300)),
             max_body: sumflow_wire::DEFAULT_MAX_BODY,
             machine_local: true,
+            mailbox: true,
         }
     }
 }
@@ -106,12 +121,25 @@ pub struct ServerClient {
 pub struct ServerSender {
     stream: Counted<Link>,
     peer: String,
+    mailbox: Option<Arc<Mailbox>>,
+    /// Where the next push slot is looked for.
+    cursor: u32,
+    /// What lent payloads added to the count of bytes sent (see [`Self::bytes_sent`]).
+    lent_bytes: u64,
+    /// Pushes lent through the mailbox.
+    lent_frames: u64,
 }
 
 #[derive(Debug)]
 pub struct ServerReceiver {
     reader: FrameReader<Counted<Link>>,
     peer: String,
+    mailbox: Option<Arc<Mailbox>>,
+    /// The lent sum [`Self::recv_header`] returned, not yet read or skipped.
+    pending_lent: Option<Lent>,
+    lent_bytes: u64,
+    /// Sums received through the mailbox.
+    lent_frames: u64,
 }
 
 impl ServerClient {
@@ -154,15 +182,27 @@ impl ServerClient {
                 opts.connect_timeout,
             )?))?,
         };
+        let (mailbox, (sent, received)) = match opts.mailbox {
+            true => offer_mailbox(&stream, &peer, opts.max_body)?,
+            false => (None, (0, 0)),
+        };
         let read_half = stream.try_clone().map_err(|e| wire(&peer, e.into()))?;
         Ok(ServerClient {
             tx: ServerSender {
-                stream: Counted::new(stream),
+                stream: Counted::starting_at(stream, sent),
                 peer: peer.clone(),
+                mailbox: mailbox.clone(),
+                cursor: 0,
+                lent_bytes: 0,
+                lent_frames: 0,
             },
             rx: ServerReceiver {
-                reader: FrameReader::new(Counted::new(read_half), opts.max_body),
+                reader: FrameReader::new(Counted::starting_at(read_half, received), opts.max_body),
                 peer,
+                mailbox,
+                pending_lent: None,
+                lent_bytes: 0,
+                lent_frames: 0,
             },
         })
     }
@@ -170,6 +210,16 @@ impl ServerClient {
     /// Whether this connection is the server's machine-local socket rather than TCP.
     pub fn is_machine_local(&self) -> bool {
         self.tx.stream.get_ref().is_local()
+    }
+
+    /// Whether payloads of this connection may pass through a mailbox the server took.
+    pub fn has_mailbox(&self) -> bool {
+        self.tx.mailbox.is_some()
+    }
+
+    /// How many pushes went, and sums came, through the mailbox rather than the socket.
+    pub fn lent_frames(&self) -> (u64, u64) {
+        (self.tx.lent_frames, self.rx.lent_frames)
     }
 
     /// Declares a key and waits for the server to accept it.
@@ -255,9 +305,11 @@ impl ServerClient {
 }
 
 impl ServerSender {
-    /// Bytes written to the connection since the handshake: frames whole, headers included.
+    /// Bytes written to the connection since the handshake: frames whole, headers
+    /// included, a lent frame counted as if its payload had gone with it (so that a
+    /// tensor's count is the same whichever way its payloads went).
     pub fn bytes_sent(&self) -> u64 {
-        self.stream.counted()
+        self.stream.counted().wrapping_add(self.lent_bytes)
     }
 
     pub fn init_key(
@@ -364,7 +416,23 @@ impl ServerSender {
             mode,
             op,
         };
-        io::write_data(&mut self.stream, &msg, payload).map_err(|e| wire(&self.peer, e))
+        // Only raw numbers are lent: the server checks a compressed payload once, and it
+        // must not change after that.
+        let lent = match (&self.mailbox, mode, codec) {
+            (Some(mailbox), PushMode::Sum, Codec::Raw) => {
+                mailbox.lend(Side::Push, &mut self.cursor, payload)
+            }
+            _ => None,
+        };
+        match lent {
+            Some(lent) => {
+                self.lent_bytes = self.lent_bytes.wrapping_add(lent.inline_surplus());
+                self.lent_frames += 1;
+                io::write_lent(&mut self.stream, &msg, lent)
+            }
+            None => io::write_data(&mut self.stream, &msg, payload),
+        }
+        .map_err(|e| wire(&self.peer, e))
     }
 
     /// Asks for round `round`'s result (`wants_sum`), or only for the notice that it is
@@ -411,9 +479,13 @@ impl ServerSender {
 }
 
 impl ServerReceiver {
-    /// Bytes read from the connection since the handshake: frames whole, headers included.
+    /// Bytes read from the connection since the handshake: frames whole, headers
+    /// included, a lent frame counted as if its payload had come with it.
     pub fn bytes_received(&self) -> u64 {
-        self.reader.get_ref().counted()
+        self.reader
+            .get_ref()
+            .counted()
+            .wrapping_add(self.lent_bytes)
     }
 
     /// Waits for the next reply, reading a sum's payload into a new buffer (tests and the
@@ -458,11 +530,24 @@ impl ServerReceiver {
     /// frame from the server becomes `ClientError::Remote` with the server's code and
     /// message.
     pub fn recv_header(&mut self) -> Result<Reply<SumHeader>> {
+        // A lent sum left unread is dropped, as an unread payload would be refused.
+        self.pending_lent = None;
         let started = Instant::now();
         let frame = self
             .reader
             .read()
             .map_err(|e| self.read_error(e, started))?;
+        if let Some(lent) = frame.lent {
+            if !matches!(frame.message, Message::PullReply { .. }) || self.mailbox.is_none() {
+                return Err(ClientError::Protocol {
+                    peer: self.peer.clone(),
+                    what: format!("a lent {} frame", frame.message.op()),
+                });
+            }
+            self.lent_bytes = self.lent_bytes.wrapping_add(lent.inline_surplus());
+            self.lent_frames += 1;
+            self.pending_lent = Some(lent);
+        }
         match frame.message {
             Message::PullReply {
                 key,
@@ -474,7 +559,7 @@ impl ServerReceiver {
                 round,
                 dtype,
                 codec,
-                len: frame.payload_len,
+                len: frame.lent.map_or(frame.payload_len, |l| l.len as usize),
             })),
             Message::InitAck { key } => Ok(Reply::InitAck { key }),
             Message::PushAck { key, round } => Ok(Reply::PushAck { key, round }),
@@ -507,10 +592,34 @@ impl ServerReceiver {
         }
     }
 
+    /// Reads the next frame whole, as it is (tests use it to see what a client would not
+    /// expect).
+    pub fn recv_raw(&mut self) -> Result<(Message, Vec<u8>)> {
+        let started = Instant::now();
+        self.reader
+            .read_owned()
+            .map_err(|e| self.read_error(e, started))
+    }
+
     /// Reads the payload of the sum [`Self::recv_header`] just returned into `dst`, which
     /// must be exactly as long; a sum of another length is a protocol error (and leaves
     /// the stream unusable).
     pub fn read_sum(&mut self, dst: &mut [u8]) -> Result<()> {
+        if let Some(lent) = self.pending_lent.take() {
+            let sum = self.take_lent(lent)?;
+            if dst.len() != sum.len() {
+                return Err(ClientError::Protocol {
+                    peer: self.peer.clone(),
+                    what: format!(
+                        "a sum of {} bytes where {} were expected",
+                        sum.len(),
+                        dst.len()
+                    ),
+                });
+            }
+            dst.copy_from_slice(&sum);
+            return Ok(());
+        }
         let pending = self.reader.pending_payload();
         if dst.len() != pending {
             return Err(ClientError::Protocol {
@@ -526,10 +635,28 @@ impl ServerReceiver {
 
     /// Discards the payload of the sum [`Self::recv_header`] just returned.
     pub fn skip_sum(&mut self) -> Result<()> {
+        if let Some(lent) = self.pending_lent.take() {
+            // Taken and dropped: the slot goes back to the server.
+            return self.take_lent(lent).map(drop);
+        }
         let started = Instant::now();
         self.reader
             .skip_payload()
             .map_err(|e| self.read_error(e, started))
+    }
+
+    /// The sum a lent reply left in a pull slot; the slot is freed when it drops.
+    fn take_lent(&self, lent: Lent) -> Result<crate::mailbox::Taken> {
+        let mailbox = self
+            .mailbox
+            .as_ref()
+            .expect("a lent reply was only accepted with a mailbox");
+        mailbox
+            .take(Side::Pull, lent)
+            .map_err(|e| ClientError::Protocol {
+                peer: self.peer.clone(),
+                what: format!("a lent sum that cannot be read ({e})"),
+            })
     }
 
     fn read_error(&self, e: WireError, started: Instant) -> ClientError {
@@ -551,6 +678,63 @@ impl ServerReceiver {
             peer: self.peer.clone(),
             what: format!("{reply:?}").chars().take(120).collect(),
         }
+    }
+}
+
+/// A mailbox, if the server took one, and the bytes sent and received to agree on it.
+type Offered = (Option<Arc<Mailbox>>, (u64, u64));
+
+/// Offers a server on this machine a mailbox for the connection's payloads, and waits
+/// for its answer: the mailbox the server took, or `None` (not a machine-local link,
+/// shared memory unavailable, or the server declined, which it says why and is logged).
+fn offer_mailbox(stream: &Link, peer: &str, max_body: u32) -> Result<Offered> {
+    let Link::Local(unix) = stream else {
+        return Ok((None, (0, 0)));
+    };
+    let (mailbox, fd) = match Mailbox::create(
+        MAILBOX_PUSH_SLOTS,
+        MAILBOX_PULL_SLOTS,
+        MAILBOX_SLOT_BYTES,
+    ) {
+        Ok(created) => created,
+        Err(e) => {
+            warn!(server = peer, error = %e, "no shared memory for the server on this machine; its payloads go through the socket");
+            return Ok((None, (0, 0)));
+        }
+    };
+    let offer = Message::Mailbox {
+        push_slots: MAILBOX_PUSH_SLOTS,
+        pull_slots: MAILBOX_PULL_SLOTS,
+        slot_bytes: MAILBOX_SLOT_BYTES,
+    };
+    let offered = offer.encode(0);
+    send_with_fd(unix, &offered, fd.as_fd()).map_err(|e| wire(peer, e.into()))?;
+    let started = Instant::now();
+    let mut reader = FrameReader::new(Counted::new(stream), max_body);
+    let answer = reader.read().map_err(|e| match e {
+        WireError::Timeout { .. } => ClientError::Timeout {
+            what: format!("the {peer}'s answer to a mailbox"),
+            secs: started.elapsed().as_secs_f64(),
+        },
+        e => wire(peer, e),
+    })?;
+    let bytes = (offered.len() as u64, reader.get_ref().counted());
+    match answer.message {
+        Message::MailboxAck { accepted: true, .. } => Ok((Some(Arc::new(mailbox)), bytes)),
+        Message::MailboxAck { reason, .. } => {
+            warn!(server = peer, reason, "the server on this machine declined shared memory; its payloads go through the socket");
+            Ok((None, bytes))
+        }
+        Message::Error(e) => Err(ClientError::Remote {
+            peer: peer.to_string(),
+            code: e.code,
+            key: e.key,
+            message: e.message,
+        }),
+        other => Err(ClientError::Protocol {
+            peer: peer.to_string(),
+            what: format!("a {} frame in answer to a mailbox", other.op()),
+        }),
     }
 }
 

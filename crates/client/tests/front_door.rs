@@ -67,6 +67,7 @@ fn a_summation_server_caps_unauthenticated_connections_and_then_admits_its_worke
         max_body: 1 << 20,
         // Over TCP: the cap is the TCP door's here.
         machine_local: false,
+        mailbox: false,
     };
     let worker = eventually(|| ServerClient::connect(&addr, &token(), 0, "worker 0", &opts));
     drop(worker);

@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use sumflow_client::{ClientError, Pulled, Reply, ServerClient, ServerOptions};
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService, MAX_CONNECTIONS_PER_WORKER};
 use sumflow_wire::frame::Header;
-use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Message, Op, PushMode};
+use sumflow_wire::{Codec, Dtype, ErrorCode, JobToken, Lent, Message, Op, PushMode};
 
 fn token() -> JobToken {
     JobToken::new("summation-test-token-0123456789").unwrap()
@@ -29,6 +29,7 @@ fn opts() -> ServerOptions {
         reply_timeout: Some(Duration::from_secs(10)),
         max_body: 1 << 20,
         machine_local: true,
+        mailbox: true,
     }
 }
 
@@ -53,6 +54,11 @@ fn worker_over(addr: &str, rank: u32, machine_local: bool) -> ServerClient {
         c.is_machine_local(),
         machine_local,
         "the transport asked for"
+    );
+    assert_eq!(
+        c.has_mailbox(),
+        machine_local,
+        "payloads to a server on this machine pass through shared memory"
     );
     c
 }
@@ -269,6 +275,19 @@ fn sums_are_read_in_place_skipped_or_refused_when_their_length_is_wrong() {
     stop(h);
 }
 
+/// A lent push of i32 key 1 whose payload is said to lie at `lent`.
+fn lent_push(round: u64, lent: Lent) -> Vec<u8> {
+    Message::Push {
+        key: 1,
+        round,
+        dtype: Dtype::I32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+        op: sumflow_wire::ReduceOp::Sum,
+    }
+    .encode_lent(lent)
+}
+
 /// Each refusal: the culprit gets a typed error naming the problem and is disconnected.
 #[test]
 fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
@@ -278,6 +297,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
             let mut h = Header {
                 op: Op::Pull,
                 body_len: 0,
+                lent: false,
             }
             .encode();
             h[5] = 0x7e;
@@ -291,6 +311,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
                 let mut h = Header {
                     op: Op::Pull,
                     body_len: 16,
+                    lent: false,
                 }
                 .encode();
                 h[4] = 9;
@@ -305,6 +326,7 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
                 let h = Header {
                     op: Op::Push,
                     body_len: (1 << 20) + 1,
+                    lent: false,
                 }
                 .encode();
                 c.tx.send_bytes(&h).unwrap();
@@ -373,6 +395,33 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
             "same dtype and size",
             |c| {
                 c.tx.init_key(1, Dtype::I64, 16, None).unwrap();
+            },
+        ),
+        (
+            "lent push in a slot the worker did not lend",
+            ErrorCode::BadFrame,
+            "Push slot 5 was named in a lent frame but not lent",
+            |c| {
+                c.tx.send_bytes(&lent_push(1, Lent { slot: 5, len: 16 }))
+                    .unwrap();
+            },
+        ),
+        (
+            "lent push outside the mailbox",
+            ErrorCode::BadFrame,
+            "Push slot 99 is outside the mailbox's 8",
+            |c| {
+                c.tx.send_bytes(&lent_push(1, Lent { slot: 99, len: 16 }))
+                    .unwrap();
+            },
+        ),
+        (
+            "lent push of another length",
+            ErrorCode::KeyMismatch,
+            "i32 x 3 elements",
+            |c| {
+                c.tx.send_bytes(&lent_push(1, Lent { slot: 0, len: 12 }))
+                    .unwrap();
             },
         ),
         ("async delta push", ErrorCode::Unsupported, "delta", |c| {
@@ -454,6 +503,113 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
         }
         stop(h);
     }
+}
+
+/// Payloads to a server on the worker's machine pass through the mailbox both ways, and
+/// sum exactly with those of a worker on TCP; slots come back round after round.
+#[test]
+fn payloads_pass_through_the_mailbox_and_sum_with_those_on_tcp() {
+    let (h, addr) = start(2, 2);
+    let mut local = worker(&addr, 0);
+    let mut remote = worker_over(&addr, 1, false);
+    // 64 KiB keys, more of them than slots (8 push, 4 pull), pushed before any is pulled.
+    let n = 16 * 1024;
+    let keys: Vec<u64> = (1..=12).collect();
+    for c in [&mut local, &mut remote] {
+        for &k in &keys {
+            c.init_key(k, Dtype::I32, 4 * n as u64, None).unwrap();
+        }
+    }
+    let rounds = 5;
+    for r in 1..=rounds {
+        for (w, c) in [&mut local, &mut remote].into_iter().enumerate() {
+            for &k in &keys {
+                let data = encode(Dtype::I32, (0..n).map(|i| value(k, r, w as u32, i)));
+                c.tx.push(k, r, Dtype::I32, &data).unwrap();
+                c.tx.pull(k, r, true).unwrap();
+            }
+        }
+        for (w, c) in [&mut local, &mut remote].into_iter().enumerate() {
+            for _ in &keys {
+                let Reply::Sum(p) = c.rx.recv().unwrap() else {
+                    panic!("worker {w}: a sum expected")
+                };
+                let want = encode(
+                    Dtype::I32,
+                    (0..n).map(|i| value(p.key, r, 0, i) + value(p.key, r, 1, i)),
+                );
+                assert_eq!((p.round, &p.data), (r, &want), "worker {w} key {}", p.key);
+            }
+        }
+    }
+    let (pushes, sums) = local.lent_frames();
+    let all = rounds * keys.len() as u64;
+    assert!(
+        pushes > all / 2 && sums > 0 && sums <= all,
+        "lent pushes {pushes} and sums {sums} of {all}"
+    );
+    assert_eq!(remote.lent_frames(), (0, 0), "TCP lends nothing");
+    stop(h);
+}
+
+/// A mailbox offered without shared memory behind it is declined, saying why, and the
+/// connection goes on through the socket; a lent push where no mailbox was taken is
+/// refused.
+#[test]
+fn a_mailbox_without_shared_memory_is_declined_and_nothing_is_lost() {
+    let (h, addr) = start(1, 1);
+    let offer = Message::Mailbox {
+        push_slots: 2,
+        pull_slots: 2,
+        slot_bytes: 4096,
+    };
+    let plain = ServerOptions {
+        mailbox: false,
+        ..opts()
+    };
+    let local_without = ServerClient::connect(&addr, &token(), 0, "w", &plain).unwrap();
+    let mut cases = [
+        (local_without, "no file descriptor came with it"),
+        (
+            worker_over(&addr, 0, false),
+            "only be offered over this machine's Unix socket",
+        ),
+        (worker(&addr, 0), "this connection already has one"),
+    ];
+    // Every connection stays open: losing one would fail the worker.
+    for (key, (c, why)) in (1..).zip(&mut cases) {
+        c.tx.send_raw(&offer, &[]).unwrap();
+        match c.rx.recv_raw().unwrap().0 {
+            Message::MailboxAck { accepted, reason } => {
+                assert!(!accepted && reason.contains(*why), "{reason}");
+            }
+            other => panic!("expected a MailboxAck, got {other:?}"),
+        }
+        // Long enough to be lent, had a mailbox been taken.
+        let data = encode_i32(&[7; 2048]);
+        c.init_key(key, Dtype::I32, data.len() as u64, None)
+            .unwrap();
+        let sum = c.push_pull(key, 1, Dtype::I32, &data).unwrap();
+        assert_eq!(sum.data, data, "{why}");
+    }
+    let mut tcp = worker_over(&addr, 0, false);
+    tcp.init_key(1, Dtype::I32, 4 * 2048, None).unwrap();
+    tcp.tx
+        .send_bytes(&lent_push(
+            2,
+            Lent {
+                slot: 0,
+                len: 4 * 2048,
+            },
+        ))
+        .unwrap();
+    let err = tcp.rx.recv().expect_err("refused");
+    expect_refused(err, ErrorCode::BadFrame, "this connection has no mailbox");
+    stop(h);
+}
+
+fn encode_i32(vals: &[i32]) -> Vec<u8> {
+    vals.iter().flat_map(|v| v.to_le_bytes()).collect()
 }
 
 #[test]
@@ -605,7 +761,8 @@ fn add_since(total: &mut (u64, u64), before: (u64, u64), after: (u64, u64)) {
 #[test]
 fn server_and_workers_count_the_same_bytes() {
     let (h, addr) = start(2, 2);
-    let keys = [(10u64, Dtype::F32, 1000usize), (11, Dtype::F16, 77)];
+    // Key 10 is long enough to be lent through the mailbox, key 11 is not.
+    let keys = [(10u64, Dtype::F32, 4000usize), (11, Dtype::F16, 77)];
     let reason = "done";
     let threads: Vec<_> = (0..2u32)
         .map(|w| {
@@ -613,7 +770,9 @@ fn server_and_workers_count_the_same_bytes() {
             thread::spawn(move || {
                 let mut c = worker(&addr, w);
                 let mut per_key: HashMap<u64, (u64, u64)> = HashMap::new();
-                let mut other = (0, 0);
+                // The mailbox's offer and acceptance.
+                let mut other = counted(&c);
+                assert!(other.0 > 0 && other.1 > 0);
                 for &(k, d, n) in &keys {
                     let before = counted(&c);
                     c.init_key(k, d, (n * d.size()) as u64, None).unwrap();

@@ -96,6 +96,10 @@ pub struct CommConfig {
     /// Reach a summation server on this worker's machine through its Unix socket rather
     /// than TCP (`sumflow_client::link`).
     pub local_sockets: bool,
+    /// Over those Unix sockets, pass payloads through a mailbox shared with the server
+    /// (`sumflow_client::mailbox`, BytePS §6.2): the server sums a push where the worker
+    /// put it, and lends the sum back the same way.
+    pub server_shared_memory: bool,
     /// With `shared_memory`, aggregate a tensor whose members span machines inside each
     /// machine first (`crate::local::cross`). Workers need not agree: the keys are the
     /// same either way.
@@ -127,6 +131,7 @@ impl CommConfig {
             shared_memory: true,
             hierarchical: true,
             local_sockets: true,
+            server_shared_memory: true,
             stall_warning: Some(timing::DEFAULT_STALL_WARNING),
         }
     }
@@ -579,6 +584,7 @@ impl CommunicationService {
             connect_timeout: cfg.connect_timeout,
             reply_timeout: None,
             machine_local: cfg.local_sockets,
+            mailbox: cfg.server_shared_memory,
             ..ServerOptions::default()
         };
         let cpu_lanes = cfg.connections_per_cpu_server.unwrap_or_else(|| {
@@ -1446,6 +1452,8 @@ impl CommunicationService {
             connect_timeout: self.connect_timeout,
             reply_timeout: Some(timeout),
             machine_local: self.local_sockets,
+            // Joins carry no payloads.
+            mailbox: false,
             ..ServerOptions::default()
         };
         let mut controls = Vec::new();

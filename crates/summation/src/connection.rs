@@ -12,7 +12,7 @@
 
 use std::io::Read;
 use std::net::Shutdown;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use crate::channel::{unbounded, Receiver};
@@ -26,12 +26,13 @@ use sumflow_wire::{
 use tracing::{debug, info, warn};
 
 use crate::directory::{DeclareError, Declared, RetireError, Retired};
-use crate::messages::{Command, Outgoing, Replier};
-use crate::pool::PooledBuf;
+use crate::messages::{Command, Outgoing, PushData, Replier};
 use crate::shared::Shared;
-use sumflow_client::link::Link;
+use sumflow_client::link::{Link, Receiving};
+use sumflow_client::mailbox::{Mailbox, Side};
 use sumflow_reduce::buffer::AlignedBuf;
 use sumflow_wire::message::DATA_META_LEN;
+use sumflow_wire::Lent;
 
 /// How long a pool wait sleeps between checks that the server is still running.
 const POOL_POLL: Duration = Duration::from_millis(100);
@@ -66,26 +67,33 @@ pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
 
     let (tx, rx) = unbounded();
     let fatal = Arc::new(Mutex::new(None));
+    let mailbox = Arc::new(OnceLock::new());
     let writer = {
         let stream = stream.try_clone();
         let fatal = Arc::clone(&fatal);
         let shared = Arc::clone(&shared);
+        let mailbox = Arc::clone(&mailbox);
         std::thread::Builder::new()
             .name(format!("sumflow-w{rank}-tx"))
             .spawn(move || {
                 if let Ok(stream) = stream {
                     let _ = stream.set_write_timeout(Some(shared.settings.write_timeout));
-                    write_loop(stream, rx, fatal, &shared);
+                    write_loop(stream, rx, fatal, &shared, &mailbox);
                 }
             })
     };
     shared.track(id, rank, &stream);
     let mut conn = Connection {
         shared: Arc::clone(&shared),
-        reader: FrameReader::new(Counted::new(&stream), shared.settings.max_body),
+        reader: FrameReader::new(
+            Counted::new(Receiving::new(&stream)),
+            shared.settings.max_body,
+        ),
         accounted: 0,
+        lent: 0,
         worker: rank,
         pool: crate::pool::BufferPool::new(shared.settings.push_buffers),
+        mailbox,
         tx,
     };
     let ending = conn.run();
@@ -170,11 +178,16 @@ enum Ending {
 
 struct Connection<'a> {
     shared: Arc<Shared>,
-    reader: FrameReader<Counted<&'a Link>>,
+    reader: FrameReader<Counted<Receiving<'a>>>,
     /// The bytes read up to the last frame accounted for.
     accounted: u64,
+    /// What lent payloads add to the bytes read (each counted as if it had come inline).
+    lent: u64,
     worker: u32,
     pool: crate::pool::BufferPool,
+    /// The worker's mailbox once it offered one (shared with the writer, which lends sums
+    /// in it).
+    mailbox: Arc<OnceLock<Arc<Mailbox>>>,
     tx: Replier,
 }
 
@@ -188,7 +201,7 @@ impl Connection<'_> {
 
     /// Adds the bytes read since the last call to `key`'s count.
     fn account(&mut self, key: Option<u64>) {
-        let read = self.reader.get_ref().counted();
+        let read = self.reader.get_ref().counted().wrapping_add(self.lent);
         self.shared.traffic.received(key, read - self.accounted);
         self.accounted = read;
     }
@@ -218,7 +231,18 @@ impl Connection<'_> {
                     codec,
                     mode,
                     op,
-                } => self.push(key, round, (dtype, codec), (mode, op), frame.payload_len),
+                } => {
+                    let payload = match frame.lent {
+                        Some(lent) => Payload::Lent(lent),
+                        None => Payload::Inline(frame.payload_len),
+                    };
+                    self.push(key, round, (dtype, codec), (mode, op), payload)
+                }
+                Message::Mailbox {
+                    push_slots,
+                    pull_slots,
+                    slot_bytes,
+                } => self.adopt_mailbox(push_slots, pull_slots, slot_bytes),
                 Message::Pull {
                     key,
                     round,
@@ -358,7 +382,7 @@ impl Connection<'_> {
         round: u64,
         (dtype, codec): (sumflow_wire::Dtype, Codec),
         (mode, op): (PushMode, ReduceOp),
-        payload_len: usize,
+        payload: Payload,
     ) -> Result<(), Interrupted> {
         if mode == PushMode::Delta {
             return Err(Interrupted::Refused(Message::error(
@@ -380,9 +404,12 @@ impl Connection<'_> {
             )));
         }
         // A skip carries nothing to read or check.
-        let data = match mode {
-            PushMode::Skip => None,
-            _ => Some(self.read_push(key, (dtype, codec), &meta, payload_len)?),
+        let data = match (mode, payload) {
+            (PushMode::Skip, _) => None,
+            (_, Payload::Inline(len)) => {
+                Some(self.read_push(key, (dtype, codec), &meta, len)?.into())
+            }
+            (_, Payload::Lent(lent)) => Some(self.take_lent(key, codec, &meta, lent)?),
         };
         // Acknowledged on receipt, not on summation: the worker's credit must not wait for
         // the other workers (see crates/plan/src/scheduler/credit.rs).
@@ -411,22 +438,8 @@ impl Connection<'_> {
         (dtype, codec): (sumflow_wire::Dtype, Codec),
         meta: &crate::directory::KeyMeta,
         payload_len: usize,
-    ) -> Result<PooledBuf, Interrupted> {
-        if payload_len as u64 != meta.payload_len() {
-            let what = |bytes: u64| match codec {
-                Codec::Raw => format!("{dtype} x {} elements", bytes / dtype.size() as u64),
-                _ => format!("{bytes} bytes of {}", meta.codec),
-            };
-            return Err(Interrupted::Refused(Message::error(
-                ErrorCode::KeyMismatch,
-                Some(key),
-                format!(
-                    "push for key {key} carries {}, but the key was declared as {}",
-                    what(payload_len as u64),
-                    what(meta.payload_len())
-                ),
-            )));
-        }
+    ) -> Result<crate::pool::PooledBuf, Interrupted> {
+        check_length(key, (dtype, codec), meta, payload_len)?;
         let shared = &self.shared;
         let mut data = self
             .pool
@@ -445,6 +458,78 @@ impl Connection<'_> {
             })?;
         }
         Ok(data)
+    }
+
+    /// Takes a push lent in the worker's mailbox, to be summed where it lies: raw numbers
+    /// only (any bytes are valid ones, whatever the worker does to its slot after), of the
+    /// key's length, in a slot the worker lent.
+    fn take_lent(
+        &mut self,
+        key: u64,
+        codec: Codec,
+        meta: &crate::directory::KeyMeta,
+        lent: Lent,
+    ) -> Result<PushData, Interrupted> {
+        let refuse = |why: String| {
+            Interrupted::Refused(Message::error(
+                ErrorCode::BadFrame,
+                Some(key),
+                format!("lent push for key {key}: {why}"),
+            ))
+        };
+        let Some(mailbox) = self.mailbox.get() else {
+            return Err(refuse("this connection has no mailbox".into()));
+        };
+        if codec != Codec::Raw {
+            return Err(refuse(format!(
+                "a {codec} payload must come inline (only raw numbers are lent)"
+            )));
+        }
+        check_length(key, (meta.dtype, codec), meta, lent.len as usize)?;
+        let taken = mailbox
+            .take(Side::Push, lent)
+            .map_err(|e| refuse(e.to_string()))?;
+        self.lent = self.lent.wrapping_add(lent.inline_surplus());
+        Ok(PushData::Lent(taken))
+    }
+
+    /// Maps the mailbox the worker offers with the descriptor that came with the frame,
+    /// and says whether it did: without one the connection goes on through the socket.
+    fn adopt_mailbox(
+        &mut self,
+        push_slots: u32,
+        pull_slots: u32,
+        slot_bytes: u64,
+    ) -> Result<(), Interrupted> {
+        let passed = self.reader.get_mut().get_mut().take_passed();
+        let adopted = if self.mailbox.get().is_some() {
+            Err("this connection already has one".to_string())
+        } else if let Some(fd) = passed {
+            Mailbox::adopt(fd, push_slots, pull_slots, slot_bytes).map_err(|e| e.to_string())
+        } else if self.reader.get_ref().get_ref().link().is_local() {
+            Err("no file descriptor came with it".into())
+        } else {
+            Err("it can only be offered over this machine's Unix socket".into())
+        };
+        let ack = match adopted {
+            Ok(mailbox) => {
+                debug!(worker = self.worker, slot_bytes, "mailbox adopted");
+                let _ = self.mailbox.set(Arc::new(mailbox));
+                Message::MailboxAck {
+                    accepted: true,
+                    reason: String::new(),
+                }
+            }
+            Err(reason) => {
+                info!(worker = self.worker, reason, "mailbox declined");
+                Message::MailboxAck {
+                    accepted: false,
+                    reason,
+                }
+            }
+        };
+        let _ = self.tx.send(Outgoing::Message(ack));
+        Ok(())
     }
 
     fn pull(&mut self, key: u64, round: u64, wants_sum: bool) -> Result<(), Interrupted> {
@@ -529,6 +614,37 @@ impl Connection<'_> {
     }
 }
 
+/// Where a push's payload is: `len` bytes on the socket after the frame, or lent.
+enum Payload {
+    Inline(usize),
+    Lent(Lent),
+}
+
+/// Refuses a push whose payload is not as long as its key's.
+fn check_length(
+    key: u64,
+    (dtype, codec): (sumflow_wire::Dtype, Codec),
+    meta: &crate::directory::KeyMeta,
+    payload_len: usize,
+) -> Result<(), Interrupted> {
+    if payload_len as u64 == meta.payload_len() {
+        return Ok(());
+    }
+    let what = |bytes: u64| match codec {
+        Codec::Raw => format!("{dtype} x {} elements", bytes / dtype.size() as u64),
+        _ => format!("{bytes} bytes of {}", meta.codec),
+    };
+    Err(Interrupted::Refused(Message::error(
+        ErrorCode::KeyMismatch,
+        Some(key),
+        format!(
+            "push for key {key} carries {}, but the key was declared as {}",
+            what(payload_len as u64),
+            what(meta.payload_len())
+        ),
+    )))
+}
+
 /// Why handling a frame stopped the connection.
 enum Interrupted {
     Refused(Message),
@@ -562,10 +678,14 @@ fn write_loop(
     rx: Receiver<Outgoing>,
     fatal: Arc<Mutex<Option<String>>>,
     shared: &Shared,
+    mailbox: &OnceLock<Arc<Mailbox>>,
 ) {
     let mut w = Counted::new(&stream);
+    // Where the next pull slot is looked for, and what lent sums add to the bytes sent.
+    let mut cursor = 0;
+    let mut lent_bytes = 0;
     for out in &rx {
-        let before = w.counted();
+        let before = w.counted().wrapping_add(lent_bytes);
         let key = match &out {
             Outgoing::Message(m) | Outgoing::Fatal(m) => key_of(m),
             Outgoing::Sum { key, .. } => Some(*key),
@@ -579,20 +699,31 @@ fn write_loop(
                 dtype,
                 codec,
                 data,
-            } => io::write_data(
-                &mut w,
-                &Message::PullReply {
+            } => {
+                let reply = Message::PullReply {
                     key,
                     round,
                     dtype,
                     codec,
-                },
-                &data,
-            ),
+                };
+                // Into the worker's mailbox when a pull slot is free and the sum fits.
+                match mailbox
+                    .get()
+                    .and_then(|m| m.lend(Side::Pull, &mut cursor, &data))
+                {
+                    Some(lent) => {
+                        lent_bytes = lent_bytes.wrapping_add(lent.inline_surplus());
+                        io::write_lent(&mut w, &reply, lent)
+                    }
+                    None => io::write_data(&mut w, &reply, &data),
+                }
+            }
             Outgoing::Fatal(m) => {
                 *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
                 let _ = io::write_message(&mut w, &m);
-                shared.traffic.sent(key, w.counted() - before);
+                shared
+                    .traffic
+                    .sent(key, w.counted().wrapping_add(lent_bytes) - before);
                 // The refusal, then the end of the stream: the reader keeps reading until
                 // the worker, having read why, closes, or until it gives up lingering.
                 let _ = stream.shutdown(Shutdown::Write);
@@ -607,7 +738,9 @@ fn write_loop(
             }
             Outgoing::Close => break,
         };
-        shared.traffic.sent(key, w.counted() - before);
+        shared
+            .traffic
+            .sent(key, w.counted().wrapping_add(lent_bytes) - before);
         if let Err(e) = result {
             debug!(error = %e, "writer stopping");
             break;

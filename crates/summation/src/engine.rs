@@ -31,9 +31,8 @@ use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
 use crate::directory::KeyMeta;
-use crate::messages::{Command, JoinAck, Outgoing, Replier, StallReport};
+use crate::messages::{Command, JoinAck, Outgoing, PushData, Replier, StallReport};
 use crate::metrics::EngineCounters;
-use crate::pool::PooledBuf;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
 use sumflow_reduce::buffer::AlignedBuf;
 use sumflow_reduce::Reducer;
@@ -52,7 +51,7 @@ struct KeyState {
     acc: AlignedBuf,
     /// Whether `acc` holds a partial result of the current round.
     acc_live: bool,
-    staged: Vec<PooledBuf>,
+    staged: Vec<PushData>,
     /// How the round now accumulating combines its pushes: set by its first push.
     round_op: Option<ReduceOp>,
     /// The last completed round's sum (round 0: the initial value).
@@ -323,7 +322,7 @@ impl Engine {
         key: u64,
         round: u64,
         (worker, op): (u32, ReduceOp),
-        data: Option<PooledBuf>,
+        data: Option<PushData>,
         reply: &Replier,
     ) {
         let Some(k) = self.keys.get_mut(&key) else {
@@ -652,15 +651,15 @@ mod tests {
     }
 
     /// A pooled buffer holding `bytes`, as a connection's reader would hand it over.
-    fn pooled(pool: &BufferPool, bytes: &[u8]) -> PooledBuf {
+    fn pooled(pool: &BufferPool, bytes: &[u8]) -> PushData {
         let mut b = pool
             .take(bytes.len(), Duration::from_millis(1), || false)
             .unwrap();
         b.copy_from_slice(bytes);
-        b
+        b.into()
     }
 
-    fn data(pool: &BufferPool, vals: &[i32]) -> PooledBuf {
+    fn data(pool: &BufferPool, vals: &[i32]) -> PushData {
         let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         pooled(pool, &bytes)
     }
@@ -677,7 +676,7 @@ mod tests {
     }
 
     impl Engine {
-        fn push(&mut self, key: u64, round: u64, worker: u32, data: PooledBuf, reply: &Replier) {
+        fn push(&mut self, key: u64, round: u64, worker: u32, data: PushData, reply: &Replier) {
             self.on_push(key, round, (worker, ReduceOp::Sum), Some(data), reply);
         }
 
@@ -699,6 +698,43 @@ mod tests {
             Outgoing::Sum { round, .. } => panic!("expected a notice, got round {round}'s sum"),
             Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a notice, got {m:?}"),
             Outgoing::Close => panic!("expected a notice, got Close"),
+        }
+    }
+
+    /// A push lent in a worker's mailbox is summed where it lies (never swapped in as the
+    /// key's buffer: it is the worker's memory), and its slot is freed once summed.
+    #[test]
+    fn a_lent_push_is_summed_in_place_and_its_slot_comes_back() {
+        use sumflow_client::mailbox::{Mailbox, Side};
+        let pool = BufferPool::new(2);
+        let (tx, rx) = unbounded();
+        let n = 2048;
+        for lent_first in [true, false] {
+            let mut e = Engine::new(Reducer::detect(), 2);
+            e.init(1, meta(Dtype::I32, n as u64), None);
+            let (worker, fd) = Mailbox::create(1, 1, 8192).unwrap();
+            let server = Arc::new(Mailbox::adopt(fd, 1, 1, 8192).unwrap());
+            let mut cursor = 0;
+            let vals: Vec<i32> = (0..n).collect();
+            let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let lent = worker.lend(Side::Push, &mut cursor, &bytes).unwrap();
+            let lent = PushData::Lent(server.take(Side::Push, lent).unwrap());
+            let pooled = data(&pool, &vec![10; n as usize]);
+            let (first, second) = if lent_first {
+                (lent, pooled)
+            } else {
+                (pooled, lent)
+            };
+            e.push(1, 1, 0, first, &tx);
+            e.fold_staged();
+            e.push(1, 1, 1, second, &tx);
+            e.pull(1, 1, 0, tx.clone());
+            let want: Vec<i32> = vals.iter().map(|v| v + 10).collect();
+            assert_eq!(sum_of(&rx), want, "lent first: {lent_first}");
+            assert!(
+                worker.lend(Side::Push, &mut cursor, &bytes).is_some(),
+                "the slot is the worker's again once summed"
+            );
         }
     }
 
@@ -860,7 +896,7 @@ mod tests {
     }
 
     /// A pooled buffer holding `vals` as f16 bits.
-    fn halves(pool: &BufferPool, vals: &[u16]) -> PooledBuf {
+    fn halves(pool: &BufferPool, vals: &[u16]) -> PushData {
         let bytes: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         pooled(pool, &bytes)
     }
@@ -893,7 +929,7 @@ mod tests {
         e: &mut Engine,
         round: u64,
         op: ReduceOp,
-        pushes: [PooledBuf; 3],
+        pushes: [PushData; 3],
         schedule: &[usize],
     ) -> Arc<AlignedBuf> {
         let (tx, rx) = unbounded();
@@ -1141,13 +1177,13 @@ mod tests {
     }
 
     /// A pooled buffer holding `x` encoded by `meta`'s codec.
-    fn encoded(pool: &BufferPool, meta: &KeyMeta, x: &[f32]) -> PooledBuf {
+    fn encoded(pool: &BufferPool, meta: &KeyMeta, x: &[f32]) -> PushData {
         let c = meta.decoder().unwrap();
         let mut b = pool
             .take(c.payload_len(), Duration::from_millis(1), || false)
             .unwrap();
         c.compress(x, Seed::new(0, 0, 0), &mut Scratch::default(), &mut b);
-        b
+        b.into()
     }
 
     fn decoded_sum(rx: &Receiver<Outgoing>, meta: &KeyMeta) -> Vec<f32> {
@@ -1324,7 +1360,7 @@ mod tests {
         let h = |v: f32| {
             let mut b = pool.take(2, Duration::from_millis(1), || false).unwrap();
             b.copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
-            b
+            PushData::from(b)
         };
         e.push(2, 1, 0, h(2048.0), &tx);
         e.fold_staged();

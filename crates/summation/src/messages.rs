@@ -3,6 +3,7 @@
 //! [`Replier`] of the connection that asked, whose writer thread sends each [`Outgoing`] in
 //! the order it arrives. Both sides depend on this module, not on each other.
 
+use std::ops::Deref;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,6 +13,7 @@ use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 
 use crate::directory::KeyMeta;
 use crate::pool::PooledBuf;
+use sumflow_client::mailbox::Taken;
 use sumflow_reduce::buffer::AlignedBuf;
 
 /// A round that has kept its pulls waiting past the stall warning, for the coordinator
@@ -39,7 +41,7 @@ pub enum Command {
         round: u64,
         worker: u32,
         op: ReduceOp,
-        data: Option<PooledBuf>,
+        data: Option<PushData>,
         reply: Replier,
     },
     /// `wants_sum` false: answer with the notice that the round is complete, no payload.
@@ -95,6 +97,42 @@ impl JoinAck {
     /// Where engines refuse what cannot be joined.
     pub fn reply(&self) -> &Replier {
         &self.reply
+    }
+}
+
+/// A push's payload: read from the socket into a buffer of the connection's pool, or lent
+/// in the worker's mailbox and summed where it lies. Dropping it hands it back either way:
+/// the buffer to its pool, the slot to the worker.
+pub enum PushData {
+    Pooled(PooledBuf),
+    Lent(Taken),
+}
+
+impl PushData {
+    /// Exchanges contents with `other` without copying (see [`PooledBuf::try_swap_with`]);
+    /// a lent payload is the worker's memory and never swapped: false, the caller copies.
+    #[must_use]
+    pub fn try_swap_with(&mut self, other: &mut AlignedBuf) -> bool {
+        match self {
+            PushData::Pooled(buf) => buf.try_swap_with(other),
+            PushData::Lent(_) => false,
+        }
+    }
+}
+
+impl Deref for PushData {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            PushData::Pooled(buf) => buf,
+            PushData::Lent(taken) => taken,
+        }
+    }
+}
+
+impl From<PooledBuf> for PushData {
+    fn from(buf: PooledBuf) -> Self {
+        PushData::Pooled(buf)
     }
 }
 

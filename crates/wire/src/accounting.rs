@@ -24,6 +24,11 @@ impl<S> Counted<S> {
         Counted { inner, bytes: 0 }
     }
 
+    /// A count that starts at `bytes` already moved through `inner`.
+    pub fn starting_at(inner: S, bytes: u64) -> Counted<S> {
+        Counted { inner, bytes }
+    }
+
     /// Bytes through the stream so far (reads and writes: use one direction per wrapper).
     pub fn counted(&self) -> u64 {
         self.bytes
@@ -31,6 +36,10 @@ impl<S> Counted<S> {
 
     pub fn get_ref(&self) -> &S {
         &self.inner
+    }
+
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
     }
 }
 

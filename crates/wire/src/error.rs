@@ -17,7 +17,7 @@ pub enum WireError {
     UnsupportedVersion { got: u8, supported: u8 },
     #[error("unknown op code {0:#04x}")]
     UnknownOp(u8),
-    #[error("unknown header flags {0:#06x} (version 1 defines none)")]
+    #[error("unknown header flags {0:#06x} (version 1 defines only 0x0001, lent)")]
     UnknownFlags(u16),
     #[error("frame body of {len} bytes exceeds the configured maximum of {max} bytes")]
     FrameTooLarge { len: u64, max: u64 },

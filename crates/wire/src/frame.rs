@@ -5,9 +5,14 @@
 //! 0       4     magic "SFLW"
 //! 4       1     protocol version (1)
 //! 5       1     op code
-//! 6       2     flags (little endian; none defined in version 1, must be 0)
+//! 6       2     flags (little endian): 0x0001 lent, every other bit must be 0
 //! 8       4     body length in bytes (little endian)
 //! ```
+//!
+//! A *lent* frame (`Push` or `PullReply` only) carries its payload outside the stream: in
+//! a slot of the connection's mailbox, memory the worker shares with a summation server
+//! on its own machine. Its body is the meta block and an 8-byte [`Lent`] locator (slot,
+//! length) where the payload would be.
 
 use std::fmt;
 
@@ -18,6 +23,10 @@ pub const VERSION: u8 = 1;
 pub const HEADER_LEN: usize = 12;
 /// Default cap on a frame body: a 4 MB partition plus generous room for larger keys.
 pub const DEFAULT_MAX_BODY: u32 = 64 << 20;
+/// The header flag of a lent frame.
+pub const FLAG_LENT: u16 = 0x0001;
+/// Length of a lent frame's locator, in place of its payload.
+pub const LENT_LEN: usize = 8;
 
 macro_rules! ops {
     ($($name:ident = $code:literal),* $(,)?) => {
@@ -61,6 +70,10 @@ ops! {
     Heartbeat = 0x22,
     HeartbeatAck = 0x23,
     NodeFailed = 0x24,
+    // Shared memory between a worker and a server on its machine: worker -> server (with
+    // the memory's file descriptor), and the server's answer.
+    Mailbox = 0x1a,
+    MailboxAck = 0x1b,
     Shutdown = 0x30,
     Error = 0x3f,
 }
@@ -69,6 +82,11 @@ impl Op {
     /// Ops whose body ends in a bulk payload that readers stream into their own buffers.
     pub fn has_payload(self) -> bool {
         matches!(self, Op::InitKey | Op::Push | Op::PullReply)
+    }
+
+    /// Ops whose payload may be lent (left in the connection's mailbox).
+    pub fn may_lend(self) -> bool {
+        matches!(self, Op::Push | Op::PullReply)
     }
 }
 
@@ -83,6 +101,48 @@ impl fmt::Display for Op {
 pub struct Header {
     pub op: Op,
     pub body_len: u32,
+    /// The payload is lent: a [`Lent`] locator ends the body instead.
+    pub lent: bool,
+}
+
+/// Where a lent frame's payload lies: `len` bytes at the start of mailbox slot `slot`
+/// (a push slot for a `Push`, a pull slot for a `PullReply`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Lent {
+    pub slot: u32,
+    pub len: u32,
+}
+
+impl Lent {
+    pub fn encode(&self) -> [u8; LENT_LEN] {
+        let mut out = [0u8; LENT_LEN];
+        out[..4].copy_from_slice(&self.slot.to_le_bytes());
+        out[4..].copy_from_slice(&self.len.to_le_bytes());
+        out
+    }
+
+    /// How many bytes more the frame would have had with its payload inline: what byte
+    /// counts add for a lent frame, so that they do not depend on where payloads went
+    /// (wrapping: a short payload makes it negative, and counters add it wrapping).
+    pub fn inline_surplus(&self) -> u64 {
+        u64::from(self.len).wrapping_sub(LENT_LEN as u64)
+    }
+
+    /// Decodes a locator; a lent payload is never empty.
+    pub fn decode(op: Op, bytes: &[u8; LENT_LEN]) -> Result<Lent, WireError> {
+        let lent = Lent {
+            slot: u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")),
+            len: u32::from_le_bytes(bytes[4..].try_into().expect("4 bytes")),
+        };
+        if lent.len == 0 {
+            return Err(WireError::BadField {
+                op,
+                field: "lent",
+                why: "a lent payload of 0 bytes".into(),
+            });
+        }
+        Ok(lent)
+    }
 }
 
 impl Header {
@@ -91,6 +151,9 @@ impl Header {
         out[..4].copy_from_slice(&MAGIC);
         out[4] = VERSION;
         out[5] = self.op as u8;
+        if self.lent {
+            out[6..8].copy_from_slice(&FLAG_LENT.to_le_bytes());
+        }
         out[8..12].copy_from_slice(&self.body_len.to_le_bytes());
         out
     }
@@ -109,17 +172,36 @@ impl Header {
         }
         let op = Op::from_code(bytes[5]).ok_or(WireError::UnknownOp(bytes[5]))?;
         let flags = u16::from_le_bytes([bytes[6], bytes[7]]);
-        if flags != 0 {
+        if flags & !FLAG_LENT != 0 {
             return Err(WireError::UnknownFlags(flags));
         }
+        let lent = flags & FLAG_LENT != 0;
         let body_len = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        if lent && !op.may_lend() {
+            return Err(WireError::BadField {
+                op,
+                field: "flags",
+                why: "only Push and PullReply frames may lend their payload".into(),
+            });
+        }
+        if lent && body_len as usize != crate::message::DATA_META_LEN + LENT_LEN {
+            return Err(WireError::BadField {
+                op,
+                field: "lent",
+                why: format!(
+                    "a lent frame's body is its meta block and locator ({} bytes), not \
+                     {body_len}",
+                    crate::message::DATA_META_LEN + LENT_LEN
+                ),
+            });
+        }
         if body_len > max_body {
             return Err(WireError::FrameTooLarge {
                 len: body_len.into(),
                 max: max_body.into(),
             });
         }
-        Ok(Header { op, body_len })
+        Ok(Header { op, body_len, lent })
     }
 }
 
@@ -132,8 +214,15 @@ mod tests {
         let h = Header {
             op: Op::Push,
             body_len: 1234,
+            lent: false,
         };
         assert_eq!(Header::decode(&h.encode(), 4096).unwrap(), h);
+        let lent = Header {
+            op: Op::PullReply,
+            body_len: (crate::message::DATA_META_LEN + LENT_LEN) as u32,
+            lent: true,
+        };
+        assert_eq!(Header::decode(&lent.encode(), 4096).unwrap(), lent);
     }
 
     #[test]
@@ -141,6 +230,7 @@ mod tests {
         let good = Header {
             op: Op::Pull,
             body_len: 16,
+            lent: false,
         }
         .encode();
         let mut b = good;
@@ -160,11 +250,27 @@ mod tests {
             Err(WireError::UnknownOp(0x7e))
         ));
         let mut b = good;
-        b[6] = 1;
+        b[6] = 2;
         assert!(matches!(
             Header::decode(&b, 64),
-            Err(WireError::UnknownFlags(1))
+            Err(WireError::UnknownFlags(2))
         ));
+        let mut b = good;
+        b[6] = 1;
+        let e = Header::decode(&b, 64).unwrap_err();
+        assert!(e.to_string().contains("only Push and PullReply"), "{e}");
+        let mut b = Header {
+            op: Op::Push,
+            body_len: 40,
+            lent: true,
+        }
+        .encode();
+        let e = Header::decode(&b, 64).unwrap_err();
+        assert!(e.to_string().contains("not 40"), "{e}");
+        b[6] = 0;
+        assert!(Header::decode(&b, 64).is_ok(), "the same frame, not lent");
+        let e = Lent::decode(Op::Push, &[0; LENT_LEN]).unwrap_err();
+        assert!(e.to_string().contains("0 bytes"), "{e}");
         let e = Header::decode(&good, 8).unwrap_err();
         assert!(matches!(e, WireError::FrameTooLarge { len: 16, max: 8 }));
     }

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use crate::auth::{random_bytes, Handshake, JobToken};
 use crate::cluster::Role;
 use crate::error::WireError;
-use crate::frame::{Header, HEADER_LEN};
+use crate::frame::{Header, Lent, HEADER_LEN, LENT_LEN};
 use crate::message::{self, ErrorReply, Message, Service, DATA_META_LEN};
 
 /// Payloads up to this size are copied behind the header so a small frame is one write.
@@ -61,8 +61,11 @@ impl<S: Read + Timed> Read for ByDeadline<'_, S> {
 #[derive(Debug, PartialEq, Eq)]
 pub struct Frame {
     pub message: Message,
-    /// Payload bytes still to be read with `read_payload` or `skip_payload`.
+    /// Payload bytes still to be read with `read_payload` or `skip_payload` (0 for a lent
+    /// frame, whose payload is not on the stream).
     pub payload_len: usize,
+    /// Where a lent frame's payload lies, in the connection's mailbox.
+    pub lent: Option<Lent>,
 }
 
 #[derive(Debug)]
@@ -85,6 +88,10 @@ impl<R: Read> FrameReader<R> {
         &self.inner
     }
 
+    pub fn get_mut(&mut self) -> &mut R {
+        &mut self.inner
+    }
+
     /// Reads and validates the next frame up to its payload. A clean end of stream at a
     /// frame boundary is `WireError::Closed`.
     pub fn read(&mut self) -> Result<Frame, WireError> {
@@ -95,6 +102,19 @@ impl<R: Read> FrameReader<R> {
         let mut head = [0u8; HEADER_LEN];
         self.inner.read_exact(&mut head)?;
         let header = Header::decode(&head, self.max_body)?;
+        if header.lent {
+            // The header checked the body's length: meta block and locator exactly.
+            let mut body = [0u8; DATA_META_LEN + LENT_LEN];
+            self.inner.read_exact(&mut body)?;
+            let (meta, locator) = body.split_at(DATA_META_LEN);
+            let lent = Lent::decode(header.op, locator.try_into().expect("locator length"))?;
+            let message = Message::decode(header.op, meta, lent.len as usize)?;
+            return Ok(Frame {
+                message,
+                payload_len: 0,
+                lent: Some(lent),
+            });
+        }
         let body_len = header.body_len as usize;
         let meta_len = if header.op.has_payload() {
             if body_len < DATA_META_LEN {
@@ -123,6 +143,7 @@ impl<R: Read> FrameReader<R> {
         Ok(Frame {
             message,
             payload_len,
+            lent: None,
         })
     }
 
@@ -174,6 +195,12 @@ pub fn write_data<W: Write>(w: &mut W, msg: &Message, payload: &[u8]) -> Result<
         w.write_all(&head)?;
         w.write_all(payload)?;
     }
+    Ok(())
+}
+
+/// Writes a lent frame: its payload lies in the connection's mailbox, where `lent` says.
+pub fn write_lent<W: Write>(w: &mut W, msg: &Message, lent: Lent) -> Result<(), WireError> {
+    w.write_all(&msg.encode_lent(lent))?;
     Ok(())
 }
 

@@ -28,7 +28,7 @@ pub use codec::MAX_STRING;
 pub use compression::{Codec, CodecMismatch, KeyCodec};
 pub use dtype::Dtype;
 pub use error::{ErrorCode, WireError};
-pub use frame::{Op, DEFAULT_MAX_BODY};
+pub use frame::{Lent, Op, DEFAULT_MAX_BODY};
 pub use io::{FrameReader, Peer};
 pub use message::{
     BarrierGroup, ErrorReply, KeyInit, Message, PushMode, ReduceOp, Registration, Service,

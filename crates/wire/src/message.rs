@@ -9,11 +9,18 @@ use crate::codec::{Dec, Enc, MAX_NODES};
 use crate::compression::{Codec, KeyCodec};
 use crate::dtype::Dtype;
 use crate::error::{ErrorCode, WireError};
-use crate::frame::{Header, Op, HEADER_LEN};
+use crate::frame::{Header, Lent, Op, HEADER_LEN, LENT_LEN};
 
 /// Length of the meta block that precedes the payload of `InitKey`, `Push` and `PullReply`.
 pub const DATA_META_LEN: usize = 24;
 pub const NONCE_LEN: usize = 32;
+/// A mailbox's slot states fill its first `MAILBOX_HEADER_BYTES` (one 32-bit word per
+/// slot, push slots first); the slots follow, each `slot_bytes` long.
+pub const MAILBOX_HEADER_BYTES: u64 = 4096;
+/// At most this many slots of each kind (the header holds both kinds' states).
+pub const MAILBOX_MAX_SLOTS: u32 = 512;
+/// The largest mailbox slot; slots are whole multiples of 4096 bytes.
+pub const MAILBOX_MAX_SLOT_BYTES: u64 = 256 << 20;
 pub const PROOF_LEN: usize = 32;
 const NO_RANK: u32 = u32::MAX;
 
@@ -303,6 +310,21 @@ pub enum Message {
         name: String,
         reason: String,
     },
+    /// Worker -> a server on its own machine: shared memory for this connection's
+    /// payloads (its file descriptor comes with the frame, as Unix sockets pass them):
+    /// `push_slots` slots the worker lends pushes in, then `pull_slots` the server lends
+    /// sums in, each `slot_bytes` long, after [`MAILBOX_HEADER_BYTES`] of slot states.
+    Mailbox {
+        push_slots: u32,
+        pull_slots: u32,
+        slot_bytes: u64,
+    },
+    /// The server maps the mailbox (`accepted`) or says why not; either way the
+    /// connection goes on, lent frames only after an acceptance.
+    MailboxAck {
+        accepted: bool,
+        reason: String,
+    },
     Shutdown {
         reason: String,
     },
@@ -335,6 +357,8 @@ impl Message {
             Message::Heartbeat { .. } => Op::Heartbeat,
             Message::HeartbeatAck { .. } => Op::HeartbeatAck,
             Message::NodeFailed { .. } => Op::NodeFailed,
+            Message::Mailbox { .. } => Op::Mailbox,
+            Message::MailboxAck { .. } => Op::MailboxAck,
             Message::Shutdown { .. } => Op::Shutdown,
             Message::Error(_) => Op::Error,
         }
@@ -351,6 +375,19 @@ impl Message {
     /// Encodes header and body, except the payload of data ops, whose length
     /// `payload_len` is counted in the header; the caller writes the payload next.
     pub fn encode(&self, payload_len: usize) -> Vec<u8> {
+        self.encode_framed(payload_len, false)
+    }
+
+    /// Encodes a lent frame: header and meta block, and the locator of the payload in the
+    /// connection's mailbox.
+    pub fn encode_lent(&self, lent: Lent) -> Vec<u8> {
+        debug_assert!(self.op().may_lend(), "{} frames lend nothing", self.op());
+        let mut out = self.encode_framed(LENT_LEN, true);
+        out.extend_from_slice(&lent.encode());
+        out
+    }
+
+    fn encode_framed(&self, payload_len: usize, lent: bool) -> Vec<u8> {
         let mut e = Enc::default();
         e.buf.resize(HEADER_LEN, 0);
         self.encode_body(&mut e);
@@ -359,6 +396,7 @@ impl Message {
         let header = Header {
             op: self.op(),
             body_len: u32::try_from(body_len).expect("frame body fits in u32"),
+            lent,
         };
         e.buf[..HEADER_LEN].copy_from_slice(&header.encode());
         e.buf
@@ -528,6 +566,16 @@ impl Message {
                     .u32(node.rank)
                     .string(name)
                     .string(reason);
+            }
+            Message::Mailbox {
+                push_slots,
+                pull_slots,
+                slot_bytes,
+            } => {
+                e.u32(*push_slots).u32(*pull_slots).u64(*slot_bytes);
+            }
+            Message::MailboxAck { accepted, reason } => {
+                e.u8(u8::from(*accepted)).string(reason);
             }
             Message::Shutdown { reason } => {
                 e.string(reason);
@@ -755,6 +803,40 @@ impl Message {
             Op::JoinAck => Message::JoinAck {
                 joined: flag(&mut d, "joined")?,
             },
+            Op::Mailbox => {
+                let push_slots = d.u32("push_slots")?;
+                let pull_slots = d.u32("pull_slots")?;
+                let slot_bytes = d.u64("slot_bytes")?;
+                for (field, n) in [("push_slots", push_slots), ("pull_slots", pull_slots)] {
+                    if n == 0 || n > MAILBOX_MAX_SLOTS {
+                        return Err(d.bad(
+                            field,
+                            format!("{n} slots (1 to {MAILBOX_MAX_SLOTS} allowed)"),
+                        ));
+                    }
+                }
+                if slot_bytes == 0
+                    || slot_bytes > MAILBOX_MAX_SLOT_BYTES
+                    || !slot_bytes.is_multiple_of(4096)
+                {
+                    return Err(d.bad(
+                        "slot_bytes",
+                        format!(
+                            "{slot_bytes} bytes is not a multiple of 4096 up to \
+                             {MAILBOX_MAX_SLOT_BYTES}"
+                        ),
+                    ));
+                }
+                Message::Mailbox {
+                    push_slots,
+                    pull_slots,
+                    slot_bytes,
+                }
+            }
+            Op::MailboxAck => Message::MailboxAck {
+                accepted: flag(&mut d, "accepted")?,
+                reason: d.string("reason")?,
+            },
             Op::Heartbeat => Message::Heartbeat { seq: d.u64("seq")? },
             Op::HeartbeatAck => Message::HeartbeatAck { seq: d.u64("seq")? },
             Op::NodeFailed => Message::NodeFailed {
@@ -964,6 +1046,8 @@ pub struct DecodedFrame<'a> {
     pub payload: &'a [u8],
     /// Bytes of `buf` the frame occupied.
     pub consumed: usize,
+    /// Where a lent frame's payload lies (`payload` is then empty).
+    pub lent: Option<Lent>,
 }
 
 /// Decodes the first frame in `buf`; `Ok(None)` when `buf` holds only part of it.
@@ -977,12 +1061,25 @@ pub fn decode_frame(buf: &[u8], max_body: u32) -> Result<Option<DecodedFrame<'_>
     let Some(body) = buf.get(HEADER_LEN..end) else {
         return Ok(None);
     };
+    if header.lent {
+        // The header checked the body's length: meta block and locator exactly.
+        let (meta, locator) = body.split_at(DATA_META_LEN);
+        let lent = Lent::decode(header.op, locator.try_into().expect("locator length"))?;
+        let message = Message::decode(header.op, meta, lent.len as usize)?;
+        return Ok(Some(DecodedFrame {
+            message,
+            payload: &[],
+            consumed: end,
+            lent: Some(lent),
+        }));
+    }
     let (meta, payload) = split_body(header.op, body)?;
     let message = Message::decode(header.op, meta, payload.len())?;
     Ok(Some(DecodedFrame {
         message,
         payload,
         consumed: end,
+        lent: None,
     }))
 }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
 use crate::error::{ErrorCode, WireError};
-use crate::frame::{Op, HEADER_LEN};
+use crate::frame::{Lent, Op, HEADER_LEN};
 use crate::io::{accept, connect, write_data, FrameReader, Peer, HANDSHAKE_MAX_BODY};
 use crate::message::*;
 use crate::{Codec, Dtype, JobToken, KeyCodec};
@@ -325,6 +325,21 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
             vec![],
         ),
         (
+            Message::Mailbox {
+                push_slots: 8,
+                pull_slots: 4,
+                slot_bytes: 1 << 20,
+            },
+            vec![],
+        ),
+        (
+            Message::MailboxAck {
+                accepted: false,
+                reason: "no descriptor".into(),
+            },
+            vec![],
+        ),
+        (
             Message::Shutdown {
                 reason: "done".into(),
             },
@@ -354,6 +369,60 @@ fn every_message_round_trips_through_both_decoders() {
         let (m, p) = r.read_owned().unwrap();
         assert_eq!((m, p), (msg, payload));
         assert!(matches!(r.read(), Err(WireError::Closed)));
+    }
+}
+
+#[test]
+fn lent_frames_carry_a_locator_through_both_decoders() {
+    let push = Message::Push {
+        key: 3,
+        round: 9,
+        dtype: Dtype::F32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+        op: ReduceOp::Sum,
+    };
+    let lent = Lent { slot: 2, len: 4096 };
+    let bytes = push.encode_lent(lent);
+    assert_eq!(bytes.len(), HEADER_LEN + DATA_META_LEN + 8);
+    let frame = decode_frame(&bytes, 1 << 20).unwrap().expect("complete");
+    assert_eq!(
+        (&frame.message, frame.payload, frame.lent),
+        (&push, &[][..], Some(lent))
+    );
+    let mut wire = bytes.clone();
+    write_data(&mut wire, &Message::Heartbeat { seq: 1 }, &[]).unwrap();
+    let mut r = FrameReader::new(Cursor::new(wire), 1 << 20);
+    let f = r.read().unwrap();
+    assert_eq!((f.message, f.payload_len, f.lent), (push, 0, Some(lent)));
+    assert_eq!(r.read().unwrap().message, Message::Heartbeat { seq: 1 });
+    // The locator's length is checked as a payload's would be.
+    let odd = Message::PullReply {
+        key: 3,
+        round: 9,
+        dtype: Dtype::F32,
+        codec: Codec::Raw,
+    }
+    .encode_lent(Lent { slot: 0, len: 6 });
+    let e = decode_frame(&odd, 1 << 20).unwrap_err();
+    assert!(e.to_string().contains("multiple of f32"), "{e}");
+}
+
+#[test]
+fn a_mailbox_offer_is_checked_before_anything_is_mapped() {
+    for (push_slots, pull_slots, slot_bytes, why) in [
+        (0, 4, 4096, "push_slots"),
+        (4, 513, 4096, "pull_slots"),
+        (4, 4, 1000, "slot_bytes"),
+        (4, 4, 512 << 20, "slot_bytes"),
+    ] {
+        let m = Message::Mailbox {
+            push_slots,
+            pull_slots,
+            slot_bytes,
+        };
+        let e = decode_frame(&m.encode(0), 1 << 20).unwrap_err();
+        assert!(e.to_string().contains(why), "{e}");
     }
 }
 
@@ -398,6 +467,7 @@ fn body_err(op: Op, body: &[u8]) -> WireError {
     let mut bytes = crate::frame::Header {
         op,
         body_len: body.len() as u32,
+        lent: false,
     }
     .encode()
     .to_vec();
@@ -572,6 +642,7 @@ fn body_frame(body: &[u8]) -> Vec<u8> {
     let mut bytes = crate::frame::Header {
         op: Op::InitKey,
         body_len: body.len() as u32,
+        lent: false,
     }
     .encode()
     .to_vec();
@@ -938,6 +1009,7 @@ fn an_unauthenticated_hello_larger_than_the_handshake_limit_is_refused_unread() 
     let header = crate::frame::Header {
         op: Op::Hello,
         body_len: 60 << 20,
+        lent: false,
     };
     c.write_all(&header.encode()).unwrap();
     let err = server.join().unwrap().unwrap_err();

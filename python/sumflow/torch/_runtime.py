@@ -50,6 +50,7 @@ class _Options(TypedDict, total=False):
     shared_memory: bool
     hierarchical: bool
     local_sockets: bool
+    server_shared_memory: bool
     join_timeout: float
     heartbeat_timeout: float
     stall_warning: float
@@ -73,6 +74,7 @@ def _service_options() -> _Options:
         "shared_memory": settings.SHARED_MEMORY.read() == "on",
         "hierarchical": settings.HIERARCHICAL.read() == "on",
         "local_sockets": settings.LOCAL_SOCKETS.read() == "on",
+        "server_shared_memory": settings.SERVER_SHARED_MEMORY.read() == "on",
         "join_timeout": settings.JOIN_TIMEOUT.read(),
         "heartbeat_timeout": settings.HEARTBEAT_TIMEOUT.read(),
         "stall_warning": settings.STALL_WARNING.read(),

@@ -9,12 +9,13 @@
 
 use std::fs::{File, OpenOptions};
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, AtomicU64};
 use std::time::Duration;
+
+use sumflow_client::mailbox::Mapping;
 
 /// Where the machine's shared memory files live: memory-backed on Linux; elsewhere a
 /// plain directory, whose mappings are still shared, if slower.
@@ -23,20 +24,14 @@ pub const SHM_DIR: &str = "/dev/shm";
 #[cfg(not(target_os = "linux"))]
 pub const SHM_DIR: &str = "/tmp";
 
-/// A shared file mapped into this process.
+/// A shared file mapped into this process. Every access to the mapping goes through
+/// atomics or through ranges the round protocol gives one writer at a time.
 #[derive(Debug)]
 pub struct Segment {
     path: PathBuf,
     file: File,
-    base: NonNull<u8>,
-    len: usize,
+    map: Mapping,
 }
-
-// SAFETY: the mapping is plain memory shared with other processes anyway; every access
-// goes through atomics or through ranges the round protocol gives one writer at a time.
-unsafe impl Send for Segment {}
-// SAFETY: as for Send: `&Segment` hands out only atomics and raw pointers.
-unsafe impl Sync for Segment {}
 
 impl Segment {
     /// Opens (creating it if needed) the file at `path` with `len` bytes and maps it. Every
@@ -61,45 +56,28 @@ impl Segment {
                 path.display()
             )));
         }
-        // SAFETY: a fresh shared mapping of a file we hold open, of its whole length;
-        // the kernel picks the address.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                file.as_raw_fd(),
-                0,
-            )
-        };
-        if ptr == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        let base =
-            NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::other("mmap gave null"))?;
+        let map = Mapping::new(file.as_fd(), len)?;
         Ok(Segment {
             path: path.to_path_buf(),
             file,
-            base,
-            len,
+            map,
         })
     }
 
     pub fn len(&self) -> usize {
-        self.len
+        self.map.len()
     }
 
     /// The first byte of the mapping (page aligned).
     pub fn base(&self) -> *mut u8 {
-        self.base.as_ptr()
+        self.map.base()
     }
 
     /// Allocates the pages of `offset..offset + len` in the file, so that writing them
     /// cannot fail later. A full `/dev/shm` is an error here rather than a SIGBUS on the
     /// first store to a page tmpfs cannot back.
     pub fn reserve(&self, offset: usize, len: usize) -> io::Result<()> {
-        assert!(offset + len <= self.len, "reserve past the segment's end");
+        assert!(offset + len <= self.len(), "reserve past the segment's end");
         if len == 0 {
             return Ok(());
         }
@@ -136,37 +114,27 @@ impl Segment {
     /// The 32-bit word at `offset` (4-byte aligned, inside the segment).
     pub fn u32_at(&self, offset: usize) -> &AtomicU32 {
         assert!(
-            offset.is_multiple_of(4) && offset + 4 <= self.len,
+            offset.is_multiple_of(4) && offset + 4 <= self.len(),
             "bad word offset {offset}"
         );
         // SAFETY: in bounds and aligned (checked); the mapping lives as long as &self, and
         // AtomicU32 has u32's layout, which any 4 bytes of shared memory may hold.
-        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU32>() }
+        unsafe { &*self.base().add(offset).cast::<AtomicU32>() }
     }
 
     /// The 64-bit word at `offset` (8-byte aligned, inside the segment).
     pub fn u64_at(&self, offset: usize) -> &AtomicU64 {
         assert!(
-            offset.is_multiple_of(8) && offset + 8 <= self.len,
+            offset.is_multiple_of(8) && offset + 8 <= self.len(),
             "bad word offset {offset}"
         );
         // SAFETY: as for u32_at.
-        unsafe { &*self.base.as_ptr().add(offset).cast::<AtomicU64>() }
+        unsafe { &*self.base().add(offset).cast::<AtomicU64>() }
     }
 
     /// Removes the file's name; the mapping stays valid. A name already gone is fine.
     pub fn unlink(&self) {
         unlink(&self.path);
-    }
-}
-
-impl Drop for Segment {
-    fn drop(&mut self) {
-        // SAFETY: the mapping made in open, unmapped once; nothing borrowed from it
-        // outlives &self.
-        unsafe {
-            libc::munmap(self.base.as_ptr().cast(), self.len);
-        }
     }
 }
 
