@@ -233,6 +233,13 @@ impl Write for &Link {
         }
     }
 
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Link::Tcp(s) => (&*s).write_vectored(bufs),
+            Link::Local(s) => (&*s).write_vectored(bufs),
+        }
+    }
+
     fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
@@ -247,6 +254,10 @@ impl Read for Link {
 impl Write for Link {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         (&*self).write(buf)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        (&*self).write_vectored(bufs)
     }
 
     fn flush(&mut self) -> io::Result<()> {

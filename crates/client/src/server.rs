@@ -60,6 +60,17 @@ impl Default for ServerOptions {
     }
 }
 
+/// What a push carries.
+#[derive(Clone, Copy, Debug)]
+pub enum Pushed<'a> {
+    /// Nothing: the worker takes part in the round without contributing.
+    Skip,
+    /// Raw elements.
+    Raw(&'a [u8]),
+    /// A compressed f32 key's payload, encoded by its codec.
+    Compressed(Codec, &'a [u8]),
+}
+
 /// A round's sum as received.
 #[derive(Debug, PartialEq, Eq)]
 pub struct Pulled {
@@ -379,12 +390,12 @@ impl ServerSender {
         op: ReduceOp,
         data: &[u8],
     ) -> Result<()> {
-        self.push_encoded(key, round, dtype, Codec::Raw, (PushMode::Sum, op), data)
+        self.push_then(key, round, (dtype, op), Pushed::Raw(data), None)
     }
 
     /// Takes part in a round of a raw key without contributing to it: no payload.
     pub fn push_skip(&mut self, key: u64, round: u64, dtype: Dtype, op: ReduceOp) -> Result<()> {
-        self.push_encoded(key, round, dtype, Codec::Raw, (PushMode::Skip, op), &[])
+        self.push_then(key, round, (dtype, op), Pushed::Skip, None)
     }
 
     /// Pushes a payload of a compressed f32 key, encoded by its codec.
@@ -395,19 +406,42 @@ impl ServerSender {
         codec: Codec,
         payload: &[u8],
     ) -> Result<()> {
-        let how = (PushMode::Sum, ReduceOp::Sum);
-        self.push_encoded(key, round, Dtype::F32, codec, how, payload)
+        let how = (Dtype::F32, ReduceOp::Sum);
+        self.push_then(key, round, how, Pushed::Compressed(codec, payload), None)
     }
 
-    fn push_encoded(
+    /// Pushes and asks for the round's result (or only its completion, `wants_sum`
+    /// false) in one write: the pipeline's every partition.
+    pub fn push_and_pull(
         &mut self,
         key: u64,
         round: u64,
-        dtype: Dtype,
-        codec: Codec,
-        (mode, op): (PushMode, ReduceOp),
-        payload: &[u8],
+        (dtype, op): (Dtype, ReduceOp),
+        pushed: Pushed<'_>,
+        wants_sum: bool,
     ) -> Result<()> {
+        let pull = Message::Pull {
+            key,
+            round,
+            wants_sum,
+        };
+        self.push_then(key, round, (dtype, op), pushed, Some(&pull))
+    }
+
+    /// Writes a push, and `then` behind it in the same write.
+    fn push_then(
+        &mut self,
+        key: u64,
+        round: u64,
+        (dtype, op): (Dtype, ReduceOp),
+        pushed: Pushed<'_>,
+        then: Option<&Message>,
+    ) -> Result<()> {
+        let (mode, codec, payload) = match pushed {
+            Pushed::Skip => (PushMode::Skip, Codec::Raw, &[][..]),
+            Pushed::Raw(data) => (PushMode::Sum, Codec::Raw, data),
+            Pushed::Compressed(codec, data) => (PushMode::Sum, codec, data),
+        };
         let msg = Message::Push {
             key,
             round,
@@ -424,15 +458,22 @@ impl ServerSender {
             }
             _ => None,
         };
-        match lent {
+        let written = match lent {
             Some(lent) => {
                 self.lent_bytes = self.lent_bytes.wrapping_add(lent.inline_surplus());
                 self.lent_frames += 1;
-                io::write_lent(&mut self.stream, &msg, lent)
+                let mut frames = msg.encode_lent(lent);
+                if let Some(then) = then {
+                    frames.extend_from_slice(&then.encode(0));
+                }
+                self.stream.write_all(&frames).map_err(WireError::from)
             }
-            None => io::write_data(&mut self.stream, &msg, payload),
-        }
-        .map_err(|e| wire(&self.peer, e))
+            None => match then {
+                Some(then) => io::write_frames(&mut self.stream, &[(&msg, payload), (then, &[])]),
+                None => io::write_data(&mut self.stream, &msg, payload),
+            },
+        };
+        written.map_err(|e| wire(&self.peer, e))
     }
 
     /// Asks for round `round`'s result (`wants_sum`), or only for the notice that it is

@@ -58,6 +58,12 @@ impl<S: Write> Write for Counted<S> {
         Ok(n)
     }
 
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        let n = self.inner.write_vectored(bufs)?;
+        self.bytes += n as u64;
+        Ok(n)
+    }
+
     fn flush(&mut self) -> std::io::Result<()> {
         self.inner.flush()
     }

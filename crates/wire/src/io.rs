@@ -185,15 +185,47 @@ pub fn write_message<W: Write>(w: &mut W, msg: &Message) -> Result<(), WireError
 }
 
 /// Writes a frame and its payload; large payloads are written from the caller's buffer
-/// without copying.
+/// without copying, in the same system call as the header (so that, with Nagle's delay
+/// off, the header does not leave as a packet of its own).
 pub fn write_data<W: Write>(w: &mut W, msg: &Message, payload: &[u8]) -> Result<(), WireError> {
-    let mut head = msg.encode(payload.len());
-    if payload.len() <= COALESCE_LIMIT {
-        head.extend_from_slice(payload);
-        w.write_all(&head)?;
-    } else {
-        w.write_all(&head)?;
-        w.write_all(payload)?;
+    write_frames(w, &[(msg, payload)])
+}
+
+/// Writes several frames, each with its payload, in as few system calls as the stream
+/// takes them: one packet rather than one per frame for a push and the pull after it.
+pub fn write_frames<W: Write>(w: &mut W, frames: &[(&Message, &[u8])]) -> Result<(), WireError> {
+    // Small payloads are copied behind their header; large ones are written in place.
+    let mut heads: Vec<Vec<u8>> = Vec::with_capacity(frames.len());
+    for (msg, payload) in frames {
+        let mut head = msg.encode(payload.len());
+        if payload.len() <= COALESCE_LIMIT {
+            head.extend_from_slice(payload);
+        }
+        heads.push(head);
+    }
+    let mut slices = Vec::with_capacity(2 * frames.len());
+    for (head, (_, payload)) in heads.iter().zip(frames) {
+        slices.push(stdio::IoSlice::new(head));
+        if payload.len() > COALESCE_LIMIT {
+            slices.push(stdio::IoSlice::new(payload));
+        }
+    }
+    write_all_vectored(w, &mut slices)?;
+    Ok(())
+}
+
+/// `write_all` for several buffers at once, through `write_vectored`.
+fn write_all_vectored<W: Write>(
+    w: &mut W,
+    mut slices: &mut [stdio::IoSlice<'_>],
+) -> stdio::Result<()> {
+    while !slices.is_empty() {
+        match w.write_vectored(slices) {
+            Ok(0) => return Err(stdio::ErrorKind::WriteZero.into()),
+            Ok(n) => stdio::IoSlice::advance_slices(&mut slices, n),
+            Err(e) if e.kind() == stdio::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
     }
     Ok(())
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
 use crate::error::{ErrorCode, WireError};
 use crate::frame::{Lent, Op, HEADER_LEN};
-use crate::io::{accept, connect, write_data, FrameReader, Peer, HANDSHAKE_MAX_BODY};
+use crate::io::{accept, connect, write_data, write_frames, FrameReader, Peer, HANDSHAKE_MAX_BODY};
 use crate::message::*;
 use crate::{Codec, Dtype, JobToken, KeyCodec};
 
@@ -423,6 +423,80 @@ fn a_mailbox_offer_is_checked_before_anything_is_mapped() {
         };
         let e = decode_frame(&m.encode(0), 1 << 20).unwrap_err();
         assert!(e.to_string().contains(why), "{e}");
+    }
+}
+
+/// A writer that takes at most `max` bytes per call, vectored or not, as a busy socket may.
+struct Trickle {
+    out: Vec<u8>,
+    max: usize,
+    calls: usize,
+}
+
+impl Write for Trickle {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_vectored(&[std::io::IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[std::io::IoSlice<'_>]) -> std::io::Result<usize> {
+        self.calls += 1;
+        let mut n = 0;
+        for b in bufs {
+            let take = b.len().min(self.max - n);
+            self.out.extend_from_slice(&b[..take]);
+            n += take;
+            if n == self.max {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn frames_written_together_are_the_frames_written_one_by_one() {
+    let push = Message::Push {
+        key: 1,
+        round: 1,
+        dtype: Dtype::I32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+        op: ReduceOp::Sum,
+    };
+    let pull = Message::Pull {
+        key: 1,
+        round: 1,
+        wants_sum: true,
+    };
+    for len in [16, 200_000] {
+        let payload: Vec<u8> = (0..len).map(|i| i as u8).collect();
+        let mut want = push.encode_with_payload(&payload);
+        want.extend_from_slice(&pull.encode(0));
+        // One call when the stream takes everything; whole frames however it trickles.
+        let mut all = Trickle {
+            out: Vec::new(),
+            max: usize::MAX,
+            calls: 0,
+        };
+        write_frames(&mut all, &[(&push, &payload), (&pull, &[])]).unwrap();
+        assert_eq!((all.out == want, all.calls), (true, 1), "{len} bytes");
+        let mut trickle = Trickle {
+            out: Vec::new(),
+            max: 7_001,
+            calls: 0,
+        };
+        let mut counted = crate::accounting::Counted::new(&mut trickle);
+        write_frames(&mut counted, &[(&push, &payload), (&pull, &[])]).unwrap();
+        assert_eq!(
+            counted.counted(),
+            want.len() as u64,
+            "counted through write_vectored"
+        );
+        assert!(trickle.out == want, "{len} bytes in pieces");
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use sumflow_client::server::ServerSender;
+use sumflow_client::server::{Pushed, ServerSender};
 use sumflow_compress::Compressor;
 use sumflow_plan::scheduler::Order;
 
@@ -105,17 +105,15 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
             } else {
                 Ok(())
             };
-            let sent = init
-                .and_then(|()| {
-                    if !pushes {
-                        tx.push_skip(key, round, dtype, op)
-                    } else if codec.is_raw() {
-                        tx.push_reduced(key, round, dtype, op, data.bytes())
-                    } else {
-                        tx.push_compressed(key, round, codec.codec, &buffers.payload)
-                    }
-                })
-                .and_then(|()| tx.pull(key, round, wants_sum));
+            let pushed = if !pushes {
+                Pushed::Skip
+            } else if codec.is_raw() {
+                Pushed::Raw(data.bytes())
+            } else {
+                Pushed::Compressed(codec.codec, &buffers.payload)
+            };
+            let sent =
+                init.and_then(|()| tx.push_and_pull(key, round, (dtype, op), pushed, wants_sum));
             sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
             sent
         };
