@@ -39,26 +39,39 @@ def launch(np: int, argv: list[str], env: dict[str, str]) -> subprocess.Complete
 @pytest.mark.parametrize(
     ("workers", "expect", "server_sockets", "shape"),
     [
-        (3, "shared", "unix", []),
-        (4, "shared", "unix", []),
+        (3, "shared", "mailbox", []),
+        (4, "shared", "mailbox", []),
+        (3, "servers", "mailbox", []),
         (3, "servers", "unix", []),
         (3, "servers", "tcp", []),
         # Several machines of several workers (issue 23's shapes): tensors that span
         # machines go through the servers, a process set of one machine's workers stays
         # in its shared memory; with CPU-only servers too.
-        (4, "machines", "unix", ["--local-size", "2", "--servers", "1"]),
-        (6, "machines", "unix", ["--local-size", "3"]),
+        (4, "machines", "mailbox", ["--local-size", "2", "--servers", "1"]),
+        (6, "machines", "mailbox", ["--local-size", "3"]),
     ],
-    ids=["shared-3", "shared-4", "servers-unix", "servers-tcp", "2x2-k1", "2x3-k0"],
+    ids=[
+        "shared-3",
+        "shared-4",
+        "servers-mailbox",
+        "servers-unix",
+        "servers-tcp",
+        "2x2-k1",
+        "2x3-k0",
+    ],
 )
 def test_every_collective_is_exact_in_shared_memory_and_through_the_servers(
     tmp_path: Path, workers: int, expect: str, server_sockets: str, shape: list[str]
 ) -> None:
-    """Through the servers, over this machine's Unix sockets (the default) and over TCP
-    (``SUMFLOW_LOCAL_SOCKETS=off``), and on several emulated machines of several workers
-    each (sizes not divisible by the workers per machine, every dtype)."""
+    """Through the servers: through the mailbox each worker shares with a server on its
+    machine (the default), through their Unix sockets alone
+    (``SUMFLOW_SERVER_SHARED_MEMORY=off``) and over TCP (``SUMFLOW_LOCAL_SOCKETS=off``);
+    and on several emulated machines of several workers each (sizes not divisible by the
+    workers per machine, every dtype)."""
     before = ours()
     off = ["-x", "SUMFLOW_SHARED_MEMORY=off"] if expect == "servers" else [*shape]
+    if server_sockets == "unix":
+        off += ["-x", "SUMFLOW_SERVER_SHARED_MEMORY=off"]
     if server_sockets == "tcp":
         off += ["-x", "SUMFLOW_LOCAL_SOCKETS=off"]
     run = launch(workers, [*off, sys.executable, str(WORKER), str(tmp_path), expect], clean_env())
