@@ -306,9 +306,10 @@ mod tests {
     }
 
     fn tempfile_in_memory() -> std::fs::File {
-        let (_, fd) = crate::mailbox::Mailbox::create(1, 1, 4096).unwrap();
-        let f = std::fs::File::from(fd);
-        f.set_len(0).unwrap();
-        f
+        // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
+        let raw = unsafe { libc::memfd_create(c"test".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0, "{}", io::Error::last_os_error());
+        // SAFETY: a fresh descriptor that nothing else owns.
+        std::fs::File::from(unsafe { OwnedFd::from_raw_fd(raw) })
     }
 }

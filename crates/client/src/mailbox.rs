@@ -36,6 +36,9 @@ use sumflow_wire::Lent;
 /// carries them in the same write, which a lent frame needs anyway.
 pub const MIN_LENT_BYTES: usize = 4096;
 
+/// A mailbox's memory keeps its size for good: neither side can shrink it under the other.
+const SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW | libc::F_SEAL_SEAL;
+
 /// A slot no one has lent: its holder (the worker for push slots, the server for pull
 /// slots) may fill it.
 const FREE: u32 = 0;
@@ -155,13 +158,25 @@ impl Mailbox {
         );
         // SAFETY: memfd_create with a NUL-terminated name; the descriptor it returns is
         // ours alone, owned from here on.
-        let fd = unsafe { libc::memfd_create(c"sumflow-mailbox".as_ptr(), libc::MFD_CLOEXEC) };
+        let fd = unsafe {
+            libc::memfd_create(
+                c"sumflow-mailbox".as_ptr(),
+                libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING,
+            )
+        };
         if fd < 0 {
             return Err(io::Error::last_os_error());
         }
         // SAFETY: a fresh descriptor that nothing else owns.
         let fd = unsafe { OwnedFd::from_raw_fd(fd) };
         File::from(fd.try_clone()?).set_len(Self::bytes_for(push_slots, pull_slots, slot_bytes))?;
+        // Sealed at its size: the server, which maps it, must never find part of it gone
+        // (a store to a page past the end of a shrunk file is a SIGBUS).
+        // SAFETY: fcntl on a descriptor we own.
+        let sealed = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, SEALS) };
+        if sealed != 0 {
+            return Err(io::Error::last_os_error());
+        }
         let mailbox = Self::map(fd.as_fd(), push_slots, pull_slots, slot_bytes)?;
         Ok((mailbox, fd))
     }
@@ -174,6 +189,14 @@ impl Mailbox {
         pull_slots: u32,
         slot_bytes: u64,
     ) -> io::Result<Mailbox> {
+        // SAFETY: fcntl on a descriptor we own; anything but a memfd answers an error.
+        let seals = unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) };
+        if seals < 0 || seals & libc::F_SEAL_SHRINK == 0 {
+            return Err(io::Error::other(
+                "the descriptor passed is not memory sealed against shrinking (a memfd with \
+                 F_SEAL_SHRINK), so the server could not safely map it",
+            ));
+        }
         let want = Self::bytes_for(push_slots, pull_slots, slot_bytes);
         let file = File::from(fd);
         let meta = file.metadata()?;
@@ -402,9 +425,22 @@ mod tests {
     }
 
     #[test]
-    fn memory_of_another_shape_is_refused() {
+    fn memory_of_another_shape_or_that_could_shrink_is_refused() {
         let (_worker, fd) = Mailbox::create(1, 1, 4096).unwrap();
+        let shrink = File::from(fd.try_clone().unwrap()).set_len(0);
+        assert!(shrink.is_err(), "sealed at its size");
         let e = Mailbox::adopt(fd, 2, 1, 4096).unwrap_err();
         assert!(e.to_string().contains("not the"), "{e}");
+        // SAFETY: memfd_create with a NUL-terminated name; the descriptor is owned below.
+        let raw = unsafe { libc::memfd_create(c"unsealed".as_ptr(), libc::MFD_CLOEXEC) };
+        assert!(raw >= 0);
+        // SAFETY: a fresh descriptor that nothing else owns.
+        let unsealed = unsafe { OwnedFd::from_raw_fd(raw) };
+        let bytes = Mailbox::bytes_for(1, 1, 4096);
+        File::from(unsealed.try_clone().unwrap())
+            .set_len(bytes)
+            .unwrap();
+        let e = Mailbox::adopt(unsealed, 1, 1, 4096).unwrap_err();
+        assert!(e.to_string().contains("sealed against shrinking"), "{e}");
     }
 }
