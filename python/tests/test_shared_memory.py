@@ -74,10 +74,20 @@ def test_every_collective_is_exact_in_shared_memory_and_through_the_servers(
         off += ["-x", "SUMFLOW_SERVER_SHARED_MEMORY=off"]
     if server_sockets == "tcp":
         off += ["-x", "SUMFLOW_LOCAL_SOCKETS=off"]
-    run = launch(workers, [*off, sys.executable, str(WORKER), str(tmp_path), expect], clean_env())
+    env = {**clean_env(), "RUST_LOG": "sumflow_comm=info"}
+    run = launch(workers, [*off, sys.executable, str(WORKER), str(tmp_path), expect], env)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     for rank in range(workers):
         assert (tmp_path / f"rank{rank}.txt").read_text() == "ok", rank
+    if expect == "servers":
+        # Worker 0 says how it reached the machine's one server.
+        reached = {
+            "mailbox": "1 through shared memory, 0 through a Unix socket, 0 over TCP",
+            "unix": "0 through shared memory, 1 through a Unix socket, 0 over TCP",
+            "tcp": "0 through shared memory, 0 through a Unix socket, 1 over TCP",
+        }[server_sockets]
+        out = run.stdout + run.stderr
+        assert f"1 summation server(s): {reached}" in out, out[-3000:]
     assert ours() <= before, f"left in /dev/shm: {ours() - before}"
 
 

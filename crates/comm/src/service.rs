@@ -607,16 +607,36 @@ impl CommunicationService {
             })
             .collect();
         let mut links = Vec::new();
+        // How the servers are reached: through shared memory, a Unix socket alone, TCP.
+        let mut reached = [0usize; 3];
         for (s, &count) in map.servers.iter().zip(&lanes) {
             let mut lanes = Vec::new();
             for _ in 0..count {
                 let c = ServerClient::connect(&s.addr(), &cfg.token, job.rank(), &cfg.name, &opts)?;
+                if lanes.is_empty() {
+                    reached[usize::from(!c.has_mailbox()) + usize::from(!c.is_machine_local())] +=
+                        1;
+                }
                 lanes.push((c.tx, c.rx));
             }
             links.push(ServerLink {
                 name: format!("server {} ({})", s.rank, s.addr()),
                 lanes,
             });
+        }
+        // Said once per job (by worker 0, as the partition size is), the others in debug.
+        let reached = format!(
+            "{} summation server(s): {} through shared memory, {} through a Unix socket, {} \
+             over TCP",
+            map.servers.len(),
+            reached[0],
+            reached[1],
+            reached[2]
+        );
+        if job.rank() == 0 {
+            info!("{reached}");
+        } else {
+            debug!("{reached}");
         }
         // Every worker must cut tensors into the same partitions and pieces, or the servers
         // wait for keys the others never send. Declared as tensors, the layout is compared
