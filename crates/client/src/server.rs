@@ -571,8 +571,10 @@ impl ServerReceiver {
     /// frame from the server becomes `ClientError::Remote` with the server's code and
     /// message.
     pub fn recv_header(&mut self) -> Result<Reply<SumHeader>> {
-        // A lent sum left unread is dropped, as an unread payload would be refused.
-        self.pending_lent = None;
+        // A lent sum left unread is dropped, its slot handed back to the server.
+        if let Some(lent) = self.pending_lent.take() {
+            drop(self.take_lent(lent));
+        }
         let started = Instant::now();
         let frame = self
             .reader

@@ -552,6 +552,30 @@ fn payloads_pass_through_the_mailbox_and_sum_with_those_on_tcp() {
     stop(h);
 }
 
+/// A lent sum the worker never reads (it received something else next) hands its slot
+/// back all the same: every later sum is lent too.
+#[test]
+fn a_lent_sum_left_unread_hands_its_slot_back() {
+    let (h, addr) = start(1, 1);
+    let mut c = worker(&addr, 0);
+    let data = encode_i32(&[3; 2048]);
+    c.init_key(1, Dtype::I32, data.len() as u64, None).unwrap();
+    let rounds = 6; // more than the mailbox's pull slots
+    for r in 1..=rounds {
+        c.tx.push(1, r, Dtype::I32, &data).unwrap();
+        c.tx.pull(1, r, true).unwrap();
+        loop {
+            if let Reply::Sum(head) = c.rx.recv_header().unwrap() {
+                assert_eq!((head.round, head.len), (r, data.len()));
+                break;
+            }
+        }
+        c.heartbeat(r).unwrap();
+    }
+    assert_eq!(c.lent_frames(), (rounds, rounds));
+    stop(h);
+}
+
 /// A mailbox offered without shared memory behind it is declined, saying why, and the
 /// connection goes on through the socket; a lent push where no mailbox was taken is
 /// refused.
