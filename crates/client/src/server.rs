@@ -468,10 +468,7 @@ impl ServerSender {
                 }
                 self.stream.write_all(&frames).map_err(WireError::from)
             }
-            None => match then {
-                Some(then) => io::write_frames(&mut self.stream, &[(&msg, payload), (then, &[])]),
-                None => io::write_data(&mut self.stream, &msg, payload),
-            },
+            None => io::write_data_then(&mut self.stream, &msg, payload, then),
         };
         written.map_err(|e| wire(&self.peer, e))
     }

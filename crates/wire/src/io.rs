@@ -188,29 +188,31 @@ pub fn write_message<W: Write>(w: &mut W, msg: &Message) -> Result<(), WireError
 /// without copying, in the same system call as the header (so that, with Nagle's delay
 /// off, the header does not leave as a packet of its own).
 pub fn write_data<W: Write>(w: &mut W, msg: &Message, payload: &[u8]) -> Result<(), WireError> {
-    write_frames(w, &[(msg, payload)])
+    write_data_then(w, msg, payload, None)
 }
 
-/// Writes several frames, each with its payload, in as few system calls as the stream
-/// takes them: one packet rather than one per frame for a push and the pull after it.
-pub fn write_frames<W: Write>(w: &mut W, frames: &[(&Message, &[u8])]) -> Result<(), WireError> {
-    // Small payloads are copied behind their header; large ones are written in place.
-    let mut heads: Vec<Vec<u8>> = Vec::with_capacity(frames.len());
-    for (msg, payload) in frames {
-        let mut head = msg.encode(payload.len());
-        if payload.len() <= COALESCE_LIMIT {
-            head.extend_from_slice(payload);
-        }
-        heads.push(head);
+/// [`write_data`], and the payload-less frame `then` behind it in the same system call:
+/// one packet rather than two for a push and the pull after it.
+pub fn write_data_then<W: Write>(
+    w: &mut W,
+    msg: &Message,
+    payload: &[u8],
+    then: Option<&Message>,
+) -> Result<(), WireError> {
+    let mut head = msg.encode(payload.len());
+    let tail = then.map(|m| m.encode(0)).unwrap_or_default();
+    if payload.len() <= COALESCE_LIMIT {
+        head.extend_from_slice(payload);
+        head.extend_from_slice(&tail);
+        w.write_all(&head)?;
+    } else {
+        let mut slices = [
+            stdio::IoSlice::new(&head),
+            stdio::IoSlice::new(payload),
+            stdio::IoSlice::new(&tail),
+        ];
+        write_all_vectored(w, &mut slices)?;
     }
-    let mut slices = Vec::with_capacity(2 * frames.len());
-    for (head, (_, payload)) in heads.iter().zip(frames) {
-        slices.push(stdio::IoSlice::new(head));
-        if payload.len() > COALESCE_LIMIT {
-            slices.push(stdio::IoSlice::new(payload));
-        }
-    }
-    write_all_vectored(w, &mut slices)?;
     Ok(())
 }
 

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use crate::cluster::{ClusterMap, NodeId, NodeInfo, Role};
 use crate::error::{ErrorCode, WireError};
 use crate::frame::{Lent, Op, HEADER_LEN};
-use crate::io::{accept, connect, write_data, write_frames, FrameReader, Peer, HANDSHAKE_MAX_BODY};
+use crate::io::{
+    accept, connect, write_data, write_data_then, FrameReader, Peer, HANDSHAKE_MAX_BODY,
+};
 use crate::message::*;
 use crate::{Codec, Dtype, JobToken, KeyCodec};
 
@@ -457,16 +459,21 @@ impl Write for Trickle {
     }
 }
 
-#[test]
-fn frames_written_together_are_the_frames_written_one_by_one() {
-    let push = Message::Push {
+/// A raw i32 push of key 1, round 1.
+fn raw_push() -> Message {
+    Message::Push {
         key: 1,
         round: 1,
         dtype: Dtype::I32,
         codec: Codec::Raw,
         mode: PushMode::Sum,
         op: ReduceOp::Sum,
-    };
+    }
+}
+
+#[test]
+fn frames_written_together_are_the_frames_written_one_by_one() {
+    let push = raw_push();
     let pull = Message::Pull {
         key: 1,
         round: 1,
@@ -482,7 +489,7 @@ fn frames_written_together_are_the_frames_written_one_by_one() {
             max: usize::MAX,
             calls: 0,
         };
-        write_frames(&mut all, &[(&push, &payload), (&pull, &[])]).unwrap();
+        write_data_then(&mut all, &push, &payload, Some(&pull)).unwrap();
         assert_eq!((all.out == want, all.calls), (true, 1), "{len} bytes");
         let mut trickle = Trickle {
             out: Vec::new(),
@@ -490,7 +497,7 @@ fn frames_written_together_are_the_frames_written_one_by_one() {
             calls: 0,
         };
         let mut counted = crate::accounting::Counted::new(&mut trickle);
-        write_frames(&mut counted, &[(&push, &payload), (&pull, &[])]).unwrap();
+        write_data_then(&mut counted, &push, &payload, Some(&pull)).unwrap();
         assert_eq!(
             counted.counted(),
             want.len() as u64,
@@ -503,14 +510,7 @@ fn frames_written_together_are_the_frames_written_one_by_one() {
 #[test]
 fn streamed_frames_follow_each_other() {
     let mut wire = Vec::new();
-    let push = Message::Push {
-        key: 1,
-        round: 1,
-        dtype: Dtype::I32,
-        codec: Codec::Raw,
-        mode: PushMode::Sum,
-        op: ReduceOp::Sum,
-    };
+    let push = raw_push();
     let big = vec![5u8; 200_000];
     write_data(&mut wire, &push, &big).unwrap();
     write_data(
