@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # The CUDA checks, for a machine with a GPU, torch and torchvision (run from the repository
-# root, with sumflow's extension built into python/sumflow): the CUDA tests, then ResNet-50
-# trained through sumflow by one worker (at the defaults, alternating with gradients sent
-# one by one) and by two sharing the GPU (backward time with and without sumflow's hooks,
-# sums checked), then, given HOROVOD_SUITE (a copy of ../shared/conformance/horovod-torch),
-# Horovod's suite with CUDA tensors, last, as it takes the longest. Results and logs go to
-# the folder given, each as soon as its step ends. About 6 minutes on an H200.
+# root, with sumflow's extension built into python/sumflow). Steps, all by default, in
+# this order:
+#   tests      python/tests/test_cuda.py
+#   b64        ResNet-50 trained through sumflow by one worker, 64 images (the defaults),
+#              twice; backward timed with and without sumflow's hooks, sums checked
+#   gradient   the same with every gradient sent alone (SUMFLOW_FUSION_THRESHOLD=0)
+#   spans16    the same in 16 MiB spans (not run by default)
+#   b128       one worker, 128 images
+#   np2        two workers sharing the GPU, 64 images each
+#   profile    one worker, 64 images, then where the hooks' time goes (cProfile)
+#   horovod    Horovod's suite with CUDA tensors, given HOROVOD_SUITE (a copy of
+#              ../shared/conformance/horovod-torch); last, as it takes the longest
+# Results and logs go to the folder given, each as soon as its step ends (the suite's
+# log as it runs, so that a hang leaves it behind). About 6 minutes on an H200.
 #
 #     bench/cuda_check.sh cuda-results
-#     HOROVOD_SUITE=.devrun/hvd bench/cuda_check.sh cuda-results
+#     HOROVOD_SUITE=.devrun/hvd bench/cuda_check.sh cuda-results tests profile horovod
 set -uo pipefail
-out=${1:?usage: bench/cuda_check.sh OUT_DIR}
+out=${1:?usage: bench/cuda_check.sh OUT_DIR [STEP...]}
+shift
+steps=${*:-tests b64 gradient b128 np2 horovod}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/python:$PWD/bench" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -20,29 +30,59 @@ status=0
   "$python" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)'
   nproc
 } 2>&1 | tee "$out/device.txt"
-echo "== CUDA tests"
-timeout 200 "$python" -m pytest -q -p no:cacheprovider -rs python/tests/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
-run() {  # tag, workers, images per worker, sumflow-run flags...
+resnet() {  # tag, workers, images per worker, then sumflow-run's flags and '--' and the benchmark's
   local tag=$1 np=$2 batch=$3
   shift 3
+  local flags=() extra=()
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do flags+=("$1"); shift; done
+  [ $# -gt 0 ] && shift && extra=("$@")
   echo "== ResNet-50 ($tag), $np worker(s), batch $batch"
   # sumflow-run forwards SUMFLOW_* settings only through -x, never from its environment.
-  timeout 90 "$python" -m sumflow.launcher -np "$np" --timeout 60 "$@" "$python" -m sumflow_bench.cuda_training \
-    --steps 30 --batch "$batch" --json "$out/resnet50-$tag.json" --plot "$out/resnet50-$tag.png" \
-    2>&1 | tee "$out/resnet50-$tag.log" | grep -E "backward:|Error" || status=1
+  timeout -k 5 90 "$python" -m sumflow.launcher -np "$np" --timeout 60 "${flags[@]}" \
+    "$python" -m sumflow_bench.cuda_training --steps 30 --batch "$batch" \
+    --json "$out/resnet50-$tag.json" --plot "$out/resnet50-$tag.png" "${extra[@]}" \
+    > "$out/resnet50-$tag.log" 2>&1 || status=1
+  grep -E "backward:|Error" "$out/resnet50-$tag.log"
 }
-run np1-b64 1 64
-run np1-b64-per-gradient 1 64 -x SUMFLOW_FUSION_THRESHOLD=0
-run np1-b64-again 1 64
-run np1-b128 1 128
-run np2-b64 2 64
-if [ -n "${HOROVOD_SUITE:-}" ]; then
+horovod() {
+  if [ -z "${HOROVOD_SUITE:-}" ]; then
+    echo "== Horovod's suite skipped: HOROVOD_SUITE is not set"
+    return
+  fi
   echo "== Horovod's suite, CUDA tensors, two one-GPU machines sharing the GPU"
+  local bin suite
   bin=$(mktemp -d)
+  suite=$(mktemp -d)
   printf '#!/bin/sh\nexec %s -m sumflow.launcher "$@"\n' "$python" > "$bin/sumflow-run"
   printf '#!/bin/sh\nexec %s "$@"\n' "$python" > "$bin/python"
   chmod +x "$bin/sumflow-run" "$bin/python"
-  PATH="$bin:$PATH" timeout 420 bash "$HOROVOD_SUITE/run.sh" -np 2 \
-    --launcher-flags '--machine-per-worker --timeout 60' 2>&1 | tee "$out/horovod.log" | tail -3 || status=1
-fi
+  # run.sh keeps the suite's output in a folder it deletes, and shows it at the end: a
+  # copy writes it here instead, where a test that hangs leaves it to read.
+  cp "$HOROVOD_SUITE"/* "$suite"/
+  sed -i "s#\"\$work/out.log\"#\"$out/horovod-out.log\"#g" "$suite/run.sh"
+  local extra=(-v)
+  # A test that hangs fails after 90 s with every thread's stack, where pytest-timeout is.
+  "$python" -c 'import pytest_timeout' 2> /dev/null && extra+=(--timeout 90)
+  PATH="$bin:$PATH" timeout -k 5 420 bash "$suite/run.sh" -np 2 \
+    --launcher-flags '--machine-per-worker --timeout 60' -- "${extra[@]}" \
+    > "$out/horovod.log" 2>&1 || status=1
+  tail -3 "$out/horovod.log"
+}
+for step in $steps; do
+  case $step in
+    tests)
+      echo "== CUDA tests"
+      timeout -k 5 200 "$python" -m pytest -q -p no:cacheprovider -rs python/tests/test_cuda.py \
+        > "$out/test_cuda.log" 2>&1 || status=1
+      tail -3 "$out/test_cuda.log" ;;
+    b64) resnet np1-b64 1 64; resnet np1-b64-again 1 64 ;;
+    gradient) resnet np1-b64-per-gradient 1 64 -x SUMFLOW_FUSION_THRESHOLD=0 ;;
+    spans16) resnet np1-b64-16mib 1 64 -x SUMFLOW_FUSION_THRESHOLD=16777216 ;;
+    b128) resnet np1-b128 1 128 ;;
+    np2) resnet np2-b64 2 64 ;;
+    profile) resnet np1-b64-profile 1 64 -- --profile-hooks ;;
+    horovod) horovod ;;
+    *) echo "cuda_check.sh: unknown step $step" >&2; exit 2 ;;
+  esac
+done
 exit $status

@@ -1,14 +1,16 @@
 """ResNet-50 trained on CUDA through sumflow: what the CUDA staging adds to backward, and
 the sums checked.
 
-Every worker holds two copies of torchvision's ResNet-50 with the same parameters: one
-plain (no hooks: the backward pass without sumflow) and one under
-``DistributedOptimizer`` (whose gradient hooks queue each gradient's copy to host memory
-and hand it to the summation as the copy completes). Each step runs the same batch
-through both, alternating, and times each backward pass from its start until the last
-kernel on the compute stream is done (wall clock: a hook that blocks the CPU counts as
-much as GPU time). The ratio of the medians is what the staging adds; ``step()`` (the
-wait for the sums and the update) is timed apart.
+Every worker holds three copies of torchvision's ResNet-50 with the same parameters: one
+plain (no hooks: the backward pass without sumflow), one with an empty Python hook on
+every parameter (the least any per-gradient hook costs, Horovod's and sumflow's alike:
+autograd calls into Python once per gradient), and one under ``DistributedOptimizer``
+(whose gradient hooks queue each gradient's copy to host memory and hand it to the
+summation as the copy completes). Each step runs the same batch through all three, in
+turn, and times each backward pass from its start until the last kernel on the compute
+stream is done (wall clock: a hook that blocks the CPU counts as much as GPU time). The
+ratio of the medians, sumflow's to plain, is what the staging adds; ``step()`` (the wait
+for the sums and the update) is timed apart.
 
 On the first step every worker also checks its averaged gradients against the average it
 computes itself, on a third copy, from every worker's batch (each worker's batch is
@@ -129,8 +131,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.backends.cudnn.benchmark = False
     model = resnet50(device)
     plain = copy.deepcopy(model)
+    empty = copy.deepcopy(model)
+    for p in empty.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: None)
     reference = copy.deepcopy(model)
     plain_opt = torch.optim.SGD(plain.parameters(), lr=0.01, momentum=0.9)
+    empty_opt = torch.optim.SGD(empty.parameters(), lr=0.01, momentum=0.9)
     # Hooks run in the order they were registered: one before sumflow's and one after
     # time what sumflow's costs backward's thread.
     hook_s = [0.0]
@@ -168,6 +174,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     log(f"step 0: averaged gradients match the reference (largest relative error {error:.1e})")
 
     plain_s: list[float] = []
+    empty_s: list[float] = []
     sumflow_s: list[float] = []
     step_s: list[float] = []
     in_hooks_s: list[float] = []
@@ -178,6 +185,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.synchronize()
         plain_time = timed_backward(loss)
         plain_opt.step()
+        empty_opt.zero_grad()
+        loss = loss_of(empty, batch)
+        torch.cuda.synchronize()
+        empty_time = timed_backward(loss)
+        empty_opt.step()
         opt.zero_grad()
         loss = loss_of(model, batch)
         torch.cuda.synchronize()
@@ -190,6 +202,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         step_time = time.perf_counter() - start
         if step > args.warmup:
             plain_s.append(plain_time)
+            empty_s.append(empty_time)
             sumflow_s.append(sumflow_time)
             step_s.append(step_time)
             in_hooks_s.append(hooks_time)
@@ -211,6 +224,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.all(totals == totals[0]):
         raise AssertionError(f"workers' parameters differ: sums {totals.tolist()}")
     plain_med, sumflow_med = statistics.median(plain_s), statistics.median(sumflow_s)
+    empty_med = statistics.median(empty_s)
     result = {
         "rank": hvd.rank(),
         "device": torch.cuda.get_device_name(device),
@@ -221,16 +235,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backward_plain_s": plain_med,
         "backward_sumflow_s": sumflow_med,
         "backward_ratio": sumflow_med / plain_med,
+        "backward_empty_hooks_s": empty_med,
+        "empty_hooks_ratio": empty_med / plain_med,
         "step_s": statistics.median(step_s),
         "hooks_s": statistics.median(in_hooks_s),
         "gradients": sum(1 for _ in model.parameters()),
         "check_relative_error": error,
         "plain_s": plain_s,
+        "empty_s": empty_s,
         "sumflow_s": sumflow_s,
     }
     log(
         f"backward: {plain_med * 1e3:.1f} ms plain, {sumflow_med * 1e3:.1f} ms with sumflow's "
-        f"hooks ({sumflow_med / plain_med:.3f}x), {result['hooks_s'] * 1e3:.1f} ms of it in "
+        f"hooks ({sumflow_med / plain_med:.3f}x; empty hooks {empty_med * 1e3:.1f} ms, "
+        f"{empty_med / plain_med:.3f}x), {result['hooks_s'] * 1e3:.1f} ms of it in "
         f"sumflow's {result['gradients']} hooks; step() {result['step_s'] * 1e3:.1f} ms"
     )
     hvd.shutdown()
@@ -244,7 +262,11 @@ def plot(result: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label in (("plain_s", "without sumflow"), ("sumflow_s", "sumflow hooks")):
+    for key, label in (
+        ("plain_s", "without sumflow"),
+        ("empty_s", "empty Python hooks"),
+        ("sumflow_s", "sumflow hooks"),
+    ):
         ax.plot([t * 1e3 for t in result[key]], marker=".", label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("backward pass (ms)")

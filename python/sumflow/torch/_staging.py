@@ -5,27 +5,35 @@ copy. A CUDA tensor goes through a pinned host buffer (cached by tensor name and
 and reused every step) in a pipeline that never makes the caller wait for the GPU
 (BytePS §6.1: the copy between GPU and host memory is a stage of its own):
 
-1. ``to_host`` (in the caller: a gradient hook, during backward) queues the copy into the
-   pinned buffer on a side stream, behind the work already queued on the caller's stream
-   (the gradient's producer), and an event after it, and returns.
-2. The *issuer* thread (``after_copy``) waits for those events in order (blocking-sync
-   events: it sleeps, it does not spin) and hands each buffer to the core as soon as its
-   copy is complete.
+1. ``to_host`` (in the caller: a gradient hook, during backward) records an event on the
+   caller's stream, behind the work that produces the tensor, and returns. That is all
+   backward's thread does: on an H200 a gradient pass launches kernels about as fast as
+   the GPU runs them, so every microsecond of Python in a hook lengthens backward.
+2. The *issuer* thread (``after_copy``) queues each copy into its pinned buffer on a side
+   stream, behind that event, and an event after it (every copy waiting in line is queued
+   before the issuer waits for the first, so the copy engine runs them back to back);
+   then it waits for those events in order (blocking-sync events: it sleeps, it does not
+   spin) and hands each buffer to the core as soon as its copy is complete.
 3. ``copy_back`` queues the copy of the result into the tensor on the side stream and
    makes the caller's stream wait for it on the GPU: nothing on the CPU waits.
 
 The caller keeps the rest (compression, scaling, declaring): handing that to another
 thread was measured slower, since both then compete for the GIL during backward.
 
-A pinned buffer is rewritten only by the next copy into it, queued on the same side stream
-after the copy out of it, and the core fills it only after that copy's event: no buffer
-is overwritten while a copy still reads it, without any CPU wait. Its event is reused
-too: a name is never in flight twice, so the issuer has waited for the last recording
-before the next one.
+The tensor is copied after the caller returned, so it must stay alive and unwritten until
+its copy completes: it does, since the caller's work holds it until its sum is finished
+(Horovod's contract: a tensor in flight is not touched), and the work's finish comes only
+after the copy. A pinned buffer is rewritten only by the next copy into it, queued on the
+same side stream after the copy out of it, and the core fills it only after that copy's
+event: no buffer is overwritten while a copy still reads it, without any CPU wait. Its
+events are reused too: a name is never in flight twice, so the issuer has waited for the
+last recording before the next one.
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import queue
 import threading
 from collections.abc import Callable
@@ -38,29 +46,58 @@ from sumflow.torch import _runtime
 
 T = TypeVar("T")
 
-#: By (tensor name, device index): the pinned buffer and the event after its last copy in.
-_pinned: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event]] = {}
+#: By (tensor name, device index): the pinned buffer, the event after the tensor's
+#: producer, and the event after its last copy in.
+_pinned: dict[tuple[str, int], tuple[torch.Tensor, torch.cuda.Event, torch.cuda.Event]] = {}
 _streams: dict[int, torch.cuda.Stream] = {}
 _lock = threading.Lock()
 #: The trace track of the copies to host memory.
 TRACK = "cuda staging"
 
 
+class ToHost:
+    """A CUDA tensor's copy into its pinned buffer, ordered after the caller's work that
+    produces it (``produced``, recorded by ``to_host``); ``start`` queues it."""
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        host: torch.Tensor,
+        produced: torch.cuda.Event,
+        copied: torch.cuda.Event,
+    ) -> None:
+        self.tensor = tensor
+        self.host = host
+        self.produced = produced
+        #: Recorded on the side stream after the copy.
+        self.copied = copied
+
+    def start(self) -> None:
+        stream = _side_stream(self.tensor.device)
+        stream.wait_event(self.produced)
+        with torch.cuda.stream(stream):
+            self.host.copy_(self.tensor.reshape(-1), non_blocking=True)
+            self.copied.record(stream)
+        # Should the tensor be freed early after all, its memory waits for the copy.
+        self.tensor.record_stream(stream)
+
+
 class Copy:
-    """A CUDA tensor's copy to host memory in flight, and the core sums to issue once it
-    is complete (``issue`` returns their handles)."""
+    """A CUDA tensor's copy to host memory, and the core sums to issue once it is
+    complete (``issue`` returns their handles)."""
 
     def __init__(
         self,
         name: str,
         device: torch.device,
-        copied: torch.cuda.Event,
+        transfer: ToHost,
         issue: Callable[[], list[int]],
     ) -> None:
         self.name = name
         self.device = device
-        self.copied = copied
+        self.transfer = transfer
         self.issue = issue
+        self._started = False
         service = _runtime.current().service
         self.queued_at = service.trace_now() if service.tracing else 0
         self._done = threading.Event()
@@ -83,9 +120,22 @@ class Copy:
             raise self._error
         return self._cores
 
-    def run(self) -> None:
+    def start(self) -> None:
+        """Queues the copy on the GPU (on the issuer thread; once)."""
+        if self._started:
+            return
+        self._started = True
         try:
-            self.copied.synchronize()
+            self.transfer.start()
+        except BaseException as e:  # handed to the waiter by run()
+            self._error = e
+
+    def run(self) -> None:
+        self.start()
+        try:
+            if self._error is not None:
+                raise self._error
+            self.transfer.copied.synchronize()
             service = _runtime.current().service
             if service.tracing and self.queued_at:
                 service.trace_span(
@@ -103,16 +153,25 @@ _issuer: threading.Thread | None = None
 
 
 def _issue_forever() -> None:
+    waiting: collections.deque[Copy] = collections.deque()
     while True:
-        _copies.get().run()
+        if not waiting:
+            waiting.append(_copies.get())
+        # Every copy in line is on the GPU before the issuer waits for the first.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                waiting.append(_copies.get_nowait())
+        for copy in waiting:
+            copy.start()
+        waiting.popleft().run()
 
 
 def after_copy(
-    name: str, device: torch.device, copied: torch.cuda.Event, issue: Callable[[], list[int]]
+    name: str, device: torch.device, transfer: ToHost, issue: Callable[[], list[int]]
 ) -> Copy:
-    """Has the issuer thread call `issue` once `copied` has completed."""
+    """Has the issuer thread queue `transfer` and call `issue` once it has completed."""
     global _issuer
-    copy = Copy(name, device, copied, issue)
+    copy = Copy(name, device, transfer, issue)
     if _issuer is None:
         with _lock:
             if _issuer is None:
@@ -135,13 +194,18 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
     return stream
 
 
-def _pinned_for(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event]:
+def _pinned_for(
+    name: str, tensor: torch.Tensor
+) -> tuple[torch.Tensor, torch.cuda.Event, torch.cuda.Event]:
+    """The pinned buffer of `name` on `tensor`'s device, and its two events: after the
+    tensor's producer, and after the copy."""
     key = (name, tensor.device.index or 0)
     found = _pinned.get(key)
     if found is not None and found[0].dtype == tensor.dtype and found[0].numel() == tensor.numel():
         return found
     made = (
         torch.empty(tensor.numel(), dtype=tensor.dtype, pin_memory=True),
+        torch.cuda.Event(),
         torch.cuda.Event(blocking=True),
     )
     with _lock:
@@ -149,25 +213,20 @@ def _pinned_for(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cu
     return made
 
 
-def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-    """The host buffer the core sums for `tensor`, and the event after which it holds the
-    tensor's values (None: it holds them now; `tensor` itself when the core can use it)."""
+def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ToHost | None]:
+    """The host buffer the core sums for `tensor`, and the copy that fills it, to be
+    queued by ``after_copy`` (None: it holds the values now; `tensor` itself when the core
+    can use it). The caller keeps `tensor` alive and unwritten until the copy is done."""
     if tensor.device.type == "cpu":
         return (tensor if tensor.is_contiguous() else tensor.contiguous()), None
     if tensor.device.type != "cuda":
         raise TypeError(
             f"tensor '{name}' is on {tensor.device}: sumflow handles CPU and CUDA tensors"
         )
-    host, copied = _pinned_for(name, tensor)
-    stream = _side_stream(tensor.device)
-    # The tensor was produced on the caller's stream: copy it once that work is done.
-    stream.wait_stream(torch.cuda.current_stream(tensor.device))
-    with torch.cuda.stream(stream):
-        host.copy_(tensor.reshape(-1), non_blocking=True)
-        copied.record(stream)
-    # The caller may free the tensor (a compressed copy) while the side stream reads it.
-    tensor.record_stream(stream)
-    return host, copied
+    host, produced, copied = _pinned_for(name, tensor)
+    # The tensor is produced on the caller's stream: copied once that work is done.
+    produced.record(torch.cuda.current_stream(tensor.device))
+    return host, ToHost(tensor, host, produced, copied)
 
 
 def on_stream(stream: torch.cuda.Stream | None, run: Callable[[], T]) -> T:

@@ -143,7 +143,7 @@ def sum_work(
     wire, ctx = compressor.compress(output)
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
-    host, copied = _staging.to_host(name, wire)
+    host, transfer = _staging.to_host(name, wire)
     tid = declare(
         name,
         host,
@@ -170,11 +170,11 @@ def sum_work(
         )
         return [core]
 
-    if copied is None:
+    if transfer is None:
         cores, copies = issue(), []
     else:
         # The sum is issued once the copy to host memory is complete: backward goes on.
-        cores, copies = [], [_staging.after_copy(name, output.device, copied, issue)]
+        cores, copies = [], [_staging.after_copy(name, output.device, transfer, issue)]
 
     def finish() -> torch.Tensor:
         if host is not wire:
