@@ -73,11 +73,16 @@ class ToHost:
         self.copied = copied
 
     def start(self) -> None:
+        """Queues the copy (on the issuer thread, whose current stream on the tensor's
+        device stays sumflow's side stream: no stream switch per copy)."""
+        global _issuer_stream
         stream = _side_stream(self.tensor.device)
         stream.wait_event(self.produced)
-        with torch.cuda.stream(stream):
-            self.host.copy_(self.tensor.reshape(-1), non_blocking=True)
-            self.copied.record(stream)
+        if _issuer_stream is not stream:
+            torch.cuda.set_stream(stream)
+            _issuer_stream = stream
+        self.host.copy_(self.tensor.reshape(-1), non_blocking=True)
+        self.copied.record(stream)
         # Should the tensor be freed early after all, its memory waits for the copy.
         self.tensor.record_stream(stream)
 
@@ -150,6 +155,8 @@ class Copy:
 
 _copies: queue.SimpleQueue[Copy] = queue.SimpleQueue()
 _issuer: threading.Thread | None = None
+#: The stream the issuer thread last made current (its copies' side stream).
+_issuer_stream: torch.cuda.Stream | None = None
 
 
 def _issue_forever() -> None:
