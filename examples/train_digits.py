@@ -9,6 +9,12 @@ broadcast to everyone first. The learning rate is the per-worker rate times the 
 workers, since the global batch grows with them (Goyal et al., 2017). The test accuracy is
 computed on shards of the test set and summed across workers with ``allreduce``.
 
+With ``--asynchronous`` the workers train asynchronously instead (``AsyncOptimizer``,
+BytePS §4.3): each applies its own gradients at the per-worker rate and pushes the change
+to the summation servers, which keep the parameters; ``--staleness N`` bounds how far a
+worker may run ahead of the slowest. ``--slow-rank R --slow-factor F`` makes one worker F
+times slower (it sleeps after each step), to see what asynchrony buys the others.
+
 Run it with the launcher, or alone as a job of one::
 
     sumflow-run -np 4 --servers 2 python examples/train_digits.py
@@ -144,6 +150,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="CSC: epochs over which sparsity ramps up from dense",
     )
     parser.add_argument(
+        "--asynchronous",
+        action="store_true",
+        help="asynchronous training (AsyncOptimizer): each worker applies its own gradients "
+        "at the per-worker lr and pushes the change; the servers keep the parameters",
+    )
+    parser.add_argument(
+        "--staleness",
+        type=int,
+        help="with --asynchronous: at most this many steps ahead of the slowest worker",
+    )
+    parser.add_argument(
+        "--slow-rank", type=int, help="this worker sleeps after each step (see --slow-factor)"
+    )
+    parser.add_argument(
+        "--slow-factor",
+        type=float,
+        default=2.0,
+        help="--slow-rank's steps take this many times as long as its own compute",
+    )
+    parser.add_argument(
         "--min-accuracy",
         type=float,
         default=0.0,
@@ -161,6 +187,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--csc must lie in (0, 1]")
     if args.csc_chunk < 1 or args.csc_warmup_epochs < 0:
         parser.error("--csc-chunk must be at least 1 and --csc-warmup-epochs at least 0")
+    if args.staleness is not None and not args.asynchronous:
+        parser.error("--staleness bounds --asynchronous training")
+    if args.asynchronous and (args.csc is not None or args.fp16 or args.compression):
+        parser.error("--asynchronous sends raw parameter changes: no --csc, --fp16, --compression")
+    if args.slow_factor < 1.0:
+        parser.error("--slow-factor must be at least 1")
     if args.compression is not None:
         try:
             hvd.Compression.parse(args.compression)
@@ -221,7 +253,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     train_x, train_y, test_x, test_y = load_split(args.seed, args.test_fraction)
     model = DigitsNet()
-    lr = args.lr * size
+    # Synchronous steps average the workers' gradients, so the rate grows with them;
+    # asynchronous workers each apply their own, and their changes add up on the servers.
+    lr = args.lr if args.asynchronous else args.lr * size
     steps = math.ceil(math.ceil(len(train_y) / size) / args.batch_size)
     # Every worker starts from rank 0's weights (and optimizer state).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -245,19 +279,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
             sent_as = "float16" if args.fp16 else "float32"
-        optimizer = hvd.DistributedOptimizer(
-            sgd,
-            named_parameters=model.named_parameters(),
-            compression=compression,
-            op=hvd.Average,
-        )
+        if args.asynchronous:
+            optimizer = hvd.AsyncOptimizer(
+                sgd, named_parameters=model.named_parameters(), staleness=args.staleness
+            )
+            bound = "unbounded" if args.staleness is None else f"staleness {args.staleness}"
+            sent_as = f"parameter changes, asynchronously ({bound})"
+        else:
+            optimizer = hvd.DistributedOptimizer(
+                sgd,
+                named_parameters=model.named_parameters(),
+                compression=compression,
+                op=hvd.Average,
+            )
 
     if rank == 0:
         print(
             f"digits: {len(train_y)} training and {len(test_y)} test images; {size} worker(s), "
             f"batch {args.batch_size} per worker ({args.batch_size * size} in all), "
-            f"{steps} steps per epoch; lr {args.lr:g} x {size} worker(s) = {lr:g}; "
-            f"gradients sent as {sent_as}",
+            f"{steps} steps per epoch; lr {lr:g}; gradients sent as {sent_as}",
             flush=True,
         )
     show_bar = rank == 0 and sys.stderr.isatty()
@@ -266,6 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     train_steps = 0
     wire_before = hvd.wire_bytes()
     steps_before_last_epoch = 0
+    own_seconds = 0.0  # this worker's time in its steps, waits at epoch ends left out
     for epoch in range(args.epochs):
         if epoch == args.epochs - 1:
             # The last epoch alone: CSC's warm-up is over, every step is as sparse as asked.
@@ -276,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bar = tqdm(total=steps, desc=f"epoch {epoch + 1}", leave=False, disable=not show_bar)
         start = time.perf_counter()
         for batch in batches(shard(len(train_y), rank, size, args.seed, epoch), args.batch_size):
+            step_start = time.perf_counter()
             x, y = train_x[batch], train_y[batch]
             optimizer.zero_grad()
             logits = model(x)
@@ -286,6 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             correct += (logits.argmax(dim=1) == y).sum().item()
             count += len(y)
             train_steps += 1
+            if rank == args.slow_rank:
+                time.sleep((time.perf_counter() - step_start) * (args.slow_factor - 1.0))
+            own_seconds += time.perf_counter() - step_start
             bar.update()
         elapsed = time.perf_counter() - start
         bar.close()
@@ -311,6 +356,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     last_norms = gradient_traffic(wire_last, wire_after, is_norms)
     accuracy, test_loss = evaluate(model, test_x, test_y, rank, size)
     samples_per_s = train_samples / train_seconds
+    # Each worker's steps per second in its own steps (one slot per rank, summed).
+    rates = summed(
+        [train_steps / own_seconds if r == rank else 0.0 for r in range(size)], "rates.metrics"
+    )
     metrics = {
         "accuracy": accuracy,
         "test_loss": test_loss,
@@ -324,6 +373,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "compression": args.compression,
         "csc_density": args.csc,
         "csc_chunk": args.csc_chunk if args.csc is not None else None,
+        "asynchronous": args.asynchronous,
+        "staleness": args.staleness,
+        "slow_rank": args.slow_rank,
+        "slow_factor": args.slow_factor if args.slow_rank is not None else None,
+        "steps_per_s_by_rank": rates,
         # Rank 0's bytes to and from the summation servers per training step for its
         # gradients (CSC's norm exchange included), counted at its sockets.
         "wire_sent_per_step": wire.sent / train_steps,
@@ -341,7 +395,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{train_seconds:.1f} s; {wire.sent / train_steps / 1e3:.1f} kB sent and "
             f"{wire.received / train_steps / 1e3:.1f} kB received per step by rank 0; "
             f"last epoch: gradients {last_gradients.sent / last_epoch_steps / 1e3:.2f} kB sent, "
-            f"{last_gradients.received / last_epoch_steps / 1e3:.2f} kB received per step"
+            f"{last_gradients.received / last_epoch_steps / 1e3:.2f} kB received per step; "
+            f"steps/s by rank: {', '.join(f'{r:.0f}' for r in rates)}"
             + (
                 f", norms {last_norms.sent / last_epoch_steps / 1e3:.2f} kB sent"
                 if last_norms.sent

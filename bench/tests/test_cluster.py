@@ -314,8 +314,9 @@ def test_two_host_emulated_run(tmp_path: Path) -> None:
     for run in (gloo, sumflow):
         assert run["workers"] == 2
         assert run["bytes"] == 4_000_000
-        # Nothing can beat the link: the optimum for n = 2, k = 0 is B (2(n-1)/n = 1).
-        assert 0 < run["goodput_gbit"] < 1.05 * link["b_mbit"] / 1e3
+        # Nothing can beat the link: the optimum for n = 2, k = 0 is B (2(n-1)/n = 1). The
+        # shaped rate is the bound: iperf3's reading of it can fall short on a busy machine.
+        assert 0 < run["goodput_gbit"] < 1.05 * max(link["b_mbit"], 400) / 1e3
         # Each host's switch port carries M each way per round (Eq. 6 and a ring of two
         # agree), plus the frames' headers and the job's start-up.
         assert 1.0 < run["nic_vs_model"] < 1.15, run["nic_bytes"]

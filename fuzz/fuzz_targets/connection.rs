@@ -94,9 +94,12 @@ fn stream_of(mut input: Input<'_>) -> Vec<u8> {
                 continue;
             }
             1 | 2 => {
-                let mode = match input.byte() % 4 {
+                let mode = match input.byte() % 5 {
                     0 => PushMode::Skip,
-                    1 => PushMode::Delta,
+                    1 => PushMode::Delta { staleness: None },
+                    2 => PushMode::Delta {
+                        staleness: Some(u32::from(input.byte() % 3)),
+                    },
                     _ => PushMode::Sum,
                 };
                 let msg = Message::Push {

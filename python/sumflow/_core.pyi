@@ -313,6 +313,24 @@ class CommunicationService:
         meets no pushed range is skipped (an empty push: no bytes cross the wire), one that
         meets no pulled range is left as it is (only its completion is awaited). Bytes of
         a pushed partition outside this worker's ranges must hold the op's identity."""
+    def push_delta(
+        self,
+        tensor_id: int,
+        owner: object,
+        ptr: int,
+        nbytes: int,
+        initial_owner: object,
+        initial: int,
+        staleness: int | None = None,
+        priority: int = 0,
+    ) -> int:
+        """Asynchronous training (BytePS §4.3): adds the ``nbytes`` bytes at ``ptr`` (owned
+        by ``owner``), this worker's delta of tensor ``tensor_id``, to the servers' stored
+        value and overwrites them with the stored value once the delta is in. ``initial``
+        (an address of as many bytes, owned by ``initial_owner``) is the value the servers
+        start from, read by the tensor's first push only. With ``staleness`` s, the
+        worker's round r returns once every worker has pushed round r - s. Returns a
+        handle at once; neither buffer may be touched until ``wait`` has returned."""
     def retire(self, tensor_id: int) -> None:
         """Retires tensor ``tensor_id``: this worker will never push it again. Raises
         ``ValueError`` while an operation on it is in flight. Servers free its keys, and

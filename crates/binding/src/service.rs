@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyTuple};
 use sumflow_client::coordinator::CoordinatorOptions;
 use sumflow_comm::trace::DEFAULT_MAX_EVENTS;
 use sumflow_comm::{
@@ -471,6 +471,46 @@ impl PyCommunicationService {
         }
         .map_err(|e| py_err(py, e))?;
         owners.insert(handle, owner);
+        Ok(handle)
+    }
+
+    /// Asynchronous training (BytePS §4.3): adds the `nbytes` bytes at `ptr` (owned by
+    /// `owner`), this worker's delta of tensor `tensor_id`, to the servers' stored value,
+    /// and overwrites them with the stored value once the delta is in. `initial` (an
+    /// address of as many bytes, owned by `initial_owner`) is the value the servers start
+    /// from, read by the tensor's first push only. With `staleness` s, the worker's round
+    /// r returns once every worker has pushed round r − s. Returns a handle at once.
+    #[pyo3(signature = (
+        tensor_id, owner, ptr, nbytes, initial_owner, initial, staleness = None, priority = 0
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_delta(
+        &self,
+        py: Python<'_>,
+        tensor_id: u32,
+        owner: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        initial_owner: Py<PyAny>,
+        initial: usize,
+        staleness: Option<u32>,
+        priority: i64,
+    ) -> PyResult<u64> {
+        let mut owners = self.owners.lock().expect("owners lock");
+        // SAFETY: `owner` and `initial_owner` own the two spans (the documented contract,
+        // upheld by sumflow.torch) and stay referenced in `owners` until `wait` returns.
+        let handle = unsafe {
+            self.svc.push_delta(
+                tensor_id,
+                (ptr as *mut u8, nbytes),
+                initial as *mut u8,
+                staleness,
+                priority,
+            )
+        }
+        .map_err(|e| py_err(py, e))?;
+        let both = PyTuple::new(py, [owner, initial_owner])?;
+        owners.insert(handle, both.into_any().unbind());
         Ok(handle)
     }
 

@@ -69,6 +69,9 @@ pub enum Pushed<'a> {
     Raw(&'a [u8]),
     /// A compressed f32 key's payload, encoded by its codec.
     Compressed(Codec, &'a [u8]),
+    /// Raw elements to add to an asynchronous key's stored value, and the staleness bound
+    /// the worker's pull of the round then waits under ([`PushMode::Delta`]).
+    Delta(&'a [u8], Option<u32>),
 }
 
 /// A round's sum as received.
@@ -441,6 +444,7 @@ impl ServerSender {
             Pushed::Skip => (PushMode::Skip, Codec::Raw, &[][..]),
             Pushed::Raw(data) => (PushMode::Sum, Codec::Raw, data),
             Pushed::Compressed(codec, data) => (PushMode::Sum, codec, data),
+            Pushed::Delta(data, staleness) => (PushMode::Delta { staleness }, Codec::Raw, data),
         };
         let msg = Message::Push {
             key,
@@ -453,7 +457,7 @@ impl ServerSender {
         // Only raw numbers are lent: the server checks a compressed payload once, and it
         // must not change after that.
         let lent = match (&self.mailbox, mode, codec) {
-            (Some(mailbox), PushMode::Sum, Codec::Raw) => {
+            (Some(mailbox), PushMode::Sum | PushMode::Delta { .. }, Codec::Raw) => {
                 mailbox.lend(Side::Push, &mut self.cursor, payload)
             }
             _ => None,

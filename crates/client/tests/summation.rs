@@ -5,6 +5,7 @@ use std::thread;
 use std::time::Duration;
 
 use half::{bf16, f16};
+use sumflow_client::server::Pushed;
 use sumflow_client::{ClientError, Pulled, Reply, ServerClient, ServerOptions};
 use sumflow_summation::{ServerConfig, ServerHandle, SummationService, MAX_CONNECTIONS_PER_WORKER};
 use sumflow_wire::frame::Header;
@@ -211,6 +212,56 @@ fn initial_value_is_served_as_round_zero() {
     b.init_key(3, Dtype::I64, 24, None).unwrap();
     assert_eq!(a.pull(3, 0).unwrap().data, init);
     assert_eq!(b.pull(3, 0).unwrap().data, init);
+    stop(h);
+}
+
+/// Asynchronous training (BytePS §4.3): each worker's delta is added to the stored value
+/// at once, and its pull returns the value with every delta so far; under a staleness
+/// bound of 0 a pull waits for every worker's delta of its round.
+#[test]
+fn deltas_update_the_stored_value_at_once() {
+    let (h, addr) = start(2, 1);
+    let init = encode(Dtype::I32, [100, 200].into_iter());
+    let mut a = worker(&addr, 0);
+    let mut b = worker(&addr, 1);
+    for c in [&mut a, &mut b] {
+        for key in [1, 2] {
+            c.init_key(key, Dtype::I32, 8, Some(&init)).unwrap();
+        }
+    }
+    let delta = encode(Dtype::I32, [1, 2].into_iter());
+    let sum = (Dtype::I32, sumflow_wire::ReduceOp::Sum);
+    let stored = |c: &mut ServerClient| match c.rx.recv().unwrap() {
+        Reply::Sum(p) => p.data,
+        other => panic!("expected the stored value, got {other:?}"),
+    };
+    // Unbounded: worker 0 runs two rounds ahead of worker 1.
+    for round in 1..=2 {
+        let d = Pushed::Delta(&delta, None);
+        a.tx.push_and_pull(1, round, sum, d, true).unwrap();
+        let want = encode(
+            Dtype::I32,
+            [100 + round as i64, 200 + 2 * round as i64].into_iter(),
+        );
+        assert_eq!(stored(&mut a), want);
+    }
+    b.tx.push_and_pull(1, 1, sum, Pushed::Delta(&delta, None), true)
+        .unwrap();
+    assert_eq!(stored(&mut b), encode(Dtype::I32, [103, 206].into_iter()));
+    // Staleness 0: worker 0's round 1 waits for worker 1's.
+    a.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true)
+        .unwrap();
+    let waiting = thread::spawn(move || (stored(&mut a), a));
+    thread::sleep(Duration::from_millis(200));
+    assert!(
+        !waiting.is_finished(),
+        "the pull must wait for worker 1's delta"
+    );
+    b.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true)
+        .unwrap();
+    let both = encode(Dtype::I32, [102, 204].into_iter());
+    assert_eq!(stored(&mut b), both);
+    assert_eq!(waiting.join().unwrap().0, both);
     stop(h);
 }
 
@@ -424,20 +475,6 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
                     .unwrap();
             },
         ),
-        ("async delta push", ErrorCode::Unsupported, "delta", |c| {
-            c.tx.send_raw(
-                &Message::Push {
-                    key: 1,
-                    round: 1,
-                    dtype: Dtype::I32,
-                    codec: Codec::Raw,
-                    mode: PushMode::Delta,
-                    op: sumflow_wire::ReduceOp::Sum,
-                },
-                &[0; 16],
-            )
-            .unwrap();
-        }),
         (
             "op meant for the coordinator",
             ErrorCode::UnexpectedOp,

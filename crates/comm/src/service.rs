@@ -33,7 +33,7 @@ use crate::failures::{self, CoordinatorLoss};
 use crate::handles::Handles;
 use crate::local::cross::{self, Round};
 use crate::local::{LocalOp, SharedMemory, LOCAL_KEY, LOCAL_SERVER};
-use crate::pipeline::{HostSlice, PartTask, Pipeline, ServerLink};
+use crate::pipeline::{Delta, HostSlice, PartTask, Pipeline, ServerLink};
 use crate::trace::{TraceConfig, TraceError, TraceFile, Tracer};
 
 /// How often a wait looks for a job-fatal error from the coordinator.
@@ -1239,6 +1239,101 @@ impl CommunicationService {
                 op: op.on_servers(),
                 pushes: Exchange::meets(&exchange.pushes, &partition),
                 wants_sum: Exchange::meets(&exchange.pulls, &partition),
+                delta: None,
+            })
+            .collect();
+        self.pipeline.enqueue(id, &t.name, priority, tasks);
+        Ok(handle)
+    }
+
+    /// Asynchronous training (BytePS §4.3, Fig. 11b): adds the `len` bytes at `ptr`, this
+    /// worker's delta of tensor `id` (its parameters after its own update, less the value
+    /// it last pulled), to the servers' stored value, and overwrites them with the stored
+    /// value once the delta is in: every worker's deltas so far. Workers do not wait for
+    /// each other, but with `staleness` s a worker's round r returns only once every
+    /// worker has pushed round r − s. `initial` (as long) is the value the servers start
+    /// from, read by the tensor's first push only: every worker passes the same (e.g.
+    /// parameters broadcast from one worker). The tensor must be raw, of every worker,
+    /// and pushed by this method only; its sums skip the machine's shared memory.
+    ///
+    /// # Safety
+    /// As `push_exchange` for `ptr..ptr+len`; `initial..initial+len` must be valid for
+    /// reads and unchanged until the operation has been waited for.
+    pub unsafe fn push_delta(
+        &self,
+        id: u32,
+        (ptr, len): (*mut u8, usize),
+        initial: *mut u8,
+        staleness: Option<u32>,
+        priority: i64,
+    ) -> Result<u64, CommError> {
+        if let Some(e) = self.job_error() {
+            return Err(e);
+        }
+        let mut table = self.table.lock().expect("table lock");
+        let generation = table.generation;
+        let t = table
+            .tensors
+            .get_mut(&id)
+            .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
+        if let Some(e) = self.coordinator_loss.error(&t.name) {
+            return Err(e);
+        }
+        let want = t.elements as usize * t.dtype.size();
+        let refused = if len != want {
+            Some(format!(
+                "is declared as {} x {} ({want} bytes) but {len} bytes were given",
+                t.dtype, t.elements
+            ))
+        } else if t.compression.is_some() {
+            Some("is compressed: deltas are added as raw elements".to_string())
+        } else if t.members.is_some() || t.home.is_some() {
+            Some("belongs to a process set or a worker: deltas are of every worker".to_string())
+        } else {
+            None
+        };
+        if let Some(why) = refused {
+            return Err(CommError::Invalid(format!("tensor '{}' {why}", t.name)));
+        }
+        // SAFETY: the caller's contract is exactly HostSlice::new's, for both spans.
+        let (whole, start) = unsafe { (HostSlice::new(ptr, len), HostSlice::new(initial, len)) };
+        let (Some(whole), Some(start)) = (whole, start) else {
+            return Err(CommError::Invalid(format!(
+                "tensor '{}': null buffer",
+                t.name
+            )));
+        };
+        let handle = self.handles.start(t.id, &t.name, &t.parts)?;
+        if t.rounds.len() <= generation {
+            t.rounds.resize(generation + 1, 0);
+        }
+        t.rounds[generation] += 1;
+        let round = t.rounds[generation];
+        let tasks = t
+            .parts
+            .iter()
+            .enumerate()
+            .map(|(index, &partition)| {
+                let (offset, bytes) = (partition.offset as usize, partition.bytes as usize);
+                PartTask {
+                    name: Arc::clone(&t.name),
+                    index: index as u32,
+                    handle,
+                    partition,
+                    round,
+                    dtype: t.dtype,
+                    data: whole.sub(offset, bytes),
+                    codec: KeyCodec::RAW,
+                    members: None,
+                    divisor: None,
+                    op: ReduceOp::Sum.on_servers(),
+                    pushes: true,
+                    wants_sum: true,
+                    delta: Some(Delta {
+                        staleness,
+                        initial: start.sub(offset, bytes),
+                    }),
+                }
             })
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);

@@ -99,6 +99,83 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
     });
 }
 
+/// Asynchronous training (BytePS §4.3) through the whole pipeline: partitions on
+/// colocated and CPU servers, stored values starting from the initial value, each
+/// worker's deltas added at once; under staleness 0 every worker's round r returns the
+/// value with every worker's first r deltas.
+#[test]
+fn deltas_reach_the_stored_value_through_every_partition() {
+    let workers = 3;
+    run_job(workers, 1, move |w, addr| {
+        let c = worker(addr, w);
+        c.reconfigure(Some(1024), None).unwrap();
+        let elements = 2000usize; // 8 partitions of 256 elements (the last shorter)
+        let free = c.declare("free", Dtype::I32, elements as u64).unwrap();
+        let bounded = c.declare("bounded", Dtype::I32, elements as u64).unwrap();
+        let mut initial: Vec<i32> = (0..elements as i32).collect();
+        let push = |id: u32, delta: &mut Vec<i32>, initial: &mut Vec<i32>, staleness| {
+            // SAFETY: both buffers outlive the wait below, untouched meanwhile.
+            let h = unsafe {
+                c.push_delta(
+                    id,
+                    (delta.as_mut_ptr().cast(), elements * 4),
+                    initial.as_mut_ptr().cast(),
+                    staleness,
+                    0,
+                )
+            }
+            .unwrap();
+            c.wait(h, Duration::from_secs(20)).unwrap();
+        };
+        // Unbounded: each worker sees its own deltas, and whatever others' came first.
+        for round in 1..=3 {
+            let mut delta = vec![1 << w; elements];
+            push(free, &mut delta, &mut initial, None);
+            for (i, v) in delta.iter().enumerate() {
+                let own = (i as i32) + round * (1 << w);
+                assert!(*v >= own && *v <= i as i32 + 3 * 7, "{w} {round} {i}: {v}");
+            }
+        }
+        // Staleness 0: every worker's round r returns the same value.
+        for round in 1..=3 {
+            let mut delta = vec![1 << w; elements];
+            push(bounded, &mut delta, &mut initial, Some(0));
+            for (i, v) in delta.iter().enumerate() {
+                assert_eq!(
+                    *v,
+                    i as i32 + round * 7,
+                    "worker {w} round {round} element {i}"
+                );
+            }
+        }
+        // Deltas are raw elements of every worker.
+        let squeezed = c
+            .declare_one(&compressed(
+                "squeezed",
+                elements as u64,
+                ("sign", 0.0, false),
+            ))
+            .unwrap();
+        let mut delta = vec![0; elements];
+        let e = unsafe {
+            c.push_delta(
+                squeezed,
+                (delta.as_mut_ptr().cast(), elements * 4),
+                initial.as_mut_ptr().cast(),
+                None,
+                0,
+            )
+        }
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("deltas are added as raw elements"),
+            "{e}"
+        );
+        c.barrier(Duration::from_secs(20)).unwrap();
+        c.shutdown("done").unwrap();
+    });
+}
+
 fn compressed<'a>(name: &'a str, elements: u64, how: (&str, f64, bool)) -> Declaration<'a> {
     Declaration {
         name,

@@ -384,13 +384,6 @@ impl Connection<'_> {
         (mode, op): (PushMode, ReduceOp),
         payload: Payload,
     ) -> Result<(), Interrupted> {
-        if mode == PushMode::Delta {
-            return Err(Interrupted::Refused(Message::error(
-                ErrorCode::Unsupported,
-                Some(key),
-                "asynchronous delta pushes are not supported by this server version",
-            )));
-        }
         let meta = self.meta(key, "push")?;
         if dtype != meta.dtype || codec != meta.codec.codec {
             return Err(Interrupted::Refused(Message::error(
@@ -423,6 +416,10 @@ impl Connection<'_> {
                 round,
                 worker: self.worker,
                 op,
+                delta: match mode {
+                    PushMode::Delta { staleness } => Some(staleness),
+                    PushMode::Sum | PushMode::Skip => None,
+                },
                 data,
                 reply: self.tx.clone(),
             },

@@ -20,6 +20,10 @@
 //! the key's full length, and the completed sum is compressed again with the key's codec,
 //! keeping what that drops in the key's residual when the key asks for error feedback.
 //! Compressed keys are only summed (the wire decoder refuses any other op on them).
+//!
+//! A key whose first push is a delta (asynchronous training, `deltas.rs`) keeps the
+//! model's latest value instead: each delta is added to it at once, into a second buffer
+//! (the first may still be on its way to a worker), and the pusher's pull gets the result.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::Ordering;
@@ -30,6 +34,7 @@ use crate::channel::{Receiver, RecvTimeoutError};
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
+use crate::deltas::DeltaTracker;
 use crate::directory::KeyMeta;
 use crate::messages::{Command, JoinAck, Outgoing, PushData, Replier, StallReport};
 use crate::metrics::EngineCounters;
@@ -63,6 +68,12 @@ struct KeyState {
     retired: Vec<u32>,
     /// The round pulls last waited on, since when, and when its last stall notice went out.
     stalled: Option<(u64, Instant, Instant)>,
+    /// Set by the key's first delta push: it then takes deltas only, and `sum` is its
+    /// stored value.
+    deltas: Option<DeltaTracker>,
+    /// The stored value's previous buffer, once no writer sends it any more: the next
+    /// delta is added into it.
+    spare: Option<AlignedBuf>,
 }
 
 pub struct Engine {
@@ -173,7 +184,16 @@ impl Engine {
                 k.stalled = None;
                 continue;
             }
-            let round = k.rounds.current();
+            // A delta key's pulls wait for the workers its staleness bound leaves behind.
+            let round = match &k.deltas {
+                Some(d) => k
+                    .waiting
+                    .iter()
+                    .map(|(w, _, _)| d.pulled(*w))
+                    .min()
+                    .unwrap_or(0),
+                None => k.rounds.current(),
+            };
             let (since, last) = match k.stalled {
                 Some((r, since, last)) if r == round => (since, last),
                 _ => {
@@ -189,14 +209,20 @@ impl Engine {
             }
             let waited = now.duration_since(since);
             k.stalled = Some((round, since, now));
-            let missing = k.rounds.missing();
+            let missing = match &k.deltas {
+                Some(d) => d.lagging(round),
+                None => k.rounds.missing(),
+            };
             if missing.is_empty() {
                 continue;
             }
             for (worker, _, reply) in &k.waiting {
                 let msg = Message::Stalled {
                     key,
-                    round: k.rounds.own_round(*worker, round),
+                    round: match &k.deltas {
+                        Some(d) => d.pulled(*worker),
+                        None => k.rounds.own_round(*worker, round),
+                    },
                     waited_ms: waited.as_millis() as u64,
                     missing: missing.clone(),
                 };
@@ -226,9 +252,13 @@ impl Engine {
                 round,
                 worker,
                 op,
+                delta,
                 data,
                 reply,
-            } => self.on_push(key, round, (worker, op), data, &reply),
+            } => match delta {
+                Some(staleness) => self.on_delta(key, round, (worker, staleness), data, &reply),
+                None => self.on_push(key, round, (worker, op), data, &reply),
+            },
             Command::Pull {
                 key,
                 round,
@@ -261,6 +291,9 @@ impl Engine {
                 fail_pull(key, k.rounds.current(), &why, reply);
             }
             return;
+        }
+        if k.deltas.is_some() {
+            return fail_blocked_deltas(key, k, &self.gone);
         }
         if let Some(why) = retired_blocker(key, k, k.rounds.current()) {
             for (_, _, reply) in k.waiting.drain(..) {
@@ -311,6 +344,8 @@ impl Engine {
                 waiting: Vec::new(),
                 retired: Vec::new(),
                 stalled: None,
+                deltas: None,
+                spare: None,
             },
         );
     }
@@ -328,6 +363,13 @@ impl Engine {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, reply);
         };
+        if k.deltas.is_some() {
+            let why = format!(
+                "worker {worker} pushed round {round} to be summed, but the key takes \
+                 asynchronous deltas (its first push was one)"
+            );
+            return refuse_op(key, why, reply);
+        }
         // A non-member's push is wrong whatever became of the members: refused first.
         if let Err(e) = k.rounds.admit(worker, "push", round) {
             return refuse(key, e, reply);
@@ -365,10 +407,81 @@ impl Engine {
         }
     }
 
+    /// An asynchronous delta of `worker`'s `round`: added to the key's stored value now.
+    fn on_delta(
+        &mut self,
+        key: u64,
+        round: u64,
+        (worker, staleness): (u32, Option<u32>),
+        data: Option<PushData>,
+        reply: &Replier,
+    ) {
+        let Some(k) = self.keys.get_mut(&key) else {
+            return unknown_key(key, reply);
+        };
+        let Some(data) = data else {
+            let why = format!("worker {worker}'s delta of round {round} carries no elements");
+            return refuse_op(key, why, reply);
+        };
+        if k.deltas.is_none() {
+            if !k.rounds.is_fresh() {
+                let why = format!(
+                    "worker {worker} pushed a delta, but the key has synchronous rounds: a \
+                     key takes either sums or deltas"
+                );
+                return refuse_op(key, why, reply);
+            }
+            let mut tracker = DeltaTracker::new(self.workers, k.meta.members.clone(), staleness);
+            for &w in &self.joined {
+                tracker.set_joined(w, true);
+            }
+            k.deltas = Some(tracker);
+        }
+        let deltas = k.deltas.as_mut().expect("set above");
+        if deltas.staleness() != staleness {
+            let why = format!(
+                "worker {worker}'s delta of round {round} has staleness bound {}, but the \
+                 key's first delta set {}",
+                bound(staleness),
+                bound(deltas.staleness())
+            );
+            return refuse_op(key, why, reply);
+        }
+        if let Err(e) = deltas.push(worker, round) {
+            return refuse(key, e, reply);
+        }
+        let len = k.sum.len();
+        let mut out = k
+            .spare
+            .take()
+            .filter(|b| b.len() == len)
+            .unwrap_or_else(|| AlignedBuf::zeroed(len));
+        let srcs: [&[u8]; 2] = [&k.sum, &data];
+        self.reducer
+            .reduce_into(k.meta.dtype, ReduceOp::Sum, None, &srcs, &mut out);
+        drop(data);
+        let previous = std::mem::replace(&mut k.sum, Arc::new(out));
+        k.spare = Arc::try_unwrap(previous).ok();
+        self.counters.rounds.fetch_add(1, Ordering::Relaxed);
+        release_deltas(key, k);
+    }
+
     fn on_pull(&mut self, key: u64, round: u64, worker: u32, wants_sum: bool, reply: Replier) {
         let Some(k) = self.keys.get_mut(&key) else {
             return unknown_key(key, &reply);
         };
+        if let Some(deltas) = &mut k.deltas {
+            match deltas.pull(worker, round) {
+                Err(e) => refuse(key, e, &reply),
+                Ok(PullOutcome::Ready) => answer_delta(key, k, worker, wants_sum, &reply),
+                Ok(PullOutcome::Wait) => match delta_blocker(&self.gone, &k.retired, deltas, round)
+                {
+                    Some(why) => fail_pull(key, round, &why, &reply),
+                    None => k.waiting.push((worker, wants_sum, reply)),
+                },
+            }
+            return;
+        }
         if let Err(e) = k.rounds.admit(worker, "pull", round) {
             return refuse(key, e, &reply);
         }
@@ -394,11 +507,19 @@ impl Engine {
             self.joined.remove(&worker);
             for k in self.keys.values_mut() {
                 k.rounds.leave(worker);
+                if let Some(deltas) = &mut k.deltas {
+                    deltas.set_joined(worker, false);
+                }
             }
             return ack.applied();
         }
         self.joined.insert(worker);
         for (&key, k) in &mut self.keys {
+            if let Some(deltas) = &mut k.deltas {
+                deltas.set_joined(worker, true);
+                release_deltas(key, k);
+                continue;
+            }
             match k.rounds.join(worker) {
                 Ok(false) => {}
                 Ok(true) => {
@@ -416,6 +537,10 @@ impl Engine {
         for (key, k) in &mut self.keys {
             k.waiting.retain(|(w, _, _)| *w != worker);
             if k.waiting.is_empty() {
+                continue;
+            }
+            if k.deltas.is_some() {
+                fail_blocked_deltas(*key, k, &self.gone);
                 continue;
             }
             if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.current()) {
@@ -543,6 +668,83 @@ fn send_sum(key: u64, k: &KeyState, round: u64, reply: &Replier) {
         codec: k.meta.codec.codec,
         data: Arc::clone(&k.sum),
     });
+}
+
+/// Answers the pulls of a delta key that its staleness bound now lets through.
+fn release_deltas(key: u64, k: &mut KeyState) {
+    let Some(deltas) = &k.deltas else { return };
+    if k.waiting.is_empty() {
+        return;
+    }
+    let (ready, waiting): (Vec<_>, Vec<_>) = std::mem::take(&mut k.waiting)
+        .into_iter()
+        .partition(|(w, _, _)| deltas.released(deltas.pulled(*w)));
+    k.waiting = waiting;
+    for (worker, wants_sum, reply) in ready {
+        answer_delta(key, k, worker, wants_sum, &reply);
+    }
+}
+
+/// Answers `worker`'s pull of a delta key: the stored value, or only the notice.
+fn answer_delta(key: u64, k: &KeyState, worker: u32, wants_sum: bool, reply: &Replier) {
+    let round = k.deltas.as_ref().map_or(0, |d| d.pulled(worker));
+    if wants_sum {
+        return send_sum(key, k, round, reply);
+    }
+    let _ = reply.send(Outgoing::Message(Message::PullReply {
+        key,
+        round,
+        dtype: k.meta.dtype,
+        codec: k.meta.codec.codec,
+    }));
+}
+
+/// Names the departed or retired workers a delta key's pull of `round` waits for, which
+/// then never comes, if any.
+fn delta_blocker(
+    gone: &BTreeMap<u32, Arc<str>>,
+    retired: &[u32],
+    deltas: &DeltaTracker,
+    round: u64,
+) -> Option<String> {
+    let lagging = deltas.lagging(round);
+    let mut why: Vec<String> = gone
+        .iter()
+        .filter(|(w, _)| lagging.contains(w))
+        .map(|(_, reason)| reason.to_string())
+        .collect();
+    let retired: Vec<u32> = lagging
+        .iter()
+        .copied()
+        .filter(|w| retired.contains(w))
+        .collect();
+    if !retired.is_empty() {
+        why.push(format!(
+            "worker(s) {retired:?} retired the key more than {} round(s) behind",
+            bound(deltas.staleness())
+        ));
+    }
+    (!why.is_empty()).then(|| why.join("; "))
+}
+
+/// Fails the waiting pulls of a delta key whose staleness bound waits for a worker that
+/// has gone or retired the key.
+fn fail_blocked_deltas(key: u64, k: &mut KeyState, gone: &BTreeMap<u32, Arc<str>>) {
+    let Some(deltas) = &k.deltas else { return };
+    let mut waiting = Vec::new();
+    for (worker, wants_sum, reply) in std::mem::take(&mut k.waiting) {
+        let round = deltas.pulled(worker);
+        match delta_blocker(gone, &k.retired, deltas, round) {
+            Some(why) => fail_pull(key, round, &why, &reply),
+            None => waiting.push((worker, wants_sum, reply)),
+        }
+    }
+    k.waiting = waiting;
+}
+
+/// A staleness bound for messages.
+fn bound(staleness: Option<u32>) -> String {
+    staleness.map_or_else(|| "none".to_string(), |s| s.to_string())
 }
 
 /// An accumulator's bytes as f32s (accumulators are page-aligned, whole elements).
@@ -1258,6 +1460,143 @@ mod tests {
         };
         assert_eq!(codec, sumflow_wire::Codec::RandomK);
         assert_eq!(f32s(&data), [11.0, 22.0, 33.0]);
+    }
+
+    fn delta(e: &mut Engine, round: u64, worker: u32, staleness: Option<u32>, d: PushData) {
+        let (tx, rx) = unbounded();
+        e.on_delta(1, round, (worker, staleness), Some(d), &tx);
+        assert!(rx.try_recv().is_err(), "an accepted delta is not answered");
+    }
+
+    /// BytePS §4.3: each delta is added to the stored value at once, and the pusher's pull
+    /// gets the value with every delta so far, including other workers' of later rounds.
+    #[test]
+    fn deltas_are_added_to_the_stored_value_at_once() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = Engine::new(Reducer::detect(), 2);
+        let mut initial = AlignedBuf::zeroed(12);
+        for (chunk, v) in initial.chunks_mut(4).zip([100i32, 200, 300]) {
+            chunk.copy_from_slice(&v.to_le_bytes());
+        }
+        e.init(1, meta(Dtype::I32, 3), Some(initial));
+        e.pull(1, 0, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![100, 200, 300]);
+        delta(&mut e, 1, 0, None, data(&pool, &[1, 2, 3]));
+        e.pull(1, 1, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![101, 202, 303]);
+        // Worker 0 runs on while worker 1 has pushed nothing.
+        delta(&mut e, 2, 0, None, data(&pool, &[1, 1, 1]));
+        let held = e.keys[&1].sum.clone(); // a writer still sending the value
+        delta(&mut e, 1, 1, None, data(&pool, &[10, 10, 10]));
+        e.pull(1, 2, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![112, 213, 314]);
+        assert_eq!(
+            &held[..4],
+            &102i32.to_le_bytes(),
+            "a value being sent is never changed"
+        );
+        e.pull(1, 1, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![112, 213, 314]);
+    }
+
+    #[test]
+    fn a_staleness_bound_holds_the_fast_worker_and_names_the_slow_one() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let warning = Duration::from_secs(60);
+        let mut e = engine(2).with_stall_warning(Some(warning));
+        delta(&mut e, 1, 0, Some(1), data(&pool, &[1, 1, 1]));
+        e.pull(1, 1, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![1, 1, 1]);
+        delta(&mut e, 2, 0, Some(1), data(&pool, &[1, 1, 1]));
+        e.pull(1, 2, 0, tx.clone());
+        assert!(
+            rx.try_recv().is_err(),
+            "round 2 waits for worker 1's round 1"
+        );
+        let seen = Instant::now();
+        e.check_stalls(seen);
+        e.check_stalls(seen + warning);
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Stalled {
+                round: 2, missing, ..
+            })) => assert_eq!(missing, vec![1]),
+            _ => panic!("expected a stall notice"),
+        }
+        delta(&mut e, 1, 1, Some(1), data(&pool, &[5, 5, 5]));
+        assert_eq!(sum_of(&rx), vec![7, 7, 7], "released by worker 1's delta");
+        // Every delta of a key carries the same bound.
+        let (tx1, rx1) = unbounded();
+        e.on_delta(1, 2, (1, None), Some(data(&pool, &[1, 1, 1])), &tx1);
+        match rx1.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, ErrorCode::KeyMismatch);
+                assert!(
+                    err.message.contains("staleness bound none"),
+                    "{}",
+                    err.message
+                );
+            }
+            _ => panic!("expected a refusal"),
+        }
+    }
+
+    #[test]
+    fn a_key_takes_sums_or_deltas_not_both() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(2);
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.on_delta(1, 1, (1, None), Some(data(&pool, &[1, 1, 1])), &tx);
+        let refused = |rx: &Receiver<Outgoing>, what: &str| match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, ErrorCode::KeyMismatch);
+                assert!(err.message.contains(what), "{}", err.message);
+            }
+            _ => panic!("expected a refusal"),
+        };
+        refused(&rx, "has synchronous rounds");
+        let mut e = engine(2);
+        delta(&mut e, 1, 0, None, data(&pool, &[1, 1, 1]));
+        e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
+        refused(&rx, "takes asynchronous deltas");
+    }
+
+    #[test]
+    fn a_departed_or_joined_worker_under_a_staleness_bound() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = unbounded();
+        let mut e = engine(3);
+        delta(&mut e, 1, 0, Some(0), data(&pool, &[1, 1, 1]));
+        delta(&mut e, 1, 1, Some(0), data(&pool, &[1, 1, 1]));
+        e.pull(1, 1, 0, tx.clone());
+        assert!(rx.try_recv().is_err(), "waits for worker 2");
+        // A joined worker is not waited for; a departed one fails the pulls it blocks.
+        let (ack_tx, _ack_rx) = unbounded();
+        e.on_join(2, true, &JoinAck::new(true, 1, ack_tx.clone()));
+        assert_eq!(sum_of(&rx), vec![2, 2, 2]);
+        // Back from join, it is waited for again.
+        e.on_join(2, false, &JoinAck::new(false, 1, ack_tx));
+        e.pull(1, 1, 1, tx.clone());
+        assert!(rx.try_recv().is_err(), "waits for worker 2 again");
+        delta(&mut e, 1, 2, Some(0), data(&pool, &[1, 1, 1]));
+        assert_eq!(sum_of(&rx), vec![3, 3, 3]);
+        delta(&mut e, 2, 0, Some(0), data(&pool, &[1, 1, 1]));
+        e.pull(1, 2, 0, tx.clone());
+        assert!(rx.try_recv().is_err(), "waits for workers 1 and 2");
+        e.worker_gone(2, "worker 2 (w2) lost its connection".into());
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, ErrorCode::NodeFailed);
+                assert!(
+                    err.message.contains("worker 2 (w2) lost"),
+                    "{}",
+                    err.message
+                );
+            }
+            _ => panic!("the waiting pull must fail"),
+        }
     }
 
     #[test]

@@ -12,6 +12,7 @@ pub mod accounting;
 mod channel;
 pub mod cli;
 mod connection;
+pub mod deltas;
 pub mod directory;
 mod engine;
 mod messages;

@@ -36,11 +36,13 @@ pub enum Command {
         initial: Option<AlignedBuf>,
     },
     /// `data` None: the worker takes part in the round without contributing (a skip).
+    /// `delta`: an asynchronous delta (`PushMode::Delta`) and its staleness bound.
     Push {
         key: u64,
         round: u64,
         worker: u32,
         op: ReduceOp,
+        delta: Option<Option<u32>>,
         data: Option<PushData>,
         reply: Replier,
     },

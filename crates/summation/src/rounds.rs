@@ -139,6 +139,11 @@ impl RoundTracker {
         }
     }
 
+    /// Whether no round has begun: nothing pushed, nothing completed.
+    pub fn is_fresh(&self) -> bool {
+        self.completed == 0 && self.pushes_in_round == 0
+    }
+
     /// The last round every member has pushed or was joined for (0 before the first), in
     /// the key's numbering.
     pub fn completed(&self) -> u64 {

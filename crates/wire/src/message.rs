@@ -49,19 +49,47 @@ impl Service {
     }
 }
 
-/// What a push means. `Delta` is reserved for asynchronous training (BytePS §5, Fig. 11b):
-/// the frame decodes, and servers that do not implement it answer `Unsupported`.
+/// What a push means.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
 pub enum PushMode {
     /// Synchronous round: combined with every other worker's push of the same round.
-    Sum = 0,
-    /// Asynchronous delta added to the stored value.
-    Delta = 1,
+    Sum,
+    /// Asynchronous training (BytePS §4.3, Fig. 11b): a delta added at once to the key's
+    /// stored value, whatever the other workers have pushed; the worker's pull of the
+    /// same round then returns the stored value. `staleness` (stale-synchronous
+    /// parallel): that pull waits until every other worker has pushed at least round
+    /// minus `staleness`; `None`, never. Every push of a key carries the same bound.
+    Delta { staleness: Option<u32> },
     /// The worker takes part in the round but contributes nothing, so the push has no
     /// payload. Bytes that only some workers hold (an allgather's regions, a broadcast's
     /// root) are pushed by those workers; the others skip, and no zeros cross the wire.
-    Skip = 2,
+    Skip,
+}
+
+/// The staleness field of a delta push that waits for nobody.
+const UNBOUNDED: u32 = u32::MAX;
+
+impl PushMode {
+    /// The mode's code in a push's meta block.
+    pub fn code(self) -> u8 {
+        match self {
+            PushMode::Sum => 0,
+            PushMode::Delta { .. } => 1,
+            PushMode::Skip => 2,
+        }
+    }
+
+    /// The four bytes after the op: a delta's staleness bound, else zero.
+    fn staleness_field(self) -> u32 {
+        match self {
+            PushMode::Delta { staleness } => staleness.unwrap_or(UNBOUNDED),
+            PushMode::Sum | PushMode::Skip => 0,
+        }
+    }
+
+    pub fn is_delta(self) -> bool {
+        matches!(self, PushMode::Delta { .. })
+    }
 }
 
 /// How a round's pushes are combined, carried by each push (every push of a round must
@@ -523,9 +551,9 @@ impl Message {
                     .u64(*round)
                     .u8(*dtype as u8)
                     .u8(*codec as u8)
-                    .u8(*mode as u8)
+                    .u8(mode.code())
                     .u8(*op as u8)
-                    .zeros(4);
+                    .u32(mode.staleness_field());
             }
             Message::Pull {
                 key,
@@ -720,17 +748,34 @@ impl Message {
                 let round = d.u64("round")?;
                 let dtype = dtype(&mut d)?;
                 let codec = codec(&mut d)?;
-                let mode = match d.u8("mode")? {
-                    0 => PushMode::Sum,
-                    1 => PushMode::Delta,
-                    2 => PushMode::Skip,
-                    v => return Err(d.bad("mode", format!("unknown push mode {v}"))),
-                };
+                let mode = d.u8("mode")?;
                 let code = d.u8("op")?;
                 let op = ReduceOp::from_code(code)
                     .ok_or_else(|| d.bad("op", format!("unknown reduction {code}")))?;
-                d.zeros(4, "reserved")?;
-                if op != ReduceOp::Sum && (codec != Codec::Raw || mode == PushMode::Delta) {
+                let mode = match mode {
+                    0 => {
+                        d.zeros(4, "reserved")?;
+                        PushMode::Sum
+                    }
+                    1 => {
+                        let bound = d.u32("staleness")?;
+                        PushMode::Delta {
+                            staleness: (bound != UNBOUNDED).then_some(bound),
+                        }
+                    }
+                    2 => {
+                        d.zeros(4, "reserved")?;
+                        PushMode::Skip
+                    }
+                    v => return Err(d.bad("mode", format!("unknown push mode {v}"))),
+                };
+                if mode.is_delta() && codec != Codec::Raw {
+                    return Err(d.bad(
+                        "codec",
+                        format!("a delta push carries raw elements, not {codec}"),
+                    ));
+                }
+                if op != ReduceOp::Sum && (codec != Codec::Raw || mode.is_delta()) {
                     return Err(d.bad(
                         "op",
                         format!("a {codec} {mode:?} push can only be summed, not reduced by {op}"),

@@ -206,10 +206,21 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 round: 3,
                 dtype: Dtype::Bf16,
                 codec: Codec::Raw,
-                mode: PushMode::Delta,
+                mode: PushMode::Delta { staleness: Some(2) },
                 op: ReduceOp::Sum,
             },
             vec![0; 2],
+        ),
+        (
+            Message::Push {
+                key: 9,
+                round: 4,
+                dtype: Dtype::F32,
+                codec: Codec::Raw,
+                mode: PushMode::Delta { staleness: None },
+                op: ReduceOp::Sum,
+            },
+            vec![0; 4],
         ),
         (
             Message::Push {
@@ -611,7 +622,7 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
         .contains("reserved"));
     // A skip carries no payload; a compressed push is only summed.
     let mut m = meta.to_vec();
-    m[18] = PushMode::Skip as u8;
+    m[18] = PushMode::Skip.code();
     let e = body_err(Op::Push, &[&m[..], &[0; 8]].concat());
     assert!(
         e.to_string().contains("skips its round carries 8 bytes"),
@@ -622,6 +633,18 @@ fn malformed_bodies_are_rejected_with_the_field_named() {
     m[19] = ReduceOp::Max as u8;
     let e = body_err(Op::Push, &[&m[..], &[0; 8]].concat());
     assert!(e.to_string().contains("not reduced by max"), "{e}");
+    // A delta is raw elements, summed into the stored value; its last four bytes are its
+    // staleness bound, the others' are reserved.
+    let mut m = meta.to_vec();
+    m[17] = Codec::Sign as u8;
+    m[18] = PushMode::Delta { staleness: None }.code();
+    let e = body_err(Op::Push, &[&m[..], &[0; 4]].concat());
+    assert!(e.to_string().contains("delta push carries raw"), "{e}");
+    let mut m = meta.to_vec();
+    m[18] = PushMode::Delta { staleness: None }.code();
+    m[19] = ReduceOp::Min as u8;
+    let e = body_err(Op::Push, &[&m[..], &[0; 8]].concat());
+    assert!(e.to_string().contains("only be summed"), "{e}");
     // wants_sum is a flag.
     let e = body_err(Op::Pull, &[&[0; 16][..], &[2]].concat());
     assert!(e.to_string().contains("wants_sum"), "{e}");

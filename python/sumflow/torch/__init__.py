@@ -24,6 +24,7 @@ from sumflow import (
     SumflowTimeoutError,
 )
 from sumflow.torch import _runtime, _staging, elastic, ops, process_sets
+from sumflow.torch.asynchronous import AsyncOptimizer
 from sumflow.torch.autograd import allreduce, broadcast
 from sumflow.torch.collectives import (
     allgather,
@@ -215,6 +216,7 @@ def rocm_built() -> bool:
 
 __all__ = [
     "Adasum",
+    "AsyncOptimizer",
     "Average",
     "CoarseSparseSGD",
     "Compression",

@@ -603,23 +603,7 @@ def DistributedOptimizer(
             )
             threshold = 0
     group = None if outside else process_sets.group_of(process_set, "DistributedOptimizer")
-    # A subclass of the user's optimizer class with our methods: isinstance checks and the
-    # class's own step keep working. type() cannot say that it is also ours, so cast.
-    cls = cast(
-        "type[_DistributedOptimizer]",
-        type(
-            optimizer.__class__.__name__,
-            (optimizer.__class__,),
-            {
-                k: v
-                for k, v in _DistributedOptimizer.__dict__.items()
-                if k not in ("__dict__", "__weakref__")
-            },
-        ),
-    )
-    wrapped = cls.__new__(cls)
-    wrapped.__dict__ = optimizer.__dict__
-    _route_patched_step(wrapped)
+    wrapped = cast("_DistributedOptimizer", wrapping(optimizer, _DistributedOptimizer))
     wrapped._sf_setup(
         optimizer.__class__,
         named,
@@ -702,6 +686,24 @@ def plan_groups(
             first_in[p] = i
         planned.append([p for p in listed if p.requires_grad])
     return [g for g in planned if g]
+
+
+def wrapping(optimizer: torch.optim.Optimizer, methods: type) -> torch.optim.Optimizer:
+    """`optimizer` as an instance of a subclass of its own class with the methods of
+    `methods` added, sharing its state: isinstance checks, schedulers, checkpoints and the
+    class's own step keep working."""
+    cls = cast(
+        "type[torch.optim.Optimizer]",
+        type(
+            optimizer.__class__.__name__,
+            (optimizer.__class__,),
+            {k: v for k, v in methods.__dict__.items() if k not in ("__dict__", "__weakref__")},
+        ),
+    )
+    wrapped = cls.__new__(cls)
+    wrapped.__dict__ = optimizer.__dict__
+    _route_patched_step(wrapped)
+    return wrapped
 
 
 def _route_patched_step(wrapped: torch.optim.Optimizer) -> None:

@@ -61,6 +61,7 @@ pub fn plan(r: &Round<'_>, pipeline: &Arc<Pipeline>, handles: &Arc<Handles>) -> 
                         op,
                         pushes: carried && pushes,
                         wants_sum: carried,
+                        delta: None,
                     }
                 })
                 .collect();

@@ -53,7 +53,7 @@ use crate::queue::LaneQueue;
 use crate::trace::{Arg, Tracer, Track};
 use push::{push_loop, Lane};
 use receive::receive_loop;
-pub use task::{HostSlice, PartTask};
+pub use task::{Delta, HostSlice, PartTask};
 
 /// How often idle threads check for shutdown.
 const POLL: Duration = Duration::from_millis(100);

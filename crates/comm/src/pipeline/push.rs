@@ -72,6 +72,7 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
         let wire_len = task.wire_len();
         let members = task.members.clone();
         let data = task.data;
+        let delta = task.delta;
         let tensor_name = Arc::clone(&task.name);
         let label = sh
             .tracer
@@ -96,16 +97,22 @@ pub(super) fn push_loop(sh: &Shared, lane: usize) {
                 // Before a key's first frames go: the server's replies may be read (and
                 // counted) before this thread counts what it wrote.
                 sh.wire.open(key, &tensor_name);
-                match members.as_deref() {
+                match (members.as_deref(), &delta) {
                     // Members are for raw keys only (the service refuses the rest).
-                    Some(members) => tx.init_member_key(key, dtype, len as u64, members),
-                    None if codec.is_raw() => tx.init_key(key, dtype, len as u64, None),
-                    None => tx.init_compressed_key(key, len as u64, codec),
+                    (Some(members), _) => tx.init_member_key(key, dtype, len as u64, members),
+                    // The stored value a delta key starts from.
+                    (None, Some(delta)) => {
+                        tx.init_key(key, dtype, len as u64, Some(delta.initial.bytes()))
+                    }
+                    (None, None) if codec.is_raw() => tx.init_key(key, dtype, len as u64, None),
+                    (None, None) => tx.init_compressed_key(key, len as u64, codec),
                 }
             } else {
                 Ok(())
             };
-            let pushed = if !pushes {
+            let pushed = if let Some(delta) = &delta {
+                Pushed::Delta(data.bytes(), delta.staleness)
+            } else if !pushes {
                 Pushed::Skip
             } else if codec.is_raw() {
                 Pushed::Raw(data.bytes())

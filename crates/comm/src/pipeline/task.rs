@@ -82,6 +82,19 @@ pub struct PartTask {
     /// The tensor's name and the partition's index in it, for the trace.
     pub name: Arc<str>,
     pub index: u32,
+    /// An asynchronous delta rather than a round's contribution (`push_delta`).
+    pub delta: Option<Delta>,
+}
+
+/// A partition's asynchronous delta (BytePS §4.3): added to the servers' stored value,
+/// whose latest value then comes back into the partition.
+#[derive(Clone, Copy, Debug)]
+pub struct Delta {
+    /// How many rounds the worker may run ahead of the slowest (`None`: unbounded).
+    pub staleness: Option<u32>,
+    /// The partition's span of the value the servers start from, read by the key's first
+    /// push only.
+    pub initial: HostSlice,
 }
 
 impl PartTask {

@@ -128,6 +128,7 @@ impl Worker {
                 wants_sum: true,
                 name: Arc::from(format!("tensor{tensor}")),
                 index: i as u32,
+                delta: None,
             })
             .collect();
         // Later tensors are more urgent, as the first layers' gradients come last.
