@@ -261,6 +261,16 @@ struct Tensor {
 }
 
 impl Tensor {
+    /// Counts a push under layout `generation` and returns its round (each generation's
+    /// keys count their own rounds on the servers).
+    fn next_round(&mut self, generation: usize) -> u64 {
+        if self.rounds.len() <= generation {
+            self.rounds.resize(generation + 1, 0);
+        }
+        self.rounds[generation] += 1;
+        self.rounds[generation]
+    }
+
     fn new(decl: &Declaration<'_>, id: u32, group: Option<usize>, parts: Vec<Partition>) -> Tensor {
         Tensor {
             id,
@@ -1113,21 +1123,8 @@ impl CommunicationService {
         }
         let mut table = self.table.lock().expect("table lock");
         let table_generation = table.generation;
-        let t = table
-            .tensors
-            .get_mut(&id)
-            .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
-        if let Some(e) = self.coordinator_loss.error(&t.name) {
-            return Err(e);
-        }
-        let want = t.elements as usize * t.dtype.size();
-        if len != want {
-            return Err(CommError::Invalid(format!(
-                "tensor '{}' is declared as {} x {} ({want} bytes) but {len} bytes were given",
-                t.name, t.dtype, t.elements
-            )));
-        }
-        exchange.check(&t.name, want as u64)?;
+        let t = self.pushed(&mut table, id, len)?;
+        exchange.check(&t.name, len as u64)?;
         if let Some(members) = t.members.as_deref() {
             // The server would refuse the push and count this worker gone for the job.
             if members.binary_search(&self.rank()).is_err() {
@@ -1172,18 +1169,14 @@ impl CommunicationService {
                 .start(t.id, &t.name, &[local_partition(t.id, len)])?;
             let (members, local_divisor, cross) = match crossing {
                 Some((_, here)) => {
-                    let generation = table_generation;
-                    if t.rounds.len() <= generation {
-                        t.rounds.resize(generation + 1, 0);
-                    }
-                    t.rounds[generation] += 1;
+                    let round = t.next_round(table_generation);
                     let round = Round {
                         tensor: t.id,
                         name: &t.name,
                         dtype: t.dtype,
                         parts: &t.parts,
                         members: t.members.clone(),
-                        round: t.rounds[generation],
+                        round,
                         priority,
                         op: op.on_servers(),
                         divisor,
@@ -1213,12 +1206,7 @@ impl CommunicationService {
             return Ok(handle);
         }
         let handle = self.handles.start(t.id, &t.name, &t.parts)?;
-        let generation = table_generation;
-        if t.rounds.len() <= generation {
-            t.rounds.resize(generation + 1, 0);
-        }
-        t.rounds[generation] += 1;
-        let round = t.rounds[generation];
+        let round = t.next_round(table_generation);
         let tasks = t
             .parts
             .iter()
@@ -1272,20 +1260,8 @@ impl CommunicationService {
         }
         let mut table = self.table.lock().expect("table lock");
         let generation = table.generation;
-        let t = table
-            .tensors
-            .get_mut(&id)
-            .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
-        if let Some(e) = self.coordinator_loss.error(&t.name) {
-            return Err(e);
-        }
-        let want = t.elements as usize * t.dtype.size();
-        let refused = if len != want {
-            Some(format!(
-                "is declared as {} x {} ({want} bytes) but {len} bytes were given",
-                t.dtype, t.elements
-            ))
-        } else if t.compression.is_some() {
+        let t = self.pushed(&mut table, id, len)?;
+        let refused = if t.compression.is_some() {
             Some("is compressed: deltas are added as raw elements".to_string())
         } else if t.members.is_some() || t.home.is_some() {
             Some("belongs to a process set or a worker: deltas are of every worker".to_string())
@@ -1304,11 +1280,7 @@ impl CommunicationService {
             )));
         };
         let handle = self.handles.start(t.id, &t.name, &t.parts)?;
-        if t.rounds.len() <= generation {
-            t.rounds.resize(generation + 1, 0);
-        }
-        t.rounds[generation] += 1;
-        let round = t.rounds[generation];
+        let round = t.next_round(generation);
         let tasks = t
             .parts
             .iter()
@@ -1338,6 +1310,31 @@ impl CommunicationService {
             .collect();
         self.pipeline.enqueue(id, &t.name, priority, tasks);
         Ok(handle)
+    }
+
+    /// Tensor `id`, about to be pushed from a buffer of `len` bytes: declared here, its
+    /// name not lost with the coordinator, and `len` its size.
+    fn pushed<'t>(
+        &self,
+        table: &'t mut Table,
+        id: u32,
+        len: usize,
+    ) -> Result<&'t mut Tensor, CommError> {
+        let t = table
+            .tensors
+            .get_mut(&id)
+            .ok_or_else(|| CommError::Invalid(format!("tensor id {id} was never declared")))?;
+        if let Some(e) = self.coordinator_loss.error(&t.name) {
+            return Err(e);
+        }
+        let want = t.elements as usize * t.dtype.size();
+        if len != want {
+            return Err(CommError::Invalid(format!(
+                "tensor '{}' is declared as {} x {} ({want} bytes) but {len} bytes were given",
+                t.name, t.dtype, t.elements
+            )));
+        }
+        Ok(t)
     }
 
     /// The shared-memory stage and this machine's members of the tensor, when it is

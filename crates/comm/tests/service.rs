@@ -157,6 +157,7 @@ fn deltas_reach_the_stored_value_through_every_partition() {
             ))
             .unwrap();
         let mut delta = vec![0; elements];
+        // SAFETY: refused before anything is read; both buffers outlive the call.
         let e = unsafe {
             c.push_delta(
                 squeezed,

@@ -15,7 +15,7 @@
 
 use std::sync::Arc;
 
-use crate::rounds::{PullOutcome, RoundError};
+use crate::rounds::{admit, is_member, PullOutcome, RoundError};
 
 #[derive(Debug)]
 pub struct DeltaTracker {
@@ -50,21 +50,11 @@ impl DeltaTracker {
     }
 
     fn counts(&self, worker: u32) -> bool {
-        self.members
-            .as_deref()
-            .is_none_or(|m| m.binary_search(&worker).is_ok())
+        is_member(self.members.as_deref(), worker)
     }
 
     fn admit(&self, worker: u32, op: &'static str, round: u64) -> Result<(), RoundError> {
-        match &self.members {
-            Some(members) if !self.counts(worker) => Err(RoundError::NotMember {
-                worker,
-                op,
-                round,
-                members: Arc::clone(members),
-            }),
-            _ => Ok(()),
-        }
+        admit(self.members.as_ref(), worker, op, round)
     }
 
     /// Accepts `worker`'s delta of its `round`: the next after the last it pulled.

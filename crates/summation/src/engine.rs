@@ -1462,6 +1462,17 @@ mod tests {
         assert_eq!(f32s(&data), [11.0, 22.0, 33.0]);
     }
 
+    /// The message of the next reply, which must be an error of `code`.
+    fn error_of(rx: &Receiver<Outgoing>, code: ErrorCode) -> String {
+        match rx.try_recv() {
+            Ok(Outgoing::Message(Message::Error(err))) => {
+                assert_eq!(err.code, code, "{}", err.message);
+                err.message
+            }
+            _ => panic!("expected an error reply ({code:?})"),
+        }
+    }
+
     fn delta(e: &mut Engine, round: u64, worker: u32, staleness: Option<u32>, d: PushData) {
         let (tx, rx) = unbounded();
         e.on_delta(1, round, (worker, staleness), Some(d), &tx);
@@ -1529,17 +1540,8 @@ mod tests {
         // Every delta of a key carries the same bound.
         let (tx1, rx1) = unbounded();
         e.on_delta(1, 2, (1, None), Some(data(&pool, &[1, 1, 1])), &tx1);
-        match rx1.try_recv() {
-            Ok(Outgoing::Message(Message::Error(err))) => {
-                assert_eq!(err.code, ErrorCode::KeyMismatch);
-                assert!(
-                    err.message.contains("staleness bound none"),
-                    "{}",
-                    err.message
-                );
-            }
-            _ => panic!("expected a refusal"),
-        }
+        let why = error_of(&rx1, ErrorCode::KeyMismatch);
+        assert!(why.contains("staleness bound none"), "{why}");
     }
 
     #[test]
@@ -1549,18 +1551,13 @@ mod tests {
         let mut e = engine(2);
         e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
         e.on_delta(1, 1, (1, None), Some(data(&pool, &[1, 1, 1])), &tx);
-        let refused = |rx: &Receiver<Outgoing>, what: &str| match rx.try_recv() {
-            Ok(Outgoing::Message(Message::Error(err))) => {
-                assert_eq!(err.code, ErrorCode::KeyMismatch);
-                assert!(err.message.contains(what), "{}", err.message);
-            }
-            _ => panic!("expected a refusal"),
-        };
-        refused(&rx, "has synchronous rounds");
+        let why = error_of(&rx, ErrorCode::KeyMismatch);
+        assert!(why.contains("has synchronous rounds"), "{why}");
         let mut e = engine(2);
         delta(&mut e, 1, 0, None, data(&pool, &[1, 1, 1]));
         e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
-        refused(&rx, "takes asynchronous deltas");
+        let why = error_of(&rx, ErrorCode::KeyMismatch);
+        assert!(why.contains("takes asynchronous deltas"), "{why}");
     }
 
     #[test]
@@ -1586,17 +1583,8 @@ mod tests {
         e.pull(1, 2, 0, tx.clone());
         assert!(rx.try_recv().is_err(), "waits for workers 1 and 2");
         e.worker_gone(2, "worker 2 (w2) lost its connection".into());
-        match rx.try_recv() {
-            Ok(Outgoing::Message(Message::Error(err))) => {
-                assert_eq!(err.code, ErrorCode::NodeFailed);
-                assert!(
-                    err.message.contains("worker 2 (w2) lost"),
-                    "{}",
-                    err.message
-                );
-            }
-            _ => panic!("the waiting pull must fail"),
-        }
+        let why = error_of(&rx, ErrorCode::NodeFailed);
+        assert!(why.contains("worker 2 (w2) lost"), "{why}");
     }
 
     #[test]

@@ -70,6 +70,29 @@ pub enum PullOutcome {
     Wait,
 }
 
+/// Whether `worker` is among a key's `members` (`None`: every worker is).
+pub(crate) fn is_member(members: Option<&[u32]>, worker: u32) -> bool {
+    members.is_none_or(|m| m.binary_search(&worker).is_ok())
+}
+
+/// Refuses a push or pull of `round` by a worker that is not among a key's `members`.
+pub(crate) fn admit(
+    members: Option<&Arc<[u32]>>,
+    worker: u32,
+    op: &'static str,
+    round: u64,
+) -> Result<(), RoundError> {
+    match members {
+        Some(members) if !is_member(Some(members), worker) => Err(RoundError::NotMember {
+            worker,
+            op,
+            round,
+            members: Arc::clone(members),
+        }),
+        _ => Ok(()),
+    }
+}
+
 #[derive(Debug)]
 pub struct RoundTracker {
     completed: u64,
@@ -121,22 +144,12 @@ impl RoundTracker {
 
     /// Whether `worker`'s pushes count towards this key's rounds.
     pub fn counts(&self, worker: u32) -> bool {
-        self.members
-            .as_deref()
-            .is_none_or(|m| m.binary_search(&worker).is_ok())
+        is_member(self.members.as_deref(), worker)
     }
 
     /// Refuses a push or pull of `round` by a worker that is not one of the key's members.
     pub fn admit(&self, worker: u32, op: &'static str, round: u64) -> Result<(), RoundError> {
-        match &self.members {
-            Some(members) if !self.counts(worker) => Err(RoundError::NotMember {
-                worker,
-                op,
-                round,
-                members: Arc::clone(members),
-            }),
-            _ => Ok(()),
-        }
+        admit(self.members.as_ref(), worker, op, round)
     }
 
     /// Whether no round has begun: nothing pushed, nothing completed.
