@@ -16,14 +16,14 @@ reason (asynchrony slows convergence per step). ``staleness`` bounds the asynchr
 step r - staleness, so no worker runs more than ``staleness`` steps ahead of the slowest;
 0 is the synchronous schedule with deltas.
 
-Every parameter is a tensor of its own on the servers (placed together over them by Eq. 1
-and 2), sent uncompressed from host memory: CUDA parameters are copied to the host and
+The parameters of each dtype travel as one tensor, cut into partitions over the servers
+(Eq. 1 and 2), uncompressed from host memory: CUDA parameters are copied to the host and
 back each step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -37,39 +37,60 @@ MAX_STALENESS = (1 << 32) - 2
 
 
 @dataclass(eq=False)
-class _Slot:
-    """One parameter's exchange: its tensor id, the value last pulled (host memory), and
-    the buffer its delta goes out in and the latest value comes back in."""
+class _Flat:
+    """The parameters of one dtype, exchanged as one tensor: their offsets in it, the
+    value last pulled (host memory), and the buffer the deltas go out in and the latest
+    value comes back in."""
 
-    param: torch.Tensor
+    params: list[torch.Tensor]
+    offsets: list[int]
     tid: int
     base: torch.Tensor
     delta: torch.Tensor
+
+    def spans(self) -> Iterator[tuple[torch.Tensor, slice]]:
+        """Each parameter and its elements' place in the flat buffers."""
+        for p, start in zip(self.params, self.offsets):
+            yield p, slice(start, start + p.numel())
 
 
 class _AsyncOptimizer(torch.optim.Optimizer):
     """The methods ``AsyncOptimizer`` adds to the wrapped optimizer's class."""
 
-    _sf_slots: list[_Slot]
+    _sf_flats: list[_Flat]
     _sf_staleness: int | None
-    _sf_steps: int
 
     def _sf_setup(self, named: dict[torch.Tensor, str], staleness: int | None) -> None:
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
-        names = [f"AsyncOptimizer.{named.get(p, f'param.{i}')}" for i, p in enumerate(params)]
+        names = {p: named.get(p, f"param.{i}") for i, p in enumerate(params)}
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        # One tensor per dtype, cut into partitions over the servers: one push per step
+        # for the whole model rather than one per parameter.
+        flats: list[tuple[str, list[torch.Tensor], list[int], torch.Tensor]] = []
         with torch.no_grad():
-            bases = [p.detach().to("cpu", copy=True).reshape(-1).contiguous() for p in params]
-        ids = declarations.declare_group(list(zip(names, bases)))
-        self._sf_slots = [
-            _Slot(param=p, tid=tid, base=base, delta=torch.empty_like(base))
-            for p, tid, base in zip(params, ids, bases)
+            for dtype, group in by_dtype.items():
+                offsets = [0]
+                for p in group[:-1]:
+                    offsets.append(offsets[-1] + p.numel())
+                base = torch.cat([p.detach().reshape(-1).to("cpu") for p in group])
+                span = f"{names[group[0]]}..{names[group[-1]]}"
+                flats.append((f"AsyncOptimizer[{span}].{dtype}", group, offsets, base))
+        ids = (
+            declarations.declare_group([(name, base) for name, _, _, base in flats])
+            if flats
+            else []
+        )
+        self._sf_flats = [
+            _Flat(params=group, offsets=offsets, tid=tid, base=base, delta=torch.empty_like(base))
+            for (_, group, offsets, base), tid in zip(flats, ids)
         ]
         self._sf_staleness = staleness
-        self._sf_steps = 0
 
     def step(self, closure: Any = None) -> Any:
-        """Updates the parameters locally (the wrapped optimizer's step), then pushes each
-        parameter's delta and continues from the servers' latest parameters."""
+        """Updates the parameters locally (the wrapped optimizer's step), then pushes their
+        deltas and continues from the servers' latest parameters."""
         loss = super(self.__class__, self).step(closure)
         self._sf_exchange()
         return loss
@@ -81,37 +102,37 @@ class _AsyncOptimizer(torch.optim.Optimizer):
     def _sf_exchange(self) -> None:
         rt = _runtime.current()
         service = rt.service
-        handles: list[tuple[_Slot, int]] = []
+        handles: list[int] = []
         with torch.no_grad():
-            for priority, slot in enumerate(self._sf_slots):
-                local = slot.param.detach().reshape(-1)
-                torch.sub(local.to("cpu"), slot.base, out=slot.delta)
-                nbytes = slot.delta.numel() * slot.delta.element_size()
+            for flat in self._sf_flats:
+                for p, where in flat.spans():
+                    local = p.detach().reshape(-1).to("cpu")
+                    torch.sub(local, flat.base[where], out=flat.delta[where])
                 # The initial value (read by the first push only) is the value this
                 # worker started from: the servers start from the first to arrive.
-                handle = service.push_delta(
-                    slot.tid,
-                    slot.delta,
-                    slot.delta.data_ptr(),
-                    nbytes,
-                    slot.base,
-                    slot.base.data_ptr(),
-                    self._sf_staleness,
-                    priority,
+                handles.append(
+                    service.push_delta(
+                        flat.tid,
+                        flat.delta,
+                        flat.delta.data_ptr(),
+                        flat.delta.numel() * flat.delta.element_size(),
+                        flat.base,
+                        flat.base.data_ptr(),
+                        self._sf_staleness,
+                    )
                 )
-                handles.append((slot, handle))
             failure: BaseException | None = None
-            for _, handle in handles:
+            for handle in handles:
                 try:
                     service.wait(handle, rt.timeout)
                 except BaseException as e:  # every handle is waited for, the first error raised
                     failure = failure or e
             if failure is not None:
                 raise failure
-            for slot, _ in handles:
-                slot.base.copy_(slot.delta)
-                slot.param.copy_(slot.delta.view_as(slot.param))
-        self._sf_steps += 1
+            for flat in self._sf_flats:
+                flat.base.copy_(flat.delta)
+                for p, where in flat.spans():
+                    p.copy_(flat.delta[where].view_as(p))
 
 
 def AsyncOptimizer(
