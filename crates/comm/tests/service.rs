@@ -101,8 +101,9 @@ fn workers_sum_and_average_through_colocated_and_cpu_servers() {
 
 /// Asynchronous training (BytePS §4.3) through the whole pipeline: partitions on
 /// colocated and CPU servers, stored values starting from the initial value, each
-/// worker's deltas added at once; under staleness 0 every worker's round r returns the
-/// value with every worker's first r deltas.
+/// worker's deltas added at once; under staleness 0 every worker's round r returns a
+/// value with every worker's first r deltas in it (and the latest: others may have pushed
+/// their next round by then).
 #[test]
 fn deltas_reach_the_stored_value_through_every_partition() {
     let workers = 3;
@@ -136,15 +137,17 @@ fn deltas_reach_the_stored_value_through_every_partition() {
                 assert!(*v >= own && *v <= i as i32 + 3 * 7, "{w} {round} {i}: {v}");
             }
         }
-        // Staleness 0: every worker's round r returns the same value.
+        // Staleness 0: a worker's round r holds every worker's first r deltas, and at most
+        // the others' round r + 1 (which they may push once their own round r is answered).
         for round in 1..=3 {
             let mut delta = vec![1 << w; elements];
             push(bounded, &mut delta, &mut initial, Some(0));
             for (i, v) in delta.iter().enumerate() {
-                assert_eq!(
-                    *v,
-                    i as i32 + round * 7,
-                    "worker {w} round {round} element {i}"
+                let least = i as i32 + round * 7;
+                let most = least + 7 - (1 << w);
+                assert!(
+                    (least..=most).contains(v),
+                    "worker {w} round {round} element {i}: {v} not in {least}..={most}"
                 );
             }
         }
