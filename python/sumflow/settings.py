@@ -309,6 +309,25 @@ WORKER_NAME = _add(
         unset="worker pid PID",
     )
 )
+ELASTIC_ADDR = _add(
+    OptionalSetting(
+        name="SUMFLOW_ELASTIC_ADDR",
+        kind=text("HOST:PORT"),
+        doc="the elastic launcher's rendezvous, which gives this worker its rank and "
+        "coordinator at every change of membership (docs/elastic.md)",
+        readers=(WORKER,),
+        unset="a job whose membership is fixed",
+    )
+)
+ELASTIC_WORKER = _add(
+    OptionalSetting(
+        name="SUMFLOW_ELASTIC_WORKER",
+        kind=text("a name"),
+        doc="this worker's name in an elastic job, the same across changes of membership",
+        readers=(WORKER,),
+        unset="not an elastic job",
+    )
+)
 
 # ---- the communication service ----------------------------------------------------------
 

@@ -6,6 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from sumflow import __version__, settings
+from sumflow.launcher.elastic import ElasticLauncher
 from sumflow.launcher.errors import PROG, ConfigError
 from sumflow.launcher.plan import make_plan
 from sumflow.launcher.supervise import Launcher
@@ -313,6 +314,43 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CMD",
         help="ssh command (shell words), e.g. 'ssh -o BatchMode=yes' [default: ssh]",
     )
+    el = p.add_argument_group(
+        "elastic jobs (docs/elastic.md; any of these makes the job elastic, as with horovodrun)"
+    )
+    el.add_argument(
+        "--min-np",
+        type=int,
+        metavar="N",
+        help="fewest workers the job trains with; below it, it waits --elastic-timeout for "
+        "hosts, then fails [default: -np]",
+    )
+    el.add_argument(
+        "--max-np",
+        type=int,
+        metavar="N",
+        help="most workers the job runs [default: -np, or no limit with --host-discovery-script]",
+    )
+    el.add_argument(
+        "--host-discovery-script",
+        metavar="CMD",
+        help="run every second; prints the hosts that may run workers, one HOST:SLOTS per "
+        "line (localhost: this machine); new slots get workers, which join at the next "
+        "commit, and workers on hosts it stops listing leave",
+    )
+    el.add_argument(
+        "--blacklist-after",
+        type=int,
+        default=2,
+        metavar="F",
+        help="failures after which a host runs no more workers [default: 2]",
+    )
+    el.add_argument(
+        "--elastic-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECS",
+        help="how long the job waits with fewer than --min-np workers [default: 600]",
+    )
     p.add_argument("--version", action="version", version=f"sumflow {__version__}")
     p.add_argument(
         "command",
@@ -331,4 +369,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = make_plan(args)
     except ConfigError as e:
         parser.error(str(e))
+    if plan.elastic is not None:
+        return ElasticLauncher(plan).run()
     return Launcher(plan).run()

@@ -36,6 +36,29 @@ SLURM_ALLOCATION = "the Slurm allocation (SLURM_JOB_NODELIST, SLURM_TASKS_PER_NO
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
+@dataclass(frozen=True)
+class ElasticPlan:
+    """What makes a job elastic (``--min-np``, ``--max-np``, ``--host-discovery-script``):
+    workers may fail, leave and join while it runs (docs/elastic.md)."""
+
+    #: Workers started at the beginning (-np).
+    initial: int
+    min_np: int
+    max_np: int
+    #: Run to list the hosts and their slots, or None: the hosts given are all there is.
+    discovery_script: list[str] | None
+    #: Failures on one host after which no worker runs there again.
+    blacklist_after: int
+    #: How long the job may wait with fewer than min_np workers before it fails.
+    timeout: float
+    #: Seconds between runs of the discovery script.
+    discovery_interval: float
+
+
+#: The host name an elastic job's workers on this machine get (no ssh).
+LOCAL_HOST = "localhost"
+
+
 @dataclass
 class Plan:
     """A checked configuration: everything needed to start the job."""
@@ -70,6 +93,8 @@ class Plan:
     shutdown_grace: float
     kill_timeout: float
     verbose: bool
+    #: Set for an elastic job.
+    elastic: ElasticPlan | None = None
 
     @property
     def cluster(self) -> bool:
@@ -248,7 +273,24 @@ def make_plan(args: argparse.Namespace) -> Plan:
                 f"{MIN_TOKEN_BYTES} bytes, it has {len(token)}"
             )
 
+    elastic_asked = (
+        args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
+    )
     cluster = _cluster_hosts(args)
+    if elastic_asked and cluster is None:
+        for flag, given in (
+            ("--local-size", args.local_size is not None),
+            ("--machine-per-worker", args.machine_per_worker),
+        ):
+            if given:
+                raise ConfigError(
+                    f"{flag} is not for an elastic job: its workers on this machine form one "
+                    "machine, host localhost"
+                )
+        if args.np is None:
+            raise ConfigError("-np N is required: the number of workers an elastic job starts with")
+        # One machine: its slots are -np, unless the discovery script says otherwise.
+        cluster = ([Host(LOCAL_HOST, args.np)], "-np")
     machines: list[tuple[str, str | None, int]]
     cpu_server_hosts: list[str] | None = None
     if cluster is None:
@@ -291,7 +333,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
                     "its local size"
                 )
         n = sum(h.slots for h in hosts)
-        if args.np is not None and args.np != n:
+        if elastic_asked:
+            n = n if args.np is None else args.np
+        elif args.np is not None and args.np != n:
             hint = ""
             if hosts_from == SLURM_ALLOCATION:
                 hint = (
@@ -300,23 +344,35 @@ def make_plan(args: argparse.Namespace) -> Plan:
             raise ConfigError(
                 f"-np {args.np} does not match the hosts' {n} slots in all ({hosts_from}){hint}"
             )
-        machines = [(h.address, h.name, h.slots) for h in hosts]
+        machines = [(h.address, None if hosts_from == "-np" else h.name, h.slots) for h in hosts]
         server_hosts = []
         if args.server_hosts is not None:
             server_hosts = [s.strip() for s in args.server_hosts.split(",")]
             if not all(server_hosts):
                 raise ConfigError(f"--server-hosts {args.server_hosts!r}: empty host entry")
         cpu_servers = len(server_hosts) if args.servers is None else args.servers
-        if cpu_servers and not server_hosts:
+        local_elastic = hosts_from == "-np"
+        if cpu_servers and not server_hosts and not local_elastic:
             raise ConfigError(
                 f"--servers {cpu_servers} in the cluster form needs --server-hosts to say "
                 "where they run"
             )
         if server_hosts and not cpu_servers:
             raise ConfigError("--server-hosts given with --servers 0")
-        cpu_server_hosts = [server_hosts[k % len(server_hosts)] for k in range(cpu_servers)]
+        cpu_server_hosts = (
+            [server_hosts[k % len(server_hosts)] for k in range(cpu_servers)]
+            if server_hosts
+            else None
+        )
         engine_threads = args.engine_threads
-        coordinator_bind, coordinator_addr = _coordinator_endpoints(args, hosts_from)
+        if local_elastic and engine_threads is None:
+            engine_threads = 1
+        if all(ssh_host is None for _, ssh_host, _ in machines) and not server_hosts:
+            # An elastic job on this machine alone: loopback, as without elasticity.
+            coordinator_bind, coordinator_addr = "127.0.0.1:0", None
+            _check_program(command[0])
+        else:
+            coordinator_bind, coordinator_addr = _coordinator_endpoints(args, hosts_from)
         if not ssh:
             raise ConfigError("--ssh is empty")
         _check_program(ssh[0])
@@ -382,6 +438,7 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         rust_log = "info" if args.verbose else "warn"
 
+    elastic = _elastic_plan(args, n) if elastic_asked else None
     return Plan(
         command=command,
         num_workers=n,
@@ -406,6 +463,43 @@ def make_plan(args: argparse.Namespace) -> Plan:
         shutdown_grace=args.shutdown_grace,
         kill_timeout=args.kill_timeout,
         verbose=args.verbose,
+        elastic=elastic,
+    )
+
+
+def _elastic_plan(args: argparse.Namespace, initial: int) -> ElasticPlan:
+    """The elastic part of the plan; ``initial`` workers start."""
+    if initial < 1:
+        raise ConfigError(f"-np must be at least 1, got {initial}")
+    min_np = initial if args.min_np is None else args.min_np
+    if min_np < 1:
+        raise ConfigError(f"--min-np must be at least 1, got {min_np}")
+    if initial < min_np:
+        raise ConfigError(f"-np {initial} is below --min-np {min_np}: the job starts with -np")
+    script = shlex.split(args.host_discovery_script) if args.host_discovery_script else None
+    if args.host_discovery_script is not None and not script:
+        raise ConfigError("--host-discovery-script is empty")
+    if script is not None:
+        _check_program(script[0])
+    # Without discovery the hosts given are all there will be; with it, as many as it lists.
+    max_np = args.max_np if args.max_np is not None else (initial if script is None else 1 << 16)
+    if max_np < min_np:
+        raise ConfigError(f"--max-np {max_np} is below --min-np {min_np}")
+    if initial > max_np:
+        raise ConfigError(f"-np {initial} is above --max-np {max_np}")
+    if args.blacklist_after < 1:
+        raise ConfigError(f"--blacklist-after must be at least 1, got {args.blacklist_after}")
+    _seconds(args.elastic_timeout, "--elastic-timeout")
+    if args.metrics_port is not None:
+        raise ConfigError("--metrics-port is not for an elastic job (each epoch starts its own)")
+    return ElasticPlan(
+        initial=initial,
+        min_np=min_np,
+        max_np=max_np,
+        discovery_script=script,
+        blacklist_after=args.blacklist_after,
+        timeout=args.elastic_timeout,
+        discovery_interval=1.0,
     )
 
 
@@ -436,6 +530,32 @@ def _trace_env(args: argparse.Namespace) -> dict[str, str]:
 def build_processes(plan: Plan, coordinator: str) -> list[ProcSpec]:
     """The servers, then the workers, of ``plan`` once the coordinator listens at
     ``coordinator`` (the address they dial). The token is not in these environments."""
+    specs = build_servers(plan, coordinator, [(h, ssh) for h, ssh, _ in plan.machines])
+    rank = 0
+    for host_id, ssh_host, size in plan.machines:
+        for local_rank in range(size):
+            env = {
+                settings.COORDINATOR.name: coordinator,
+                settings.RANK.name: str(rank),
+                settings.NUM_WORKERS.name: str(plan.num_workers),
+                settings.HOST_ID.name: host_id,
+                settings.WORKER_NAME.name: f"worker {rank}",
+                "RANK": str(rank),
+                "WORLD_SIZE": str(plan.num_workers),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(size),
+                **plan.worker_env,
+            }
+            specs.append(ProcSpec(f"worker {rank}", "worker", list(plan.command), env, ssh_host))
+            rank += 1
+    return specs
+
+
+def build_servers(
+    plan: Plan, coordinator: str, machines: list[tuple[str, str | None]]
+) -> list[ProcSpec]:
+    """The summation servers of ``plan`` for worker ``machines`` (host id, ssh host or
+    None): the colocated ones (with --colocated), then the CPU ones."""
     specs: list[ProcSpec] = []
     local_server = plan.server_program or program("sumflow-server")
     remote_server = plan.server_program or ["sumflow-server"]
@@ -457,27 +577,9 @@ def build_processes(plan: Plan, coordinator: str) -> list[ProcSpec]:
         return ProcSpec(name, "server", argv, dict(plan.service_env), ssh_host)
 
     if plan.colocated:
-        for m, (host_id, ssh_host, _) in enumerate(plan.machines):
+        for m, (host_id, ssh_host) in enumerate(machines):
             specs.append(server(f"server {m}", host_id, ssh_host))
     for k in range(plan.cpu_servers):
         ssh_host = plan.cpu_server_hosts[k] if plan.cpu_server_hosts else None
         specs.append(server(f"cpu-server {k}", f"cpu-{k}", ssh_host))
-
-    rank = 0
-    for host_id, ssh_host, size in plan.machines:
-        for local_rank in range(size):
-            env = {
-                settings.COORDINATOR.name: coordinator,
-                settings.RANK.name: str(rank),
-                settings.NUM_WORKERS.name: str(plan.num_workers),
-                settings.HOST_ID.name: host_id,
-                settings.WORKER_NAME.name: f"worker {rank}",
-                "RANK": str(rank),
-                "WORLD_SIZE": str(plan.num_workers),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(size),
-                **plan.worker_env,
-            }
-            specs.append(ProcSpec(f"worker {rank}", "worker", list(plan.command), env, ssh_host))
-            rank += 1
     return specs

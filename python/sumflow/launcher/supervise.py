@@ -45,6 +45,8 @@ _SET_BY_LAUNCHER = frozenset(
         settings.HOST_ID,
         settings.RANK,
         settings.WORKER_NAME,
+        settings.ELASTIC_ADDR,
+        settings.ELASTIC_WORKER,
     )
 ) | {settings.NUM_WORKERS.name}
 
@@ -303,17 +305,8 @@ class Launcher:
     def _run(self) -> int:
         plan = self.plan
         self._warn_dropped_settings()
-        self._tmp = Path(tempfile.mkdtemp(prefix="sumflow-run-"))  # mode 0700
-        if plan.token_file is not None:
-            token_file = plan.token_file
-        else:
-            self._token = secrets.token_hex(32)
-            token_file = self._tmp / "token"
-            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "w") as f:
-                f.write(self._token + "\n")
-        self._base_env[settings.JOB_TOKEN_FILE.name] = str(token_file)
-
+        self._prepare_token()
+        assert self._tmp is not None
         addr_file = self._tmp / "coordinator"
         self._incidents = self._tmp / "incidents"
         argv = [
@@ -347,6 +340,20 @@ class Launcher:
         return self._supervise()
 
     # -- starting ----------------------------------------------------------------------
+
+    def _prepare_token(self) -> None:
+        """Makes the job's private directory and, unless --token-file gives one, its token
+        file; every local process gets the file's path."""
+        self._tmp = Path(tempfile.mkdtemp(prefix="sumflow-run-"))  # mode 0700
+        if self.plan.token_file is not None:
+            token_file = self.plan.token_file
+        else:
+            self._token = secrets.token_hex(32)
+            token_file = self._tmp / "token"
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(self._token + "\n")
+        self._base_env[settings.JOB_TOKEN_FILE.name] = str(token_file)
 
     def _warn_dropped_settings(self) -> None:
         """Says which SUMFLOW_* variables of the launcher's environment the job does not

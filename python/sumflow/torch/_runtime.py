@@ -28,7 +28,7 @@ from typing import TypedDict
 
 from sumflow import _core, settings
 from sumflow._programs import program
-from sumflow.jobenv import rendezvous
+from sumflow.jobenv import elastic, rendezvous
 from sumflow.jobenv.coordinator import Coordinator, derived_token, locate
 from sumflow.jobenv.environment import LaunchEnvironment
 from sumflow.jobenv.launchers import detect
@@ -129,10 +129,18 @@ class Runtime:
     tmpdir: tempfile.TemporaryDirectory[str] | None = None
     #: The rendezvous file this process published (rank 0 of a one-machine job).
     published: Path | None = None
+    #: The membership epoch this service belongs to, in an elastic job.
+    epoch: int | None = None
 
 
 _runtime: Runtime | None = None
 _runtime_lock = threading.Lock()
+#: An elastic job's rendezvous client, and the last epoch this process took part in.
+_elastic: elastic.Client | None = None
+_last_epoch = -1
+#: Counts the services started in this process: state kept across ``shutdown()`` and
+#: ``init()`` (an elastic job's epochs) sees that it must be set up again.
+generation = 0
 
 
 def current() -> Runtime:
@@ -224,6 +232,38 @@ def _joined_job(coordinator: str) -> tuple[str, str, str, int | None]:
         rank = launch.rank
     host_id = settings.HOST_ID.read() or (launch and launch.host_id) or socket.gethostname()
     return coordinator, _job_token(), host_id, rank
+
+
+def elastic_client() -> elastic.Client | None:
+    """The rendezvous of the elastic job this process belongs to, if it is one."""
+    return _elastic
+
+
+def _elastic_job(options: _Options) -> tuple[str, str, str, int, int]:
+    """Coordinator address, token, machine id, rank and epoch of a worker of an elastic
+    ``sumflow-run`` job: its place in the first epoch after the last it took part in.
+    Removed when the launcher says it is not part of the job any more."""
+    global _elastic, _last_epoch
+    if _elastic is None:
+        address = settings.ELASTIC_ADDR.read()
+        name = settings.ELASTIC_WORKER.read()
+        if not address or not name:
+            raise ValueError(
+                f"{settings.ELASTIC_ADDR.name} is set without {settings.ELASTIC_WORKER.name}: "
+                "an elastic job's workers are started by sumflow-run, which sets both"
+            )
+        _elastic = elastic.Client(address, _job_token(), name)
+    place = _elastic.assignment(_last_epoch, settings.JOIN_TIMEOUT.read())
+    _last_epoch = place.epoch
+    # torchrun's variables, for scripts that read them, follow the membership.
+    os.environ.update(
+        RANK=str(place.rank),
+        WORLD_SIZE=str(place.size),
+        LOCAL_RANK=str(place.local_rank),
+        LOCAL_WORLD_SIZE=str(place.local_size),
+    )
+    options["name"] = f"worker {place.rank}"
+    return place.coordinator, _job_token(), place.host_id, place.rank, place.epoch
 
 
 def _program_env(token: str) -> dict[str, str]:
@@ -355,19 +395,26 @@ def _single_process_job(
 
 def init() -> Runtime:
     """Starts this process's communication service (once; later calls return it)."""
-    global _runtime
+    global _runtime, generation
     with _runtime_lock:
         if _runtime is not None:
             return _runtime
         children: list[subprocess.Popen[bytes]] = []
         tmpdir = tempfile.TemporaryDirectory(prefix="sumflow-")
         published: Path | None = None
+        epoch = None
         try:
             timeout = settings.TIMEOUT.read()
             options = _service_options()
             rank: int | None
             given = settings.COORDINATOR.read()
-            if given:
+            if settings.ELASTIC_ADDR.read():
+                try:
+                    coordinator, token, host_id, rank, epoch = _elastic_job(options)
+                except elastic.Removed as e:
+                    print(f"sumflow: leaving the elastic job: {e}", file=sys.stderr, flush=True)
+                    raise SystemExit(0) from None
+            elif given:
                 coordinator, token, host_id, rank = _joined_job(given)
             else:
                 launch = detect(os.environ)
@@ -386,7 +433,9 @@ def init() -> Runtime:
                 rendezvous.withdraw(published)
             tmpdir.cleanup()
             raise
-        _runtime = Runtime(service, timeout, children, tmpdir, published)
+        _runtime = Runtime(service, timeout, children, tmpdir, published, epoch)
+        generation += 1
+        atexit.unregister(_shutdown_at_exit)  # once, however many epochs
         atexit.register(_shutdown_at_exit)
         return _runtime
 

@@ -138,6 +138,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_skip = False
         self._sf_base = base
         self._sf_steps = 0
+        self._sf_generation = _runtime.generation
         trainable = [p for p in order if p.requires_grad]
         self._sf_overlap = None
         if model is not None:
@@ -166,6 +167,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_hooks = [
             p.register_post_accumulate_grad_hook(self._sf_grad_ready) for p in trainable
         ]
+
+    def _sf_renew(self) -> None:
+        """Follows the job into a new service (an elastic job's next membership, after
+        ``shutdown()`` and ``init()``): what was in flight in the old one is gone, the
+        number of workers may differ, and the new one must be told the tensors."""
+        self._sf_generation = _runtime.generation
+        self._sf_handles = {}
+        self._sf_passes = {}
+        self._sf_ready = {}
+        self._sf_synchronized = False
+        if self._sf_group is not None:
+            self._sf_group = process_sets.group_of(self._sf_process_set, "DistributedOptimizer")
+            self._sf_declare()
+
+    def _sf_current(self) -> None:
+        if self._sf_generation != _runtime.generation:
+            self._sf_renew()
 
     def _sf_declare(self) -> None:
         # Declared together so placement balances the whole model over the servers.
@@ -207,6 +225,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_declare()
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
+        self._sf_current()
         if self._sf_pool is not None and p not in self._sf_handles:
             self._sf_pool.adopt(p)
         passes = self._sf_passes.get(p, 0) + 1
@@ -296,6 +315,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         done (call it before evaluating outside the model's forward, reading or saving the
         parameters, or ending the script), then synchronizes gradients only if a backward
         pass has produced some since the last step (for clipping: see ``step()``)."""
+        self._sf_current()
         if self._sf_overlap is not None:
             self._sf_overlap.wait_all("optimizer.synchronize()")
             if not (self._sf_handles or self._sf_passes):
@@ -358,6 +378,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         gradients) or inside ``skip_synchronize()`` it steps synchronously instead, as
         without ``cross_barrier``. A ``closure`` is refused: it would need every parameter
         updated at once."""
+        self._sf_current()
         if self._sf_overlap is not None:
             self._sf_overlap.raise_failure()
             if closure is not None:

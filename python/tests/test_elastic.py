@@ -1,0 +1,262 @@
+"""Elastic jobs (docs/elastic.md): ``sumflow-run --min-np`` keeps training when a worker
+dies, takes in workers that a discovery script makes room for, and stops with a reason
+when too few are left; its rendezvous refuses what is not a request of the job."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from jobs import launcher_free_env
+
+from sumflow.jobenv import elastic as wire
+from sumflow.launcher.cli import build_parser
+from sumflow.launcher.elastic import Rendezvous
+from sumflow.launcher.errors import ConfigError
+from sumflow.launcher.plan import make_plan
+
+WORKER = str(Path(__file__).with_name("elastic_worker.py"))
+LAUNCHER = [sys.executable, "-m", "sumflow.launcher"]
+#: Every elastic job of these tests ends within this many seconds, or the test fails.
+TIMEOUT = 120
+STEPS = 40
+LR = 0.125
+
+
+def run_job(args: list[str], **env: str) -> tuple[int, str, list[dict[str, Any]]]:
+    """Runs ``sumflow-run ARGS python elastic_worker.py``; (status, output, results)."""
+    forwarded = [a for name in env for a in ("-x", name)]
+    done = subprocess.run(
+        [*LAUNCHER, *args, *forwarded, sys.executable, WORKER],
+        env=launcher_free_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    out = done.stdout + done.stderr
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
+    ]
+    return done.returncode, out, results
+
+
+def check_consistent(results: list[dict[str, Any]], steps: int = STEPS) -> None:
+    """Every worker ends with the weight of exactly `steps` steps and the same history."""
+    for r in results:
+        assert r["weight"] == [-LR * steps] * 4, r
+        assert len(r["sizes"]) == steps, r
+    assert len({json.dumps(r["sizes"]) for r in results}) == 1, results
+    assert sorted(r["rank"] for r in results) == list(range(len(results)))
+
+
+def test_a_killed_worker_leaves_the_others_training_on_three() -> None:
+    code, out, results = run_job(
+        ["-np", "4", "--min-np", "2"],
+        ELASTIC_TEST_VICTIM="w2",
+        ELASTIC_TEST_KILL_AT="12",
+        ELASTIC_TEST_STEPS=str(STEPS),
+    )
+    assert code == 0, out
+    assert sorted(r["worker"] for r in results) == ["w0", "w1", "w3"], out
+    check_consistent(results)
+    # Steps 0-11 ran on 4 workers; the killed step was done again by the 3 survivors.
+    assert results[0]["sizes"] == [4] * 12 + [3] * (STEPS - 12), results[0]
+    assert all(r["resets"] == [3] for r in results)
+    # Every recovery is logged with its reason, by the launcher and by each survivor.
+    assert "was killed by SIGKILL" in out, out
+    assert "epoch 0 ended: worker w2" in out, out
+    assert "epoch 1: 3 workers (localhost: 3)" in out, out
+    assert out.count("sumflow elastic: leaving epoch 0: NodeFailedError") == 3, out
+    assert out.count("sumflow elastic: resumed in epoch 1") == 3, out
+
+
+def test_a_worker_joins_where_discovery_makes_room(tmp_path: Path) -> None:
+    grow = tmp_path / "grow"
+    discover = tmp_path / "discover.sh"
+    discover.write_text(
+        f"#!/bin/sh\nif [ -e {grow} ]; then echo localhost:4; else echo localhost:3; fi\n"
+    )
+    discover.chmod(0o755)
+    steps = 60
+    code, out, results = run_job(
+        ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
+        ELASTIC_TEST_GROW_AT="5",
+        ELASTIC_TEST_GROW_FILE=str(grow),
+        ELASTIC_TEST_STEPS=str(steps),
+    )
+    assert code == 0, out
+    assert sorted(r["worker"] for r in results) == ["w0", "w1", "w2", "w3"], out
+    check_consistent(results, steps)
+    sizes = results[0]["sizes"]
+    joined = sizes.index(4)
+    # It joins at a commit after discovery saw the room: the history before it is the
+    # old membership's, which the new worker received, and nothing was done twice.
+    assert 5 < joined < steps, sizes
+    assert sizes == [3] * joined + [4] * (steps - joined), sizes
+    newcomer = next(r for r in results if r["worker"] == "w3")
+    assert newcomer["rank"] == 3
+    assert newcomer["resets"] == []
+    assert "discovery: host localhost listed with 4 slots (was 3)" in out, out
+    assert "leaving epoch 0: the membership changes at this commit" in out, out
+
+
+def test_too_few_workers_stop_the_job_after_the_elastic_timeout() -> None:
+    code, out, results = run_job(
+        ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"],
+        ELASTIC_TEST_VICTIM="w1",
+        ELASTIC_TEST_KILL_AT="3",
+    )
+    assert code != 0, out
+    assert not results, out
+    assert "1 worker left, fewer than --min-np 2; waiting up to 2 s" in out, out
+    assert "fewer than --min-np 2 workers for 2 s (--elastic-timeout); stopping" in out, out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-np", "4", "--min-np", "5", "true"], "-np 4 is below --min-np 5"),
+        (["-np", "4", "--min-np", "2", "--max-np", "3", "true"], "-np 4 is above --max-np 3"),
+        (["-np", "4", "--max-np", "2", "true"], "--max-np 2 is below --min-np 4"),
+        (["-np", "4", "--min-np", "2", "--local-size", "2", "true"], "--local-size is not for"),
+        (["--min-np", "2", "true"], "-np N is required"),
+        (["-np", "2", "--min-np", "1", "--blacklist-after", "0", "true"], "--blacklist-after"),
+        (
+            ["-np", "2", "--host-discovery-script", "/nonexistent/discover", "true"],
+            "/nonexistent/discover",
+        ),
+    ],
+)
+def test_elastic_flags_are_checked(argv: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message.replace("-", r"\-")):
+        make_plan(build_parser().parse_args(argv))
+
+
+def test_the_plan_of_an_elastic_job_on_one_machine() -> None:
+    plan = make_plan(
+        build_parser().parse_args(["-np", "3", "--min-np", "2", "--servers", "1", "true"])
+    )
+    assert plan.elastic is not None
+    assert (plan.elastic.initial, plan.elastic.min_np, plan.elastic.max_np) == (3, 2, 3)
+    assert plan.machines == [("localhost", None, 3)]
+    assert plan.cpu_servers == 1
+    assert plan.coordinator_bind == "127.0.0.1:0"
+
+
+# -- the rendezvous against hostile and broken clients ------------------------------------
+
+TOKEN = "t" * 32
+
+
+@pytest.fixture
+def rendezvous() -> Any:
+    asked: list[tuple[str, str, int]] = []
+    replies = [
+        {"wait": True},
+        {
+            "epoch": 3,
+            "coordinator": "h:1",
+            "rank": 1,
+            "size": 2,
+            "local_rank": 0,
+            "local_size": 1,
+            "host_id": "b",
+        },
+    ]
+
+    def answer(worker: str, op: str, after: int) -> dict[str, Any]:
+        asked.append((worker, op, after))
+        if worker == "gone":
+            return {"leave": "host b is blacklisted"}
+        if op == "updates":
+            return {"pending": True}
+        return dict(replies.pop(0)) if replies else {"wait": True}
+
+    server = Rendezvous(("127.0.0.1", 0), TOKEN, answer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    host, port = server.address
+    yield f"{host}:{port}", asked
+    server.shutdown()
+    server.server_close()
+
+
+def raw(address: str, data: bytes) -> dict[str, Any]:
+    host, port = wire.split_address(address)
+    with socket.create_connection((host, port), timeout=10) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        reply = s.makefile("rb").readline()
+    return json.loads(reply)
+
+
+def test_the_rendezvous_refuses_bad_requests_and_changes_nothing(rendezvous: Any) -> None:
+    address, asked = rendezvous
+    good = {"token": TOKEN, "worker": "w0", "op": "updates", "epoch": 0}
+    cases = [
+        (b"not json\n", "malformed request"),
+        (b"[1, 2]\n", "a request is a JSON object"),
+        (b'{"op": "updates"', "malformed request"),  # no end of line
+        (b"x" * (wire.MAX_LINE + 10) + b"\n", "at most"),
+        (wire.encode({**good, "token": "wrong"}), "wrong job token"),
+        (wire.encode({**good, "token": 7}), "wrong job token"),
+        (wire.encode({**good, "worker": None}), "names its worker"),
+        (wire.encode({**good, "epoch": "1"}), "integers"),
+        (wire.encode({**good, "epoch": True}), "integers"),
+    ]
+    for data, why in cases:
+        reply = raw(address, data)
+        assert why in reply.get("error", ""), (data[:40], reply)
+    assert asked == []
+    assert raw(address, wire.encode(good)) == {"pending": True}
+    assert asked == [("w0", "updates", 0)]
+
+
+def test_the_client_waits_for_its_place_and_is_told_to_leave(rendezvous: Any) -> None:
+    address, asked = rendezvous
+    place = wire.Client(address, TOKEN, "w1").assignment(after=2, timeout=10)
+    assert place == wire.Assignment(3, "h:1", 1, 2, 0, 1, "b")
+    assert asked == [("w1", "assignment", 2)] * 2
+    with pytest.raises(wire.Removed, match="host b is blacklisted"):
+        wire.Client(address, TOKEN, "gone").assignment(after=3, timeout=10)
+    with pytest.raises(wire.RendezvousError, match="wrong job token"):
+        wire.Client(address, "x" * 32, "w1").updates_pending(3)
+    assert wire.Client(address, TOKEN, "w1").updates_pending(3) is True
+
+
+def test_a_client_names_the_rendezvous_it_cannot_reach() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    client = wire.Client(f"127.0.0.1:{port}", TOKEN, "w0")
+    with pytest.raises(
+        wire.RendezvousError, match=f"127.0.0.1:{port} while waiting for its first epoch"
+    ):
+        client.assignment(after=-1, timeout=0.3)
+
+
+def test_worker_environment_is_not_inherited_from_an_enclosing_elastic_job() -> None:
+    # A stale rendezvous address in the launcher's own environment must not reach the job.
+    env = launcher_free_env(SUMFLOW_ELASTIC_ADDR="127.0.0.1:1", SUMFLOW_ELASTIC_WORKER="w9")
+    done = subprocess.run(
+        [
+            *LAUNCHER,
+            "-np",
+            "1",
+            sys.executable,
+            "-c",
+            "import os; print('addr', os.environ.get('SUMFLOW_ELASTIC_ADDR'))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "addr None" in done.stdout
