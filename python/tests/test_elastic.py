@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -260,3 +261,82 @@ def test_worker_environment_is_not_inherited_from_an_enclosing_elastic_job() -> 
     )
     assert done.returncode == 0, done.stderr
     assert "addr None" in done.stdout
+
+
+# -- the digits example through a failure and a join --------------------------------------
+
+DIGITS = Path(__file__).resolve().parents[2] / "examples" / "train_digits_elastic.py"
+
+
+def run_digits(
+    launcher_args: list[str],
+    json_path: Path,
+    *example_args: str,
+    on_line: Callable[[str], None] = lambda line: None,
+) -> str:
+    """Runs the example to its end (``on_line`` sees each line of its output as it comes);
+    its whole output."""
+    argv = [*LAUNCHER, *launcher_args, sys.executable, str(DIGITS), "--epochs", "10"]
+    argv += ["--min-accuracy", "0.93", "--json", str(json_path), *example_args]
+    proc = subprocess.Popen(
+        argv,
+        env=launcher_free_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    killer = threading.Timer(TIMEOUT, proc.kill)
+    killer.start()
+    lines = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            on_line(line)
+        code = proc.wait()
+    finally:
+        killer.cancel()
+    out = "".join(lines)
+    assert code == 0, out
+    return out
+
+
+def test_digits_finishes_its_epochs_on_three_after_a_worker_is_killed(tmp_path: Path) -> None:
+    result = tmp_path / "digits.json"
+    out = run_digits(
+        ["-np", "4", "--min-np", "2"], result, "--kill-worker", "w2", "--kill-at-step", "70"
+    )
+    metrics = json.loads(result.read_text())
+    assert metrics["workers"] == 3, out
+    assert metrics["accuracy"] >= 0.93, out
+    [change] = metrics["changes"]
+    killed_at = float(out.split("killing w2 at step 70 at ")[1].split()[0])
+    assert change["workers"] == 3
+    assert change["first_step_at"] > killed_at, out
+    assert "epoch  10/10  3 workers" in out, out
+
+
+def test_digits_takes_in_a_worker_that_joins_mid_job(tmp_path: Path) -> None:
+    grow = tmp_path / "grow"
+    discover = tmp_path / "discover.sh"
+    # Room for a fourth worker once the job has run a while.
+    discover.write_text(
+        f"#!/bin/sh\nif [ -e {grow} ]; then echo localhost:4; else echo localhost:3; fi\n"
+    )
+    discover.chmod(0o755)
+    result = tmp_path / "digits.json"
+
+    def grow_after_epoch_2(line: str) -> None:
+        if "epoch   2/" in line:
+            grow.touch()
+
+    out = run_digits(
+        ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
+        result,
+        *("--epochs", "20", "--pause", "0.03"),
+        on_line=grow_after_epoch_2,
+    )
+    metrics = json.loads(result.read_text())
+    assert metrics["workers"] == 4, out
+    assert [c["workers"] for c in metrics["changes"]] == [4], out
+    assert metrics["accuracy"] >= 0.93, out

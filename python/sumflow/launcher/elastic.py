@@ -269,9 +269,15 @@ class ElasticLauncher(Launcher):
                 self.out.message(f"{child.describe()} {describe_exit(code)}")
             elif not self._any_success:
                 # The training is over: as in Horovod, the job now only waits for the
-                # others to finish, and forms no more memberships.
+                # others to finish, and forms no more memberships; workers that were
+                # waiting to join are told to leave.
                 self._any_success = True
                 self.out.message(f"{child.describe()} finished; waiting for the others")
+                with self._lock:
+                    epoch = self.membership.epoch
+                    for other in self.membership.live():
+                        if epoch is None or other.name not in epoch.places:
+                            other.leave = "the training has finished"
             if note:
                 self.out.message(note)
 
