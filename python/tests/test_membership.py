@@ -121,6 +121,7 @@ def test_rendezvous_answers_in_order() -> None:
     assert m.ask(w0, "assignment", -1)[0] == {"wait": True}
     e0.coordinator = "127.0.0.1:5"
     reply, _ = m.ask(w1, "assignment", -1)
+    assert e0.placed == {w1}
     assert reply == {
         "epoch": 0,
         "coordinator": "127.0.0.1:5",

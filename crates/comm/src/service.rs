@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use sumflow_client::coordinator::{CoordinatorClient, CoordinatorOptions};
@@ -543,6 +543,10 @@ pub struct CommunicationService {
     /// Set once the coordinator is lost: every operation fails from then on.
     coordinator_loss: CoordinatorLoss,
     stall_warning: Option<Duration>,
+    /// When the search for a failure's cause gives up: set by the first failure, shared
+    /// by the ones after it, so that a step whose every tensor fails (a peer died)
+    /// waits for the cause once, not once per tensor.
+    cause_deadline: OnceLock<Instant>,
 }
 
 impl CommunicationService {
@@ -747,6 +751,7 @@ impl CommunicationService {
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
             stall_warning: cfg.stall_warning,
+            cause_deadline: OnceLock::new(),
         })
     }
 
@@ -1505,23 +1510,28 @@ impl CommunicationService {
     /// job-fatal error (the worker that saw a declaration mismatch first left at once,
     /// and its servers said so sooner than the coordinator's notice arrived), or the
     /// coordinator's loss (a worker that noticed it first left). Waits briefly for either,
-    /// the real cause, and returns it if it comes.
+    /// the real cause, and returns it if it comes; failures after the first wait only
+    /// what is left of its grace.
     fn cause_of_failure(&self, e: CommError) -> CommError {
-        let deadline = Instant::now() + JOB_ERROR_GRACE;
+        let deadline = *self
+            .cause_deadline
+            .get_or_init(|| Instant::now() + JOB_ERROR_GRACE);
         let tensor = match &e {
             CommError::Failed { tensor, .. } => tensor.clone(),
             _ => String::new(),
         };
-        while Instant::now() < deadline {
+        loop {
             if let Some(cause) = self.job_error() {
                 return cause;
             }
             if let Some(cause) = self.coordinator_loss.error(&tensor) {
                 return cause;
             }
+            if Instant::now() >= deadline {
+                return e;
+            }
             std::thread::sleep(Duration::from_millis(5));
         }
-        e
     }
 
     /// The coordinator's job-fatal error, if it announced one.

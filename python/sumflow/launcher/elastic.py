@@ -291,7 +291,10 @@ class ElasticLauncher(Launcher):
             if epoch is None or epoch.ended is not None:
                 return
             self.membership.end(f"{child.describe()} {describe_exit(code)}")
-        self._failed_starts += 1
+            started = epoch.placed == set(epoch.members)
+        # An epoch that never got all its workers in is a failed start; one that trained
+        # and then lost a server is a failure like a worker's.
+        self._failed_starts = 0 if started else self._failed_starts + 1
 
     # -- epochs ------------------------------------------------------------------------
 

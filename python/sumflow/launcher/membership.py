@@ -65,6 +65,8 @@ class Epoch:
     coordinator: str | None = None
     #: Why it ended, once it has.
     ended: str | None = None
+    #: Members that have taken their place (the coordinator's address) so far.
+    placed: set[str] = field(default_factory=set)
 
     @property
     def machines(self) -> list[tuple[str, int]]:
@@ -267,6 +269,7 @@ class Membership:
             if epoch.coordinator is None or epoch.ended is not None:
                 return dict(WAIT), None
             p = epoch.places[name]
+            epoch.placed.add(name)
             return {
                 "epoch": epoch.number,
                 "coordinator": epoch.coordinator,
