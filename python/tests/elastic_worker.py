@@ -23,9 +23,16 @@ VICTIM = os.environ.get("ELASTIC_TEST_VICTIM")
 KILL_AT = int(os.environ.get("ELASTIC_TEST_KILL_AT", "-1"))
 PAUSE = float(os.environ.get("ELASTIC_TEST_PAUSE", "0.05"))
 ME = os.environ.get("SUMFLOW_ELASTIC_WORKER", "?")
-#: At this step worker w0 creates this file (a discovery script then lists one more slot).
-GROW_AT = int(os.environ.get("ELASTIC_TEST_GROW_AT", "-1"))
-GROW_FILE = os.environ.get("ELASTIC_TEST_GROW_FILE")
+#: "STEP:MARK:ACK": at STEP, before its gradient is pushed, worker w0 creates MARK and
+#: waits for ACK, so that the others' pushes of that round wait on the servers meanwhile.
+HOLD = os.environ.get("ELASTIC_TEST_HOLD", "")
+#: "STEP:PATH,...": at each STEP worker w0 creates PATH (a discovery script reads them).
+MARKS = [
+    (int(step), path)
+    for step, path in (
+        m.split(":", 1) for m in os.environ.get("ELASTIC_TEST_MARKS", "").split(",") if m
+    )
+]
 
 
 def main() -> None:
@@ -45,8 +52,15 @@ def main() -> None:
             if ME == VICTIM and state.step == KILL_AT:
                 print(f"killing myself at step {state.step} at {time.time():.3f}", flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
-            if ME == "w0" and state.step == GROW_AT and GROW_FILE:
-                open(GROW_FILE, "w").close()
+            for step, path in MARKS:
+                if ME == "w0" and state.step == step:
+                    open(path, "w").close()
+            if HOLD and ME == "w0" and state.step == int(HOLD.split(":")[0]):
+                _, mark, ack = HOLD.split(":")
+                open(mark, "w").close()
+                deadline = time.monotonic() + 60
+                while not os.path.exists(ack) and time.monotonic() < deadline:
+                    time.sleep(0.01)
             optimizer.zero_grad()
             model.weight.sum().backward()
             optimizer.step()

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -87,8 +88,7 @@ def test_a_worker_joins_where_discovery_makes_room(tmp_path: Path) -> None:
     steps = 60
     code, out, results = run_job(
         ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
-        ELASTIC_TEST_GROW_AT="5",
-        ELASTIC_TEST_GROW_FILE=str(grow),
+        ELASTIC_TEST_MARKS=f"5:{grow}",
         ELASTIC_TEST_STEPS=str(steps),
     )
     assert code == 0, out
@@ -107,6 +107,29 @@ def test_a_worker_joins_where_discovery_makes_room(tmp_path: Path) -> None:
     assert "leaving epoch 0: the membership changes at this commit" in out, out
 
 
+def test_a_worker_whose_slot_is_no_longer_listed_leaves_and_the_others_go_on(
+    tmp_path: Path,
+) -> None:
+    shrink = tmp_path / "shrink"
+    discover = tmp_path / "discover.sh"
+    discover.write_text(
+        f"#!/bin/sh\nif [ -e {shrink} ]; then echo localhost:2; else echo localhost:3; fi\n"
+    )
+    discover.chmod(0o755)
+    steps = 60
+    code, out, results = run_job(
+        ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
+        ELASTIC_TEST_MARKS=f"5:{shrink}",
+        ELASTIC_TEST_STEPS=str(steps),
+    )
+    assert code == 0, out
+    assert sorted(r["worker"] for r in results) == ["w0", "w1"], out
+    check_consistent(results, steps)
+    assert "sumflow: leaving the elastic job: host localhost slot 2 is no longer listed" in out
+    assert "left the job: host localhost slot 2 is no longer listed" in out, out
+    assert "epoch 1: 2 workers (localhost: 2)" in out, out
+
+
 def test_too_few_workers_stop_the_job_after_the_elastic_timeout() -> None:
     code, out, results = run_job(
         ["-np", "2", "--min-np", "2", "--elastic-timeout", "2"],
@@ -116,7 +139,84 @@ def test_too_few_workers_stop_the_job_after_the_elastic_timeout() -> None:
     assert code != 0, out
     assert not results, out
     assert "1 worker left, fewer than --min-np 2; waiting up to 2 s" in out, out
-    assert "fewer than --min-np 2 workers for 2 s (--elastic-timeout); stopping" in out, out
+    assert "fewer than --min-np 2 for 2 s (--elastic-timeout); stopping" in out, out
+
+
+def test_cpu_servers_added_and_removed_take_effect_at_a_commit(tmp_path: Path) -> None:
+    grow, shrink = tmp_path / "grow", tmp_path / "shrink"
+    discover = tmp_path / "servers.sh"
+    discover.write_text(
+        "#!/bin/sh\n"
+        f"if [ -e {shrink} ]; then echo localhost:2\n"
+        f"elif [ -e {grow} ]; then echo localhost:3\n"
+        "else echo localhost; fi\n"
+    )
+    discover.chmod(0o755)
+    steps = 80
+    code, out, results = run_job(
+        ["-np", "3", "--min-np", "2", "--server-discovery-script", str(discover)],
+        ELASTIC_TEST_MARKS=f"10:{grow},40:{shrink}",
+        ELASTIC_TEST_STEPS=str(steps),
+    )
+    assert code == 0, out
+    check_consistent(results, steps)
+    # One membership per set of servers, each with the Eq. 1/2 placement of its k; the
+    # workers stay, so every step still sums over 3.
+    assert "epoch 0: 3 workers (localhost: 3), 1 CPU server" in out, out
+    assert "epoch 1: 3 workers (localhost: 3), 3 CPU servers" in out, out
+    assert "epoch 2: 3 workers (localhost: 3), 2 CPU servers" in out, out
+    assert results[0]["sizes"] == [3] * steps
+    assert out.count("the membership changes at this commit") == 6, out
+
+
+def test_a_cpu_server_killed_mid_round_costs_the_steps_since_the_last_commit_only(
+    tmp_path: Path,
+) -> None:
+    mark, ack = tmp_path / "held", tmp_path / "go-on"
+    steps = 60
+    proc = subprocess.Popen(
+        [
+            *(*LAUNCHER, "-np", "3", "--min-np", "2", "--servers", "1", "--no-colocated"),
+            *("-x", "ELASTIC_TEST_HOLD", "-x", "ELASTIC_TEST_STEPS", "-x", "ELASTIC_TEST_PAUSE"),
+            *(sys.executable, WORKER),
+        ],
+        env=launcher_free_env(
+            ELASTIC_TEST_HOLD=f"20:{mark}:{ack}",
+            ELASTIC_TEST_STEPS=str(steps),
+            ELASTIC_TEST_PAUSE="0.01",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+    def kill_the_server() -> None:
+        # Step 20 of 60: worker 0 holds its push back, the other two have pushed theirs,
+        # so the only summation server holds a round half summed. SIGKILL it (a child of
+        # the launcher), then let worker 0 go on.
+        while not mark.exists() and proc.poll() is None:
+            time.sleep(0.02)
+        time.sleep(0.5)
+        subprocess.run(["pkill", "-KILL", "-P", str(proc.pid), "-f", "host-id cpu-0"], check=True)
+        ack.touch()
+
+    killer = threading.Thread(target=kill_the_server, daemon=True)
+    killer.start()
+    try:
+        out, _ = proc.communicate(timeout=TIMEOUT)
+    finally:
+        proc.kill()
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
+    ]
+    assert proc.returncode == 0, out
+    assert "epoch 0 ended: cpu-server 0 e0" in out, out
+    assert "was killed by SIGKILL" in out, out
+    assert "epoch 1: 3 workers (localhost: 3), 1 CPU server" in out, out
+    assert len(results) == 3, out
+    # Every gradient counted once: the steps after the last commit were done again on the
+    # new servers, and the weight is exactly that of 60 steps.
+    check_consistent(results, steps)
 
 
 @pytest.mark.parametrize(
@@ -132,6 +232,11 @@ def test_too_few_workers_stop_the_job_after_the_elastic_timeout() -> None:
             ["-np", "2", "--host-discovery-script", "/nonexistent/discover", "true"],
             "/nonexistent/discover",
         ),
+        (
+            ["-np", "2", "--server-discovery-script", "/nonexistent/servers", "true"],
+            "/nonexistent/servers",
+        ),
+        (["-np", "2", "--server-discovery-script", "", "true"], "is empty"),
     ],
 )
 def test_elastic_flags_are_checked(argv: list[str], message: str) -> None:

@@ -164,3 +164,17 @@ def test_workers_that_exit_cleanly_do_not_end_the_epoch_or_count_as_failures() -
     assert note is None
     assert not ends
     assert not m.failures
+
+
+def test_a_change_of_servers_is_pending_until_the_next_epoch() -> None:
+    m = job([("a", 2)])
+    start_all(m)
+    m.servers_changed = True
+    assert not m.pending()  # no epoch yet: the first one takes the servers as they are
+    m.form()
+    assert not m.servers_changed
+    m.servers_changed = True
+    assert m.pending()
+    m.end("interrupted")
+    m.form()
+    assert not m.pending()

@@ -338,6 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         "commit, and workers on hosts it stops listing leave",
     )
     el.add_argument(
+        "--server-discovery-script",
+        metavar="CMD",
+        help="run every second; prints the hosts that run CPU summation servers, one "
+        "HOST[:COUNT] per line (localhost: this machine); a change takes effect at the "
+        "workers' next commit, with the placement for the new number of servers",
+    )
+    el.add_argument(
         "--blacklist-after",
         type=int,
         default=2,

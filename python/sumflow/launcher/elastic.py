@@ -116,6 +116,11 @@ class ElasticLauncher(Launcher):
         #: When the job last had an epoch running, for --elastic-timeout.
         self._short_since: float | None = None
         self._next_discovery = 0.0
+        #: Where the CPU servers of the next epoch run (ssh host, None: this machine).
+        self._cpu_hosts: list[str | None] = [
+            self.plan.cpu_server_hosts[k] if self.plan.cpu_server_hosts else None
+            for k in range(self.plan.cpu_servers)
+        ]
         self._last_exit = 0
         self._any_success = False
 
@@ -168,9 +173,13 @@ class ElasticLauncher(Launcher):
                 (host_id if ssh is None else ssh, size) for host_id, ssh, size in self.plan.machines
             ]
             if el.discovery_script is not None:
-                found = self._discover()
+                found = self._discover(el.discovery_script, "--host-discovery-script")
                 if found is not None:
                     hosts = found
+            if el.server_discovery_script is not None:
+                servers = self._discover(el.server_discovery_script, "--server-discovery-script")
+                if servers is not None:
+                    self._cpu_hosts = _server_hosts(servers)
             self.membership.update_hosts(hosts)
             initial = self.membership.free_slots()[: el.initial]
         if len(initial) < el.min_np:
@@ -267,6 +276,8 @@ class ElasticLauncher(Launcher):
             if failed:
                 self._last_exit = code
                 self.out.message(f"{child.describe()} {describe_exit(code)}")
+            elif w.leave is not None:
+                self.out.message(f"{child.describe()} left the job: {w.leave}")
             elif not self._any_success:
                 # The training is over: as in Horovod, the job now only waits for the
                 # others to finish, and forms no more memberships; workers that were
@@ -304,23 +315,13 @@ class ElasticLauncher(Launcher):
         el = self.elastic
         with self._lock:
             candidates = self.membership.candidates()
+        if not self.plan.colocated and not self._cpu_hosts:
+            return self._short("no CPU server is listed (--no-colocated needs one)")
         if len(candidates) < el.min_np:
-            now = time.monotonic()
-            if self._short_since is None:
-                self._short_since = now
-                self.out.message(
-                    f"{len(candidates)} worker{'s' if len(candidates) != 1 else ''} left, fewer "
-                    f"than --min-np {el.min_np}; waiting up to {el.timeout:g} s "
-                    "(--elastic-timeout) for more"
-                )
-                self._fill_slots()
-            elif now - self._short_since > el.timeout:
-                self.out.message(
-                    f"error: fewer than --min-np {el.min_np} workers for {el.timeout:g} s "
-                    "(--elastic-timeout); stopping"
-                )
-                return 1
-            return None
+            return self._short(
+                f"{len(candidates)} worker{'s' if len(candidates) != 1 else ''} left, fewer "
+                f"than --min-np {el.min_np}"
+            )
         if self._failed_starts >= _MAX_FAILED_STARTS:
             self.out.message(
                 f"error: {self._failed_starts} epochs in a row failed before training "
@@ -330,9 +331,23 @@ class ElasticLauncher(Launcher):
         self._short_since = None
         with self._lock:
             epoch = self.membership.form()
-        return self._start_services(epoch)
+        return self._start_services(epoch, list(self._cpu_hosts))
 
-    def _start_services(self, epoch: Epoch) -> int | None:
+    def _short(self, why: str) -> int | None:
+        """Waits, up to --elastic-timeout, for what the next epoch lacks; an exit status
+        once that has run out."""
+        el = self.elastic
+        now = time.monotonic()
+        if self._short_since is None:
+            self._short_since = now
+            self.out.message(f"{why}; waiting up to {el.timeout:g} s (--elastic-timeout)")
+            self._fill_slots()
+        elif now - self._short_since > el.timeout:
+            self.out.message(f"error: {why} for {el.timeout:g} s (--elastic-timeout); stopping")
+            return 1
+        return None
+
+    def _start_services(self, epoch: Epoch, cpu_hosts: list[str | None]) -> int | None:
         plan = self.plan
         machines = epoch.machines
         job = f"{self._job_id}-e{epoch.number}"
@@ -344,7 +359,7 @@ class ElasticLauncher(Launcher):
             "--workers",
             str(len(epoch.members)),
             "--servers",
-            str((len(machines) if plan.colocated else 0) + plan.cpu_servers),
+            str((len(machines) if plan.colocated else 0) + len(cpu_hosts)),
             "--addr-file",
             str(addr_file),
             "--job-id",
@@ -365,6 +380,7 @@ class ElasticLauncher(Launcher):
             plan,
             address,
             [(host, None if host == LOCAL_HOST else host) for host, _ in machines],
+            cpu_hosts,
         )
         for s in servers:
             s.name = f"{s.name} e{epoch.number}"
@@ -375,9 +391,12 @@ class ElasticLauncher(Launcher):
         with self._lock:
             epoch.coordinator = address
         shape = ", ".join(f"{host}: {count}" for host, count in machines)
+        cpu = ""
+        if cpu_hosts:
+            cpu = f", {len(cpu_hosts)} CPU server{'s' if len(cpu_hosts) != 1 else ''}"
         self.out.message(
             f"epoch {epoch.number}: {len(epoch.members)} worker"
-            f"{'s' if len(epoch.members) != 1 else ''} ({shape})"
+            f"{'s' if len(epoch.members) != 1 else ''} ({shape}){cpu}"
         )
         return None
 
@@ -401,20 +420,19 @@ class ElasticLauncher(Launcher):
 
     # -- discovery ---------------------------------------------------------------------
 
-    def _discover(self) -> list[tuple[str, int]] | None:
-        """The hosts the discovery script lists now; None (with a message) when it fails."""
-        script = self.elastic.discovery_script
-        assert script is not None
+    def _discover(self, script: list[str], flag: str) -> list[tuple[str, int]] | None:
+        """The hosts and counts a discovery script lists now; None (with a message) when it
+        fails."""
         try:
             done = subprocess.run(
                 script, capture_output=True, text=True, timeout=_DISCOVERY_TIMEOUT, check=False
             )
         except (OSError, subprocess.TimeoutExpired) as e:
-            self.out.message(f"warning: --host-discovery-script failed: {e}; keeping the hosts")
+            self.out.message(f"warning: {flag} failed: {e}; keeping the hosts")
             return None
         if done.returncode != 0:
             self.out.message(
-                f"warning: --host-discovery-script exited with code {done.returncode}: "
+                f"warning: {flag} exited with code {done.returncode}: "
                 f"{done.stderr.strip()[-300:]}; keeping the hosts"
             )
             return None
@@ -422,7 +440,7 @@ class ElasticLauncher(Launcher):
         try:
             for line in done.stdout.splitlines():
                 if line.strip():
-                    host, _ = parse_host_entry(line, "--host-discovery-script")
+                    host, _ = parse_host_entry(line, flag)
                     hosts.append((_name_of(host), host.slots))
         except ConfigError as e:
             self.out.message(f"warning: {e}; keeping the hosts")
@@ -430,16 +448,34 @@ class ElasticLauncher(Launcher):
         return hosts
 
     def _poll_discovery(self) -> None:
-        if self.elastic.discovery_script is None or time.monotonic() < self._next_discovery:
+        el = self.elastic
+        if time.monotonic() < self._next_discovery:
             return
-        self._next_discovery = time.monotonic() + self.elastic.discovery_interval
-        found = self._discover()
-        if found is None:
-            return
-        with self._lock:
-            changes = self.membership.update_hosts(found)
-        for change in changes:
-            self.out.message(f"discovery: {change}")
+        self._next_discovery = time.monotonic() + el.discovery_interval
+        if el.discovery_script is not None:
+            found = self._discover(el.discovery_script, "--host-discovery-script")
+            if found is not None:
+                with self._lock:
+                    changes = self.membership.update_hosts(found)
+                for change in changes:
+                    self.out.message(f"discovery: {change}")
+        if el.server_discovery_script is not None:
+            servers = self._discover(el.server_discovery_script, "--server-discovery-script")
+            if servers is not None and _server_hosts(servers) != self._cpu_hosts:
+                self._cpu_hosts = _server_hosts(servers)
+                with self._lock:
+                    self.membership.servers_changed = True
+                where = ", ".join(h or LOCAL_HOST for h in self._cpu_hosts) or "none"
+                self.out.message(
+                    f"server discovery: {len(self._cpu_hosts)} CPU servers ({where}) from the "
+                    "next commit"
+                )
+
+
+def _server_hosts(listed: list[tuple[str, int]]) -> list[str | None]:
+    """One entry per CPU server a server discovery script lists: its ssh host, or None
+    for this machine."""
+    return [None if host == LOCAL_HOST else host for host, count in listed for _ in range(count)]
 
 
 def _name_of(host: Host) -> str:

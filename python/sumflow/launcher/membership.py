@@ -96,6 +96,8 @@ class Membership:
     blacklisted: set[str] = field(default_factory=set)
     #: Slots whose worker failed, per host.
     retired: dict[str, set[int]] = field(default_factory=dict)
+    #: Set when the CPU servers to run change: the next commit forms a new epoch.
+    servers_changed: bool = False
     _started: int = 0
 
     def __post_init__(self) -> None:
@@ -224,6 +226,7 @@ class Membership:
             seen[w.host] += 1
         number = 0 if self.epoch is None else self.epoch.number + 1
         self.epoch = Epoch(number, [w.name for w in members], places)
+        self.servers_changed = False
         return self.epoch
 
     def end(self, why: str) -> None:
@@ -233,10 +236,12 @@ class Membership:
 
     def pending(self) -> bool:
         """Whether the membership should change at the next commit: a worker waits to
-        join, or a member must leave."""
+        join, a member must leave, or the CPU servers change."""
         epoch = self.epoch
         if epoch is None:
             return False
+        if self.servers_changed:
+            return True
         for w in self.live():
             if w.name in epoch.places:
                 if w.leave is not None:

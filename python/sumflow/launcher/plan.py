@@ -51,8 +51,10 @@ class ElasticPlan:
     blacklist_after: int
     #: How long the job may wait with fewer than min_np workers before it fails.
     timeout: float
-    #: Seconds between runs of the discovery script.
+    #: Seconds between runs of the discovery scripts.
     discovery_interval: float
+    #: Run to list the CPU-server hosts, or None: --servers/--server-hosts stay.
+    server_discovery_script: list[str] | None = None
 
 
 #: The host name an elastic job's workers on this machine get (no ssh).
@@ -274,7 +276,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
             )
 
     elastic_asked = (
-        args.min_np is not None or args.max_np is not None or args.host_discovery_script is not None
+        args.min_np is not None
+        or args.max_np is not None
+        or args.host_discovery_script is not None
+        or args.server_discovery_script is not None
     )
     cluster = _cluster_hosts(args)
     if elastic_asked and cluster is None:
@@ -492,6 +497,13 @@ def _elastic_plan(args: argparse.Namespace, initial: int) -> ElasticPlan:
     _seconds(args.elastic_timeout, "--elastic-timeout")
     if args.metrics_port is not None:
         raise ConfigError("--metrics-port is not for an elastic job (each epoch starts its own)")
+    servers_script = (
+        shlex.split(args.server_discovery_script) if args.server_discovery_script else None
+    )
+    if args.server_discovery_script is not None and not servers_script:
+        raise ConfigError("--server-discovery-script is empty")
+    if servers_script is not None:
+        _check_program(servers_script[0])
     return ElasticPlan(
         initial=initial,
         min_np=min_np,
@@ -500,6 +512,7 @@ def _elastic_plan(args: argparse.Namespace, initial: int) -> ElasticPlan:
         blacklist_after=args.blacklist_after,
         timeout=args.elastic_timeout,
         discovery_interval=1.0,
+        server_discovery_script=servers_script,
     )
 
 
@@ -552,10 +565,14 @@ def build_processes(plan: Plan, coordinator: str) -> list[ProcSpec]:
 
 
 def build_servers(
-    plan: Plan, coordinator: str, machines: list[tuple[str, str | None]]
+    plan: Plan,
+    coordinator: str,
+    machines: list[tuple[str, str | None]],
+    cpu_hosts: list[str | None] | None = None,
 ) -> list[ProcSpec]:
     """The summation servers of ``plan`` for worker ``machines`` (host id, ssh host or
-    None): the colocated ones (with --colocated), then the CPU ones."""
+    None): the colocated ones (with --colocated), then the CPU ones, on ``cpu_hosts`` (ssh
+    host or None for this machine) when given, else where the plan says."""
     specs: list[ProcSpec] = []
     local_server = plan.server_program or program("sumflow-server")
     remote_server = plan.server_program or ["sumflow-server"]
@@ -579,7 +596,11 @@ def build_servers(
     if plan.colocated:
         for m, (host_id, ssh_host) in enumerate(machines):
             specs.append(server(f"server {m}", host_id, ssh_host))
-    for k in range(plan.cpu_servers):
-        ssh_host = plan.cpu_server_hosts[k] if plan.cpu_server_hosts else None
+    if cpu_hosts is None:
+        cpu_hosts = [
+            plan.cpu_server_hosts[k] if plan.cpu_server_hosts else None
+            for k in range(plan.cpu_servers)
+        ]
+    for k, ssh_host in enumerate(cpu_hosts):
         specs.append(server(f"cpu-server {k}", f"cpu-{k}", ssh_host))
     return specs

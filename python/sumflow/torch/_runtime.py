@@ -262,7 +262,7 @@ def _elastic_job(options: _Options) -> tuple[str, str, str, int, int]:
         LOCAL_RANK=str(place.local_rank),
         LOCAL_WORLD_SIZE=str(place.local_size),
     )
-    options["name"] = f"worker {place.rank}"
+    options["name"] = _elastic.worker
     return place.coordinator, _job_token(), place.host_id, place.rank, place.epoch
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -92,6 +92,11 @@ class ObjectState(State):
         for name, value in kwargs.items():
             setattr(self, name, value)
         self.save()
+
+    if TYPE_CHECKING:
+        # The values are attributes named by the caller (``state.epoch``).
+        def __getattr__(self, name: str) -> Any: ...
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def _values(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self._names}
