@@ -48,6 +48,18 @@ def run_job(args: list[str], **env: str) -> tuple[int, str, list[dict[str, Any]]
     return done.returncode, out, results
 
 
+def discovery_script(path: Path, lines_by_mark: list[tuple[Path | None, str]]) -> Path:
+    """A discovery script at `path` printing the text of the first (marker, text) pair
+    whose marker file exists (None: always), so a test moves it on by creating files."""
+    body = ["#!/bin/sh"]
+    for mark, text in lines_by_mark:
+        out = f"printf '%s\\n' {' '.join(text.split())}; exit 0"
+        body.append(out if mark is None else f"if [ -e {mark} ]; then {out}; fi")
+    path.write_text("\n".join(body) + "\n")
+    path.chmod(0o755)
+    return path
+
+
 def check_consistent(results: list[dict[str, Any]], steps: int = STEPS) -> None:
     """Every worker ends with the weight of exactly `steps` steps and the same history."""
     for r in results:
@@ -80,11 +92,9 @@ def test_a_killed_worker_leaves_the_others_training_on_three() -> None:
 
 def test_a_worker_joins_where_discovery_makes_room(tmp_path: Path) -> None:
     grow = tmp_path / "grow"
-    discover = tmp_path / "discover.sh"
-    discover.write_text(
-        f"#!/bin/sh\nif [ -e {grow} ]; then echo localhost:4; else echo localhost:3; fi\n"
+    discover = discovery_script(
+        tmp_path / "discover.sh", [(grow, "localhost:4"), (None, "localhost:3")]
     )
-    discover.chmod(0o755)
     steps = 60
     code, out, results = run_job(
         ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
@@ -111,11 +121,9 @@ def test_a_worker_whose_slot_is_no_longer_listed_leaves_and_the_others_go_on(
     tmp_path: Path,
 ) -> None:
     shrink = tmp_path / "shrink"
-    discover = tmp_path / "discover.sh"
-    discover.write_text(
-        f"#!/bin/sh\nif [ -e {shrink} ]; then echo localhost:2; else echo localhost:3; fi\n"
+    discover = discovery_script(
+        tmp_path / "discover.sh", [(shrink, "localhost:2"), (None, "localhost:3")]
     )
-    discover.chmod(0o755)
     steps = 60
     code, out, results = run_job(
         ["-np", "3", "--min-np", "2", "--host-discovery-script", str(discover)],
@@ -144,14 +152,10 @@ def test_too_few_workers_stop_the_job_after_the_elastic_timeout() -> None:
 
 def test_cpu_servers_added_and_removed_take_effect_at_a_commit(tmp_path: Path) -> None:
     grow, shrink = tmp_path / "grow", tmp_path / "shrink"
-    discover = tmp_path / "servers.sh"
-    discover.write_text(
-        "#!/bin/sh\n"
-        f"if [ -e {shrink} ]; then echo localhost:2\n"
-        f"elif [ -e {grow} ]; then echo localhost:3\n"
-        "else echo localhost; fi\n"
+    discover = discovery_script(
+        tmp_path / "servers.sh",
+        [(shrink, "localhost:2"), (grow, "localhost:3"), (None, "localhost")],
     )
-    discover.chmod(0o755)
     steps = 80
     code, out, results = run_job(
         ["-np", "3", "--min-np", "2", "--server-discovery-script", str(discover)],
@@ -423,12 +427,10 @@ def test_digits_finishes_its_epochs_on_three_after_a_worker_is_killed(tmp_path: 
 
 def test_digits_takes_in_a_worker_that_joins_mid_job(tmp_path: Path) -> None:
     grow = tmp_path / "grow"
-    discover = tmp_path / "discover.sh"
     # Room for a fourth worker once the job has run a while.
-    discover.write_text(
-        f"#!/bin/sh\nif [ -e {grow} ]; then echo localhost:4; else echo localhost:3; fi\n"
+    discover = discovery_script(
+        tmp_path / "discover.sh", [(grow, "localhost:4"), (None, "localhost:3")]
     )
-    discover.chmod(0o755)
     result = tmp_path / "digits.json"
 
     def grow_after_epoch_2(line: str) -> None:
