@@ -5,6 +5,8 @@ when too few are left; its rendezvous refuses what is not a request of the job."
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from jobs import launcher_free_env
+from jobs import launcher_free_env, script
 
 from sumflow.jobenv import elastic as wire
 from sumflow.launcher.cli import build_parser
@@ -223,6 +225,73 @@ def test_a_cpu_server_killed_mid_round_costs_the_steps_since_the_last_commit_onl
     check_consistent(results, steps)
 
 
+def test_a_server_started_by_hand_joins_and_retires(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s" * 32 + "\n")
+    token.chmod(0o600)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    joined, retire = tmp_path / "joined", tmp_path / "retire"
+    steps = 80
+    job = subprocess.Popen(
+        [
+            *(*LAUNCHER, "-np", "3", "--min-np", "2", "--token-file", str(token)),
+            *("--rendezvous-port", str(port), "-x", "ELASTIC_TEST_MARKS"),
+            # One machine's workers sum in shared memory, or on its colocated server when
+            # there is one (BytePS's placement at n = 1): CPU servers only, without it.
+            *("--no-colocated", "--servers", "1", "-x", "SUMFLOW_SHARED_MEMORY=off"),
+            *("-x", "ELASTIC_TEST_STEPS", sys.executable, WORKER),
+        ],
+        env=launcher_free_env(
+            ELASTIC_TEST_MARKS=f"10:{joined},40:{retire}", ELASTIC_TEST_STEPS=str(steps)
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    server: subprocess.Popen[str] | None = None
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not joined.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # A CPU machine lends its cores: no launcher, only the rendezvous and the token.
+        server = subprocess.Popen(
+            [
+                *(script("sumflow-server"), "--elastic", f"127.0.0.1:{port}"),
+                *("--token-file", str(token), "--name", "lender"),
+            ],
+            env={**launcher_free_env(), "RUST_LOG": "info"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        while not retire.exists() and job.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        server.send_signal(signal.SIGTERM)  # retire at the next commit
+        server_out, _ = server.communicate(timeout=TIMEOUT)
+        out, _ = job.communicate(timeout=TIMEOUT)
+    finally:
+        for p in (job, server):
+            if p is not None and p.poll() is None:
+                p.kill()
+    assert server.returncode == 0, server_out
+    assert "serving epoch 1" in server_out, server_out
+    assert "leaving the elastic job: it retired" in server_out, server_out
+    # It summed its share of the keys.
+    held = re.search(r"at most (\d+) at once", server_out)
+    assert held is not None, server_out
+    assert int(held.group(1)) > 0, server_out
+    assert job.returncode == 0, out
+    assert f"elastic rendezvous at 127.0.0.1:{port}" in out, out
+    assert "epoch 1: 3 workers (localhost: 3), 2 CPU servers (1 started by hand)" in out, out
+    assert "epoch 2: 3 workers (localhost: 3), 1 CPU server\n" in out, out
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
+    ]
+    check_consistent(results, steps)
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -308,17 +377,23 @@ def raw(address: str, data: bytes) -> dict[str, Any]:
 
 def test_the_rendezvous_refuses_bad_requests_and_changes_nothing(rendezvous: Any) -> None:
     address, asked = rendezvous
-    good = {"token": TOKEN, "worker": "w0", "op": "updates", "epoch": 0}
+    request = {"worker": "w0", "op": "updates", "epoch": 0}
+    good = wire.sign(request, TOKEN)
+    stale = wire.sign(request, TOKEN)
+    stale["time"] -= 2 * int(wire.MAX_CLOCK_SKEW)
     cases = [
         (b"not json\n", "malformed request"),
         (b"[1, 2]\n", "a request is a JSON object"),
         (b'{"op": "updates"', "malformed request"),  # no end of line
         (b"x" * (wire.MAX_LINE + 10) + b"\n", "at most"),
-        (wire.encode({**good, "token": "wrong"}), "wrong job token"),
-        (wire.encode({**good, "token": 7}), "wrong job token"),
-        (wire.encode({**good, "worker": None}), "names its worker"),
-        (wire.encode({**good, "epoch": "1"}), "integers"),
-        (wire.encode({**good, "epoch": True}), "integers"),
+        (wire.encode(request), "unsigned request"),
+        (wire.encode({**request, "token": TOKEN}), "unsigned request"),  # no plain tokens
+        (wire.encode(wire.sign(request, "w" * 32)), "wrong job token"),
+        (wire.encode({**good, "epoch": 1}), "wrong job token"),  # altered after signing
+        (wire.encode(stale), "wrong job token"),  # its time is signed too
+        (wire.encode(wire.sign({**request, "worker": None}, TOKEN)), "names its worker"),
+        (wire.encode(wire.sign({**request, "epoch": "1"}, TOKEN)), "integers"),
+        (wire.encode(wire.sign({**request, "epoch": True}, TOKEN)), "integers"),
     ]
     for data, why in cases:
         reply = raw(address, data)
@@ -326,6 +401,16 @@ def test_the_rendezvous_refuses_bad_requests_and_changes_nothing(rendezvous: Any
     assert asked == []
     assert raw(address, wire.encode(good)) == {"pending": True}
     assert asked == [("w0", "updates", 0)]
+    # The same signed request again is a replay.
+    assert "replay" in raw(address, wire.encode(good))["error"]
+    assert asked == [("w0", "updates", 0)]
+
+
+def test_a_request_signed_too_long_ago_is_refused() -> None:
+    message = wire.sign({"worker": "w0", "op": "updates", "epoch": 0}, TOKEN)
+    assert wire.verify(message, TOKEN) is None
+    later = message["time"] + wire.MAX_CLOCK_SKEW + 5
+    assert "off this machine's clock" in (wire.verify(message, TOKEN, now=later) or "")
 
 
 def test_the_client_waits_for_its_place_and_is_told_to_leave(rendezvous: Any) -> None:

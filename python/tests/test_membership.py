@@ -178,3 +178,50 @@ def test_a_change_of_servers_is_pending_until_the_next_epoch() -> None:
     m.end("interrupted")
     m.form()
     assert not m.pending()
+
+
+def test_servers_started_by_hand_join_at_the_next_epoch_and_retire() -> None:
+    m = job([("a", 2)])
+    start_all(m)
+    e0 = m.form()
+    e0.coordinator = "c:1"
+    # A server asks: the running epoch goes on without it, and must change for it.
+    assert m.ask("lender", "serve", -1) == ({"wait": True}, None)
+    assert m.pending()
+    assert m.ask("w9", "retire", -1)[0] == {"error": "'w9' is not a summation server of this job"}
+    m.end("interrupted")
+    e1 = m.form()
+    assert e1.hand_servers == ["lender"]
+    e1.coordinator = "c:2"
+    assert m.ask("lender", "serve", -1)[0] == {
+        "epoch": 1,
+        "coordinator": "c:2",
+        "host_id": "cpu-lender",
+    }
+    assert not m.pending()
+    # Its epoch ended without the workers leaving it: the server left it (died, stopped).
+    assert m.ask("lender", "serve", 1) == ({"wait": True}, "summation server lender left epoch 1")
+    m.end("lender left")
+    assert m.hand_servers_settling() == []  # it has asked for the next one already
+    e2 = m.form()
+    assert e2.hand_servers == ["lender"]
+    e2.coordinator = "c:3"
+    # Retiring: it serves the running epoch to its end, then is told to leave.
+    assert m.ask("lender", "retire", -1)[0] == {"ok": True}
+    assert m.pending()
+    assert m.ask("lender", "serve", 1)[0]["epoch"] == 2
+    m.end("interrupted")
+    assert m.ask("lender", "serve", 2)[0] == {"leave": "it retired"}
+    assert m.form().hand_servers == []
+
+
+def test_a_server_that_has_not_asked_again_is_waited_for_then_left_out() -> None:
+    m = job([("a", 1)])
+    start_all(m)
+    m.ask("lender", "serve", -1)
+    assert m.form().hand_servers == ["lender"]  # there before the first epoch: in it
+    m.end("a worker failed")
+    assert m.hand_servers_settling() == ["lender"]  # still leaving epoch 0, or dead
+    assert m.form().hand_servers == []
+    m.finished = True
+    assert m.ask("lender", "serve", 1)[0] == {"leave": "the training has finished"}

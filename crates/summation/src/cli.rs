@@ -10,7 +10,7 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use clap::{Parser, ValueEnum};
 use sumflow_client::coordinator::CoordinatorOptions;
@@ -21,16 +21,18 @@ use sumflow_wire::program::{
 };
 use sumflow_wire::{timing, JobToken};
 use thiserror::Error;
-use tracing::error;
+use tracing::{error, info, warn};
 
+use crate::elastic::{Answer, ElasticError, Rendezvous};
 use crate::{CoordinatorLink, Membership, ServerConfig, Settings, SimdLevel, SummationService};
 
 /// Sums gradient partitions pushed by a job's workers and returns each round's sum.
 ///
-/// In a job, point it at the coordinator (--coordinator); for tests and benchmarks it can
-/// run standalone with a fixed number of workers (--workers). The job token comes from
-/// --token-file, SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN.
-#[derive(Parser, Debug)]
+/// In a job, point it at the coordinator (--coordinator); to lend this machine's cores to
+/// a running elastic job, at its launcher's rendezvous (--elastic); for tests and
+/// benchmarks it can run standalone with a fixed number of workers (--workers). The job
+/// token comes from --token-file, SUMFLOW_JOB_TOKEN_FILE or SUMFLOW_JOB_TOKEN.
+#[derive(Parser, Debug, Clone)]
 #[command(name = "sumflow-server", version)]
 struct Args {
     /// Address to listen on. Use 0.0.0.0:PORT on a cluster machine.
@@ -43,9 +45,17 @@ struct Args {
     #[arg(
         long,
         env = "SUMFLOW_NUM_WORKERS",
-        required_unless_present = "coordinator"
+        required_unless_present_any = ["coordinator", "elastic"]
     )]
     workers: Option<u32>,
+    /// Serve a running elastic job (sumflow-run --min-np ...) from its next change of
+    /// membership on: the rendezvous sumflow-run prints at start (host:port). The first
+    /// SIGTERM or SIGINT retires the server at the job's next commit; a second stops it.
+    #[arg(long, value_name = "HOST:PORT", conflicts_with_all = ["coordinator", "workers"])]
+    elastic: Option<String>,
+    /// With --elastic: the name the job knows this server by [default: HOST-PID].
+    #[arg(long, requires = "elastic")]
+    name: Option<String>,
     /// Host name or address workers use to reach this server [default: the bind address,
     /// or this machine's host name when binding to all interfaces].
     #[arg(long, env = "SUMFLOW_ADVERTISE_HOST")]
@@ -141,6 +151,9 @@ where
         Err(code) => return code,
     };
     init_logging(args.log_format);
+    if let Some(addr) = args.elastic.clone() {
+        return run_elastic(&args, &addr);
+    }
     let cfg = match config(&args) {
         Ok(cfg) => cfg,
         Err(msg) => {
@@ -196,6 +209,145 @@ where
         return 1;
     }
     0
+}
+
+/// `--elastic`: serves one membership epoch after another (see [`crate::elastic`]).
+fn run_elastic(args: &Args, addr: &str) -> u8 {
+    let token = match JobToken::load(args.token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("sumflow-server: {e}");
+            return 2;
+        }
+    };
+    let name = args.name.clone().unwrap_or_else(|| {
+        format!(
+            "{}-{}",
+            hostname().unwrap_or_else(|| "server".into()),
+            std::process::id()
+        )
+    });
+    let rendezvous = match Rendezvous::new(addr, &token, &name) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("sumflow-server: {e}");
+            return 2;
+        }
+    };
+    let signals = StopSignals::install();
+    let join_timeout = Duration::from_secs_f64(args.join_timeout.max(1.0));
+    let mut after = -1;
+    let mut retiring = false;
+    loop {
+        let place = match await_place(&rendezvous, after, &signals, &mut retiring, join_timeout) {
+            Ok(Some(place)) => place,
+            Ok(None) => return 0,
+            Err(e) => {
+                error!("{e}");
+                eprintln!("sumflow-server: {e}");
+                return 1;
+            }
+        };
+        let (epoch, coordinator, host_id) = place;
+        info!("serving epoch {epoch} of the elastic job at {addr} (coordinator {coordinator})");
+        let mut epoch_args = args.clone();
+        epoch_args.elastic = None;
+        epoch_args.coordinator = Some(coordinator);
+        epoch_args.host_id = Some(host_id);
+        after = epoch;
+        let handle = match config(&epoch_args)
+            .map_err(|e| e.to_string())
+            .and_then(|cfg| SummationService::start(cfg).map_err(|e| e.to_string()))
+        {
+            Ok(h) => h,
+            Err(e) => {
+                // The epoch goes on without this server, or fails and forms again.
+                warn!("cannot serve epoch {epoch}: {e}");
+                continue;
+            }
+        };
+        while !handle.is_finished() {
+            if signals.requested() {
+                signals.clear();
+                if retiring {
+                    info!("second signal: stopping now");
+                    handle.shutdown();
+                } else {
+                    retiring = true;
+                    match rendezvous.retire() {
+                        Ok(()) => info!("retiring: this server leaves at the job's next commit"),
+                        Err(e) => {
+                            warn!("cannot tell the launcher ({e}); stopping now");
+                            handle.shutdown();
+                        }
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        if let Some(why) = handle.failure() {
+            info!("epoch {epoch} ended: {why}");
+        }
+        handle.wait();
+    }
+}
+
+/// Asks for a place after epoch `after` until the launcher gives one (`Some`), says to
+/// leave or a signal comes first (`None`), or it cannot be reached for `timeout`.
+fn await_place(
+    rendezvous: &Rendezvous,
+    after: i64,
+    signals: &StopSignals,
+    retiring: &mut bool,
+    timeout: Duration,
+) -> Result<Option<(i64, String, String)>, ElasticError> {
+    let start = Instant::now();
+    let mut deadline = start + timeout;
+    loop {
+        if signals.requested() && !*retiring {
+            // Not serving an epoch: nothing to hand over; the launcher forgets it.
+            *retiring = true;
+            let _ = rendezvous.retire();
+        }
+        match rendezvous.serve(after) {
+            Ok(Answer::Serve {
+                epoch,
+                coordinator,
+                host_id,
+            }) => return Ok(Some((epoch, coordinator, host_id))),
+            Ok(Answer::Leave(why)) => {
+                info!("leaving the elastic job: {why}");
+                return Ok(None);
+            }
+            Ok(Answer::Wait { patience }) => {
+                if let Some(p) = patience.filter(|p| p.is_finite() && *p > 0.0) {
+                    deadline = deadline.max(start + Duration::from_secs_f64(p));
+                }
+                if Instant::now() >= deadline {
+                    return Err(ElasticError::Unreachable {
+                        addr: rendezvous.addr().to_string(),
+                        why: format!(
+                            "no place after epoch {after} within {:.0} s",
+                            start.elapsed().as_secs_f64()
+                        ),
+                    });
+                }
+            }
+            Err(ElasticError::Unreachable { .. }) if after >= 0 && *retiring => return Ok(None),
+            Err(e @ ElasticError::Unreachable { .. }) => {
+                if after >= 0 && start.elapsed() > Duration::from_secs(3) {
+                    // It served, and the launcher is gone: the job has ended.
+                    info!("the elastic job's launcher is gone ({e}); the job has ended");
+                    return Ok(None);
+                }
+                if Instant::now() >= deadline {
+                    return Err(e);
+                }
+            }
+            Err(e) => return Err(e),
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Why the flags make no server configuration; each names the flag to fix.

@@ -14,6 +14,7 @@ pub mod cli;
 mod connection;
 pub mod deltas;
 pub mod directory;
+pub mod elastic;
 mod engine;
 mod messages;
 mod metrics;

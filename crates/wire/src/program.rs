@@ -87,6 +87,12 @@ impl StopSignals {
     pub fn requested(&self) -> bool {
         self.requested.load(Ordering::Relaxed)
     }
+
+    /// Forgets the signals so far, so that [`requested`](Self::requested) tells of the
+    /// next one (a program that stops gracefully on the first and at once on a second).
+    pub fn clear(&self) {
+        self.requested.store(false, Ordering::Relaxed);
+    }
 }
 
 impl Drop for StopSignals {

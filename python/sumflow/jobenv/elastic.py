@@ -4,8 +4,9 @@ learns, at every change of membership, its rank and the coordinator to join.
 Each membership *epoch* is a job of its own, with a fresh coordinator and fresh summation
 servers, so no round can mix the gradients of two memberships; the worker processes live
 on from one epoch to the next (docs/elastic.md). The launcher serves this rendezvous on
-TCP. A worker asks one question per connection, one JSON line each way, each carrying the
-job token and the worker's name (``SUMFLOW_ELASTIC_WORKER``):
+TCP. A worker asks one question per connection, one JSON line each way, each naming the
+worker (``SUMFLOW_ELASTIC_WORKER``) and signed with the job token (see :func:`sign`; the
+token itself never crosses the network, as with the coordinator's handshake):
 
 ``{"op": "assignment", "after": E}``
     Its place in the first epoch after E: ``{"epoch", "coordinator", "rank", "size",
@@ -16,14 +17,22 @@ job token and the worker's name (``SUMFLOW_ELASTIC_WORKER``):
     ``{"pending": true}`` when the membership is about to change (workers wait to join,
     or some must leave): the next ``commit()`` interrupts training for it.
 
-A request that is malformed, too long, or without the job's token is answered with
-``{"error": why}`` and the connection closed; it changes nothing.
+``{"op": "serve", "after": E}`` and ``{"op": "retire"}``
+    From a summation server started by hand (``sumflow-server --elastic ADDR``): its place
+    in the first epoch after E (``{"epoch", "coordinator", "host_id"}``, ``wait`` or
+    ``leave`` as above), and its wish to leave at the next change (``{"ok": true}``).
+
+A request that is malformed, too long, unsigned, signed with another token, too old or
+seen before is answered with ``{"error": why}`` and the connection closed; it changes
+nothing.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import json
+import secrets
 import socket
 import time
 from dataclasses import dataclass
@@ -92,9 +101,41 @@ def decode(line: bytes) -> dict[str, Any]:
     return message
 
 
-def token_matches(given: object, token: str) -> bool:
-    """Whether a request's token is the job's, compared in constant time."""
-    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+#: How far a request's time may lie from the launcher's clock, in seconds.
+MAX_CLOCK_SKEW = 300.0
+
+
+def _signed_text(message: dict[str, Any]) -> bytes:
+    """What a request's MAC covers: its fields in a fixed order, one per line (the Rust
+    server, ``crates/summation/src/elastic.rs``, builds the same)."""
+    fields = ("op", "worker", "after", "epoch", "nonce", "time")
+    return "\n".join(str(message.get(f, "")) for f in fields).encode()
+
+
+def sign(message: dict[str, Any], token: str) -> dict[str, Any]:
+    """`message` with a fresh nonce, the time, and its HMAC-SHA256 under the job token."""
+    full = {**message, "nonce": secrets.token_hex(16), "time": int(time.time())}
+    full["mac"] = hmac.new(token.encode(), _signed_text(full), hashlib.sha256).hexdigest()
+    return full
+
+
+def verify(message: dict[str, Any], token: str, now: float | None = None) -> str | None:
+    """Why `message` is not a genuine, fresh request of the job (None when it is): its MAC
+    is compared in constant time, and its time must lie within MAX_CLOCK_SKEW of `now`.
+    Replays within that window are the caller's to refuse, by nonce."""
+    mac = message.get("mac")
+    if not isinstance(mac, str) or not isinstance(message.get("nonce"), str):
+        return "unsigned request"
+    expected = hmac.new(token.encode(), _signed_text(message), hashlib.sha256).hexdigest()
+    if not hmac.compare_digest(mac.encode(), expected.encode()):
+        return "wrong job token"
+    sent = message.get("time")
+    if not isinstance(sent, int) or isinstance(sent, bool):
+        return "a request carries its time in whole seconds"
+    now = time.time() if now is None else now
+    if abs(now - sent) > MAX_CLOCK_SKEW:
+        return f"the request's time is {now - sent:+.0f} s off this machine's clock"
+    return None
 
 
 def _read_line(sock: socket.socket) -> bytes:
@@ -129,7 +170,7 @@ class Client:
     def request(self, message: dict[str, Any]) -> dict[str, Any]:
         """Sends one request and returns the reply; OSError when the launcher cannot be
         reached, RendezvousError when it refuses."""
-        full = {**message, "token": self._token, "worker": self.worker}
+        full = sign({**message, "worker": self.worker}, self._token)
         with socket.create_connection(self._where, timeout=REQUEST_TIMEOUT) as sock:
             sock.sendall(encode(full))
             line = _read_line(sock)

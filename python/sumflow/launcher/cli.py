@@ -345,6 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
         "workers' next commit, with the placement for the new number of servers",
     )
     el.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="port of the rendezvous workers and hand-started servers (sumflow-server "
+        "--elastic HOST:PORT) ask for their places, on --coordinator-bind's host "
+        "[default: 0, any free port; printed at start]",
+    )
+    el.add_argument(
         "--blacklist-after",
         type=int,
         default=2,

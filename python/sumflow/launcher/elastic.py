@@ -40,6 +40,9 @@ from sumflow.launcher.supervise import (
 _REQUEST_READ_TIMEOUT = 5.0
 #: How long the discovery script may run.
 _DISCOVERY_TIMEOUT = 10.0
+#: How long a new epoch waits for the servers started by hand that served the last one
+#: to ask for a place in it (they are leaving the old one).
+_SETTLE = 5.0
 #: Consecutive epochs that may fail to start (their coordinator or a server exiting
 #: before any member left) before the job gives up.
 _MAX_FAILED_STARTS = 3
@@ -55,7 +58,23 @@ class Rendezvous(socketserver.ThreadingTCPServer):
     def __init__(self, bind: tuple[str, int], token: str, answer: Any) -> None:
         self.token = token
         self.answer = answer
+        #: Nonces of the requests taken within the clock-skew window, by arrival time.
+        self._nonces: dict[str, float] = {}
+        self._nonces_lock = threading.Lock()
         super().__init__(bind, _RendezvousHandler)
+
+    def fresh(self, nonce: str) -> bool:
+        """Whether `nonce` is new (it is remembered for the clock-skew window twice over,
+        so a replay of a request signed within the window is refused)."""
+        now = time.monotonic()
+        with self._nonces_lock:
+            if nonce in self._nonces:
+                return False
+            self._nonces[nonce] = now
+            if len(self._nonces) > 4096:
+                horizon = now - 2 * wire.MAX_CLOCK_SKEW
+                self._nonces = {n: t for n, t in self._nonces.items() if t >= horizon}
+            return True
 
     @property
     def address(self) -> tuple[str, int]:
@@ -80,8 +99,11 @@ class _RendezvousHandler(socketserver.StreamRequestHandler):
             message = wire.decode(line)
         except ValueError as e:
             return {"error": f"malformed request: {e}"}
-        if not wire.token_matches(message.get("token"), self.server.token):
-            return {"error": "wrong job token"}
+        refused = wire.verify(message, self.server.token)
+        if refused is not None:
+            return {"error": refused}
+        if not self.server.fresh(str(message["nonce"])):
+            return {"error": "a request seen before (a replay)"}
         worker, op, after = message.get("worker"), message.get("op"), message.get("after", -1)
         epoch = message.get("epoch", -1)
         if not isinstance(worker, str) or not isinstance(op, str):
@@ -130,14 +152,20 @@ class ElasticLauncher(Launcher):
         with self._lock:
             reply, ends = self.membership.ask(worker, op, after)
             if ends is not None:
-                self.membership.end(ends)
+                self.membership.end(ends, time.monotonic())
         if reply.get("wait"):
             reply["patience"] = self.elastic.timeout + 2 * self.plan.start_timeout
         return reply
 
     def _start_rendezvous(self) -> None:
         bind_host, _ = split_host_port(self.plan.coordinator_bind, "--coordinator-bind")
-        self._rendezvous = Rendezvous((bind_host, 0), self._token_text(), self._answer)
+        bind = (bind_host, self.elastic.rendezvous_port)
+        try:
+            self._rendezvous = Rendezvous(bind, self._token_text(), self._answer)
+        except OSError as e:
+            raise ConfigError(
+                f"the elastic rendezvous cannot listen on {bind_host}:{bind[1]}: {e}"
+            ) from None
         threading.Thread(target=self._rendezvous.serve_forever, daemon=True).start()
         _, port = self._rendezvous.address
         dial = bind_host
@@ -146,6 +174,10 @@ class ElasticLauncher(Launcher):
                 self.plan.coordinator_addr, "--coordinator-addr", port_required=False
             )
         self._rendezvous_addr = join_host_port(dial, port)
+        self.out.message(
+            f"elastic rendezvous at {self._rendezvous_addr} (a CPU machine lends its cores "
+            f"with: sumflow-server --elastic {self._rendezvous_addr} and the job's token)"
+        )
 
     def _token_text(self) -> str:
         if self.plan.token_file is not None:
@@ -157,7 +189,11 @@ class ElasticLauncher(Launcher):
     def _run(self) -> int:
         self._warn_dropped_settings()
         self._prepare_token()
-        self._start_rendezvous()
+        try:
+            self._start_rendezvous()
+        except ConfigError as e:
+            self.out.message(f"error: {e}")
+            return 1
         try:
             return self._drive()
         finally:
@@ -272,7 +308,9 @@ class ElasticLauncher(Launcher):
             with self._lock:
                 note, ends = self.membership.exited(w.name, failed)
                 if ends:
-                    self.membership.end(f"{child.describe()} {describe_exit(code)}")
+                    self.membership.end(
+                        f"{child.describe()} {describe_exit(code)}", time.monotonic()
+                    )
             if failed:
                 self._last_exit = code
                 self.out.message(f"{child.describe()} {describe_exit(code)}")
@@ -285,6 +323,7 @@ class ElasticLauncher(Launcher):
                 self._any_success = True
                 self.out.message(f"{child.describe()} finished; waiting for the others")
                 with self._lock:
+                    self.membership.finished = True
                     epoch = self.membership.epoch
                     for other in self.membership.live():
                         if epoch is None or other.name not in epoch.places:
@@ -301,7 +340,7 @@ class ElasticLauncher(Launcher):
             epoch = self.membership.epoch
             if epoch is None or epoch.ended is not None:
                 return
-            self.membership.end(f"{child.describe()} {describe_exit(code)}")
+            self.membership.end(f"{child.describe()} {describe_exit(code)}", time.monotonic())
             started = epoch.placed == set(epoch.members)
         # An epoch that never got all its workers in is a failed start; one that trained
         # and then lost a server is a failure like a worker's.
@@ -315,7 +354,13 @@ class ElasticLauncher(Launcher):
         el = self.elastic
         with self._lock:
             candidates = self.membership.candidates()
-        if not self.plan.colocated and not self._cpu_hosts:
+        with self._lock:
+            hand = self.membership.hand_servers_ready()
+            settling = self.membership.hand_servers_settling()
+            ended_at = self.membership.epoch.ended_at if self.membership.epoch else None
+        if settling and ended_at is not None and time.monotonic() - ended_at < _SETTLE:
+            return None  # servers started by hand are still leaving the last epoch
+        if not self.plan.colocated and not self._cpu_hosts and not hand:
             return self._short("no CPU server is listed (--no-colocated needs one)")
         if len(candidates) < el.min_np:
             return self._short(
@@ -359,7 +404,9 @@ class ElasticLauncher(Launcher):
             "--workers",
             str(len(epoch.members)),
             "--servers",
-            str((len(machines) if plan.colocated else 0) + len(cpu_hosts)),
+            str(
+                (len(machines) if plan.colocated else 0) + len(cpu_hosts) + len(epoch.hand_servers)
+            ),
             "--addr-file",
             str(addr_file),
             "--job-id",
@@ -392,8 +439,11 @@ class ElasticLauncher(Launcher):
             epoch.coordinator = address
         shape = ", ".join(f"{host}: {count}" for host, count in machines)
         cpu = ""
-        if cpu_hosts:
-            cpu = f", {len(cpu_hosts)} CPU server{'s' if len(cpu_hosts) != 1 else ''}"
+        cpus = len(cpu_hosts) + len(epoch.hand_servers)
+        if cpus:
+            cpu = f", {cpus} CPU server{'s' if cpus != 1 else ''}"
+            if epoch.hand_servers:
+                cpu += f" ({len(epoch.hand_servers)} started by hand)"
         self.out.message(
             f"epoch {epoch.number}: {len(epoch.members)} worker"
             f"{'s' if len(epoch.members) != 1 else ''} ({shape}){cpu}"

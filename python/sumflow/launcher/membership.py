@@ -43,6 +43,17 @@ class Worker:
     leave: str | None = None
 
 
+@dataclass
+class HandServer:
+    """A summation server started by hand (``sumflow-server --elastic ADDR``)."""
+
+    name: str
+    #: The last epoch it has left, from its requests (-1: none yet).
+    asked_after: int
+    #: It asked to leave: it takes no part in the next epoch.
+    retiring: bool = False
+
+
 @dataclass(frozen=True)
 class Place:
     """A worker's place in an epoch."""
@@ -67,6 +78,10 @@ class Epoch:
     ended: str | None = None
     #: Members that have taken their place (the coordinator's address) so far.
     placed: set[str] = field(default_factory=set)
+    #: Summation servers started by hand that serve it, by name.
+    hand_servers: list[str] = field(default_factory=list)
+    #: When it ended (monotonic seconds).
+    ended_at: float | None = None
 
     @property
     def machines(self) -> list[tuple[str, int]]:
@@ -98,6 +113,10 @@ class Membership:
     retired: dict[str, set[int]] = field(default_factory=dict)
     #: Set when the CPU servers to run change: the next commit forms a new epoch.
     servers_changed: bool = False
+    #: Summation servers started by hand, by name.
+    servers: dict[str, HandServer] = field(default_factory=dict)
+    #: Set once the training is over: servers and workers still asking are told to leave.
+    finished: bool = False
     _started: int = 0
 
     def __post_init__(self) -> None:
@@ -225,14 +244,43 @@ class Membership:
             places[w.name] = Place(rank, len(members), seen[w.host], machines[w.host], w.host)
             seen[w.host] += 1
         number = 0 if self.epoch is None else self.epoch.number + 1
-        self.epoch = Epoch(number, [w.name for w in members], places)
+        hand = [s.name for s in self.hand_servers_ready()]
+        self.epoch = Epoch(number, [w.name for w in members], places, hand_servers=hand)
         self.servers_changed = False
         return self.epoch
 
-    def end(self, why: str) -> None:
-        """Ends the current epoch (a member failed or left it, or its services did)."""
+    def hand_servers_ready(self) -> list[HandServer]:
+        """The servers started by hand that the next epoch takes: those not retiring that
+        wait to join, or that served the current epoch and have left it (one that has not
+        asked again since is leaving it still, or dead)."""
+        epoch = self.epoch
+        return [
+            s
+            for s in self.servers.values()
+            if not s.retiring
+            and (epoch is None or s.name not in epoch.hand_servers or s.asked_after >= epoch.number)
+        ]
+
+    def hand_servers_settling(self) -> list[str]:
+        """Servers started by hand that served the ended epoch and have not asked for the
+        next yet (they are still leaving the old one)."""
+        epoch = self.epoch
+        if epoch is None or epoch.ended is None:
+            return []
+        return [
+            n
+            for n in epoch.hand_servers
+            if n in self.servers
+            and not self.servers[n].retiring
+            and self.servers[n].asked_after < epoch.number
+        ]
+
+    def end(self, why: str, now: float = 0.0) -> None:
+        """Ends the current epoch (a member failed or left it, or its services did) at
+        monotonic time `now`."""
         if self.epoch is not None and self.epoch.ended is None:
             self.epoch.ended = why
+            self.epoch.ended_at = now
 
     def pending(self) -> bool:
         """Whether the membership should change at the next commit: a worker waits to
@@ -242,6 +290,10 @@ class Membership:
             return False
         if self.servers_changed:
             return True
+        for server in self.servers.values():
+            serving = server.name in epoch.hand_servers
+            if serving == server.retiring:  # a newcomer waits, or a server leaves
+                return True
         for w in self.live():
             if w.name in epoch.places:
                 if w.leave is not None:
@@ -253,8 +305,10 @@ class Membership:
     # -- the rendezvous ----------------------------------------------------------------
 
     def ask(self, name: str, op: str, after: int) -> tuple[dict[str, Any], str | None]:
-        """The reply to worker ``name``'s request, and why the current epoch ends with it
-        (a member asking for a later one has left it), if it does."""
+        """The reply to worker or server ``name``'s request, and why the current epoch ends
+        with it (a member asking for a later one has left it), if it does."""
+        if op in ("serve", "retire"):
+            return self._ask_server(name, op, after)
         w = self.workers.get(name)
         if w is None or not w.alive:
             return {"error": f"{name!r} is not a running worker of this job"}, None
@@ -287,4 +341,39 @@ class Membership:
         ends = None
         if name in epoch.places and after >= epoch.number and epoch.ended is None:
             ends = f"worker {epoch.places[name].rank} ({name}) left epoch {epoch.number}"
+        return dict(WAIT), ends
+
+    def _ask_server(self, name: str, op: str, after: int) -> tuple[dict[str, Any], str | None]:
+        """A server started by hand: registered at its first request; its place once an
+        epoch takes it; told to leave once it retired and is out of the running epoch."""
+        server = self.servers.get(name)
+        epoch = self.epoch
+        if op == "retire":
+            if server is None:
+                return {"error": f"{name!r} is not a summation server of this job"}, None
+            server.retiring = True
+            return {"ok": True}, None
+        if self.finished:
+            self.servers.pop(name, None)
+            return {"leave": "the training has finished"}, None
+        if server is None:
+            server = self.servers[name] = HandServer(name, after)
+        server.asked_after = max(server.asked_after, after)
+        serving = epoch is not None and name in epoch.hand_servers
+        if server.retiring and not (serving and epoch is not None and after < epoch.number):
+            del self.servers[name]
+            return {"leave": "it retired"}, None
+        if epoch is None or not serving:
+            return dict(WAIT), None
+        if after < epoch.number:
+            if epoch.coordinator is None or epoch.ended is not None:
+                return dict(WAIT), None
+            return {
+                "epoch": epoch.number,
+                "coordinator": epoch.coordinator,
+                "host_id": f"cpu-{name}",
+            }, None
+        ends = None
+        if epoch.ended is None:
+            ends = f"summation server {name} left epoch {epoch.number}"
         return dict(WAIT), ends

@@ -55,6 +55,8 @@ class ElasticPlan:
     discovery_interval: float
     #: Run to list the CPU-server hosts, or None: --servers/--server-hosts stay.
     server_discovery_script: list[str] | None = None
+    #: The rendezvous's port (0: any free one).
+    rendezvous_port: int = 0
 
 
 #: The host name an elastic job's workers on this machine get (no ssh).
@@ -443,6 +445,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     else:
         rust_log = "info" if args.verbose else "warn"
 
+    if not elastic_asked and args.rendezvous_port:
+        raise ConfigError("--rendezvous-port is for an elastic job (--min-np, --max-np, ...)")
     elastic = _elastic_plan(args, n) if elastic_asked else None
     return Plan(
         command=command,
@@ -504,6 +508,8 @@ def _elastic_plan(args: argparse.Namespace, initial: int) -> ElasticPlan:
         raise ConfigError("--server-discovery-script is empty")
     if servers_script is not None:
         _check_program(servers_script[0])
+    if not 0 <= args.rendezvous_port <= 65535:
+        raise ConfigError(f"--rendezvous-port must be 0 to 65535, got {args.rendezvous_port}")
     return ElasticPlan(
         initial=initial,
         min_np=min_np,
@@ -513,6 +519,7 @@ def _elastic_plan(args: argparse.Namespace, initial: int) -> ElasticPlan:
         timeout=args.elastic_timeout,
         discovery_interval=1.0,
         server_discovery_script=servers_script,
+        rendezvous_port=args.rendezvous_port,
     )
 
 
