@@ -707,6 +707,10 @@ def test_each_processs_output_is_also_written_to_its_own_files(tmp_path: Path) -
     assert (logs / "coordinator" / "stderr").exists()
     assert (logs / "server.0" / "stdout").exists()
     assert log_dir(logs, "cpu-server 3") == logs / "cpu-server.3"
+    # An elastic job's names: workers by name (ranks change), servers by membership.
+    assert log_dir(logs, "worker w2") == logs / "worker.w2"
+    assert log_dir(logs, "server 0 e1") == logs / "server.0.e1"
+    assert log_dir(logs, "coordinator e1") == logs / "coordinator.e1"
 
 
 def test_settings_in_the_launchers_environment_are_named_as_not_passed(tmp_path: Path) -> None:

@@ -11,10 +11,13 @@ from typing import BinaryIO
 def log_dir(root: Path, process: str) -> Path:
     """The directory of a process named as in the prefixes (``worker 3``, ``server 1``,
     ``cpu-server 0``, ``coordinator``): ``rank.3``, ``server.1``, ``cpu-server.0``,
-    ``coordinator``."""
+    ``coordinator``. In an elastic job, whose ranks change, a worker's is its name's
+    (``worker w2``: ``worker.w2``) and a membership's servers' carry its number
+    (``server 0 e1``: ``server.0.e1``)."""
     kind, _, index = process.partition(" ")
-    if kind == "worker":
+    if kind == "worker" and index.isdigit():
         kind = "rank"
+    index = index.replace(" ", ".")
     return root / (f"{kind}.{index}" if index else kind)
 
 
