@@ -317,6 +317,14 @@ def test_elastic_flags_are_checked(argv: list[str], message: str) -> None:
         make_plan(build_parser().parse_args(argv))
 
 
+def test_an_elastic_job_grown_by_discovery_listens_where_it_is_told() -> None:
+    args = ["-np", "2", "--host-discovery-script", "true", "--coordinator-bind", "10.1.2.3:0"]
+    plan = make_plan(build_parser().parse_args([*args, "true"]))
+    assert plan.coordinator_bind == "10.1.2.3:0"
+    assert plan.elastic is not None
+    assert plan.elastic.max_np == 1 << 16
+
+
 def test_the_plan_of_an_elastic_job_on_one_machine() -> None:
     plan = make_plan(
         build_parser().parse_args(["-np", "3", "--min-np", "2", "--servers", "1", "true"])
@@ -532,3 +540,25 @@ def test_digits_takes_in_a_worker_that_joins_mid_job(tmp_path: Path) -> None:
     assert metrics["workers"] == 4, out
     assert [c["workers"] for c in metrics["changes"]] == [4], out
     assert metrics["accuracy"] >= 0.93, out
+
+
+def test_what_is_not_elastic_yet_says_so() -> None:
+    script_text = (
+        "import torch, sumflow.torch as hvd\n"
+        "hvd.init()\n"
+        "m = torch.nn.Linear(2, 1)\n"
+        "try:\n"
+        "    hvd.AsyncOptimizer(torch.optim.SGD(m.parameters(), lr=0.1))\n"
+        "except NotImplementedError as e:\n"
+        "    print('refused:', e)\n"
+        "hvd.shutdown()\n"
+    )
+    done = subprocess.run(
+        [*LAUNCHER, "-np", "1", "--min-np", "1", sys.executable, "-c", script_text],
+        env=launcher_free_env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "refused: AsyncOptimizer in an elastic job" in done.stdout, done.stdout

@@ -374,8 +374,10 @@ def make_plan(args: argparse.Namespace) -> Plan:
         engine_threads = args.engine_threads
         if local_elastic and engine_threads is None:
             engine_threads = 1
-        if all(ssh_host is None for _, ssh_host, _ in machines) and not server_hosts:
-            # An elastic job on this machine alone: loopback, as without elasticity.
+        told = args.coordinator_bind is not None or args.network_interface is not None
+        if local_elastic and not server_hosts and not told:
+            # An elastic job on this machine (unless its discovery scripts list others,
+            # which then need --coordinator-bind): loopback, as without elasticity.
             coordinator_bind, coordinator_addr = "127.0.0.1:0", None
             _check_program(command[0])
         else:

@@ -61,6 +61,12 @@ class _AsyncOptimizer(torch.optim.Optimizer):
     _sf_staleness: int | None
 
     def _sf_setup(self, named: dict[torch.Tensor, str], staleness: int | None) -> None:
+        if _runtime.elastic_client() is not None:
+            # Its parameters live on the servers, which each membership starts afresh.
+            raise NotImplementedError(
+                "AsyncOptimizer in an elastic job (sumflow-run --min-np ...) is not supported "
+                "yet: use DistributedOptimizer there (docs/elastic.md)"
+            )
         params = [p for g in self.param_groups for p in g["params"] if p.requires_grad]
         names = {p: named.get(p, f"param.{i}") for i, p in enumerate(params)}
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}

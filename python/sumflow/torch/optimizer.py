@@ -172,6 +172,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """Follows the job into a new service (an elastic job's next membership, after
         ``shutdown()`` and ``init()``): what was in flight in the old one is gone, the
         number of workers may differ, and the new one must be told the tensors."""
+        if self._sf_overlap is not None:
+            raise NotImplementedError(
+                "DistributedOptimizer(cross_barrier=True) cannot follow an elastic job into "
+                "its next membership yet: updates of the old one may still be in flight; "
+                "use cross_barrier=False in an elastic job (docs/elastic.md)"
+            )
         self._sf_generation = _runtime.generation
         self._sf_handles = {}
         self._sf_passes = {}
