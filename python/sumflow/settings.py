@@ -338,7 +338,7 @@ PARTITION_BYTES = _add(
         doc="the largest partition a tensor is cut into (the fifo scheduler sends whole tensors)",
         readers=(WORKER,),
         unset="a size derived from each declaration: the largest power of two giving every server "
-        "16 partitions from each worker of a machine, 256 KiB (over the workers per machine) to "
+        "32 partitions from each worker of a machine, 256 KiB (over the workers per machine) to "
         "4 MiB (docs/scheduling.md)",
     )
 )

@@ -551,9 +551,9 @@ fn a_crashed_worker_fails_the_others_operations_by_name() {
 
 #[test]
 fn without_a_set_size_each_declaration_derives_its_own_and_the_credit_follows() {
-    // n = 2, k = 0: 2 servers. A 6 MiB group: 6 MiB / (2 x 16) = 192 KiB, a power of two
-    // below, raised to the 256 KiB floor; a 24 MiB tensor alone: 768 KiB, so 512 KiB. The
-    // tuner's explicit size then wins.
+    // n = 2, k = 0: 2 servers. A 6 MiB group: 6 MiB / (2 x 32) = 96 KiB, raised to the
+    // 256 KiB floor; a 24 MiB tensor alone: 384 KiB, so 256 KiB. The tuner's explicit size
+    // then wins.
     run_job(2, 0, move |w, addr| {
         let mut cfg = config(addr, w);
         cfg.partition_bytes = None;
@@ -599,7 +599,7 @@ fn without_a_set_size_each_declaration_derives_its_own_and_the_credit_follows() 
         let count = |name: &str| keys.iter().filter(|k| &*k.tensor == name).count();
         assert_eq!(
             (count("a"), count("b"), count("big")),
-            (16 + 4, 8 + 2, 48 + 24)
+            (16 + 4, 8 + 2, 96 + 24)
         );
         c.barrier(Duration::from_secs(10)).unwrap();
         c.shutdown("done").unwrap();

@@ -23,8 +23,10 @@ pub const DEFAULT_PARTITION_BYTES: u64 = 4 << 20;
 /// is derived ([`derived_partition_bytes`]): enough for the pushes of some to overlap the
 /// pulls of others, and for placement to follow Eq. 1 and 2 closely. On the emulated
 /// cluster (BENCHMARKS.md, "The partition size at 1 Gbit/s"), 2 to 4 per server ran at
-/// 0.64-0.93 of Eq. 6 and 16 to 32 at 0.90-0.96.
-pub const DERIVED_PARTITIONS_PER_SERVER: u64 = 16;
+/// 0.64-0.93 of Eq. 6 and 16 to 32 at 0.90-0.96; against grids of fixed sizes at
+/// 250 Mbit/s and 1 Gbit/s, ResNet-50's set ran best at 256-512 KiB, where 16 per server
+/// gave 1 MiB (0.89-0.93 of Eq. 6 where 32 per server reaches 0.93-0.97).
+pub const DERIVED_PARTITIONS_PER_SERVER: u64 = 32;
 
 /// The smallest derived partition: every partition costs CPU on a worker and a server
 /// (system calls, a header, a round), and 128 KiB partitions saturated the emulated
@@ -98,10 +100,10 @@ pub fn derived_partition_bytes(
     } else if power > DEFAULT_PARTITION_BYTES {
         "BytePS's size, the largest derived: placement needs no coarser pieces"
     } else if carriers > 1 {
-        "the largest power of two giving each server 16 partitions per round from each of a \
+        "the largest power of two giving each server 32 partitions per round from each of a \
          machine's workers"
     } else {
-        "the largest power of two giving each server 16 partitions per round"
+        "the largest power of two giving each server 32 partitions per round"
     };
     let connections = if lanes > 1 {
         format!(" ({lanes} connections to the busiest)")
@@ -343,19 +345,19 @@ mod tests {
     }
 
     #[test]
-    fn the_derived_size_gives_every_server_16_partitions_within_its_bounds() {
+    fn the_derived_size_gives_every_server_32_partitions_within_its_bounds() {
         let mib = 1u64 << 20;
-        // 64 MiB over 8 servers: 512 KiB is the largest power of two giving 16 each.
+        // 64 MiB over 8 servers: 256 KiB is the largest power of two giving 32 each.
         let d = derived_partition_bytes(64 * mib, 8, 1, 1);
-        assert_eq!(d.bytes, 512 << 10);
+        assert_eq!(d.bytes, 256 << 10);
         assert_eq!(
             d.reason,
-            "64 MiB over 8 server(s): 512 KiB partitions, the largest power of two giving each \
-             server 16 partitions per round"
+            "64 MiB over 8 server(s): 256 KiB partitions, the largest power of two giving each \
+             server 32 partitions per round"
         );
-        // Not a power of two: rounded down, so each server gets at least 16.
-        assert_eq!(derived_partition_bytes(100 * mib, 6, 1, 1).bytes, mib);
-        assert!(100 * mib / (6 * mib) >= 16);
+        // Not a power of two: rounded down, so each server gets at least 32.
+        assert_eq!(derived_partition_bytes(100 * mib, 6, 1, 1).bytes, mib / 2);
+        assert!(100 * mib / (6 * (mib / 2)) >= 32);
         // A small tensor, or none: the floor. A huge set: BytePS's 4 MiB.
         assert_eq!(
             derived_partition_bytes(mib, 4, 1, 1).bytes,
@@ -388,7 +390,7 @@ mod tests {
         assert_eq!(derived_partition_bytes(61 * mib, 6, 3, 1).bytes, mib / 2);
         // No servers counts as one rather than dividing by zero.
         assert_eq!(
-            derived_partition_bytes(64 * mib, 0, 0, 1).bytes,
+            derived_partition_bytes(128 * mib, 0, 0, 1).bytes,
             DEFAULT_PARTITION_BYTES
         );
     }
@@ -396,15 +398,15 @@ mod tests {
     #[test]
     fn machines_of_several_workers_get_partitions_for_each() {
         let mib = 1u64 << 20;
-        // 64 MiB over 4 servers from machines of 2 workers: 16 partitions per server from
+        // 128 MiB over 4 servers from machines of 2 workers: 32 partitions per server from
         // each is 512 KiB; from 4 workers, 256 KiB.
-        assert_eq!(derived_partition_bytes(64 * mib, 4, 1, 2).bytes, 512 << 10);
-        let d = derived_partition_bytes(64 * mib, 4, 1, 4);
+        assert_eq!(derived_partition_bytes(128 * mib, 4, 1, 2).bytes, 512 << 10);
+        let d = derived_partition_bytes(128 * mib, 4, 1, 4);
         assert_eq!(d.bytes, 256 << 10);
         assert_eq!(
             d.reason,
-            "64 MiB over 4 server(s), 4 workers per machine: 256 KiB partitions, the largest \
-             power of two giving each server 16 partitions per round from each of a \
+            "128 MiB over 4 server(s), 4 workers per machine: 256 KiB partitions, the largest \
+             power of two giving each server 32 partitions per round from each of a \
              machine's workers"
         );
         // The floor falls with the workers per machine, to 128 KiB at most.
