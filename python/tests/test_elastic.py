@@ -225,7 +225,11 @@ def test_a_cpu_server_killed_mid_round_costs_the_steps_since_the_last_commit_onl
     check_consistent(results, steps)
 
 
-def test_a_server_started_by_hand_joins_and_retires(tmp_path: Path) -> None:
+def run_with_hand_server(
+    tmp_path: Path, steps: int, retire_at: int, **env: str
+) -> tuple[str, str, list[dict[str, Any]]]:
+    """A job of 3 workers and one CPU server that a server started by hand joins at step 10
+    and leaves (SIGTERM) at `retire_at`; the job's output, the server's, the results."""
     token = tmp_path / "token"
     token.write_text("s" * 32 + "\n")
     token.chmod(0o600)
@@ -233,19 +237,22 @@ def test_a_server_started_by_hand_joins_and_retires(tmp_path: Path) -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     joined, retire = tmp_path / "joined", tmp_path / "retire"
-    steps = 80
+    env = {
+        "ELASTIC_TEST_MARKS": f"10:{joined},{retire_at}:{retire}",
+        "ELASTIC_TEST_STEPS": str(steps),
+        **env,
+    }
     job = subprocess.Popen(
         [
             *(*LAUNCHER, "-np", "3", "--min-np", "2", "--token-file", str(token)),
-            *("--rendezvous-port", str(port), "-x", "ELASTIC_TEST_MARKS"),
+            *("--rendezvous-port", str(port)),
             # One machine's workers sum in shared memory, or on its colocated server when
             # there is one (BytePS's placement at n = 1): CPU servers only, without it.
             *("--no-colocated", "--servers", "1", "-x", "SUMFLOW_SHARED_MEMORY=off"),
-            *("-x", "ELASTIC_TEST_STEPS", sys.executable, WORKER),
+            *(a for name in env for a in ("-x", name)),
+            *(sys.executable, WORKER),
         ],
-        env=launcher_free_env(
-            ELASTIC_TEST_MARKS=f"10:{joined},40:{retire}", ELASTIC_TEST_STEPS=str(steps)
-        ),
+        env=launcher_free_env(**env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -276,19 +283,39 @@ def test_a_server_started_by_hand_joins_and_retires(tmp_path: Path) -> None:
             if p is not None and p.poll() is None:
                 p.kill()
     assert server.returncode == 0, server_out
+    assert job.returncode == 0, out
+    assert f"elastic rendezvous at 127.0.0.1:{port}" in out, out
+    results = [
+        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
+    ]
+    return out, server_out, results
+
+
+def test_a_server_started_by_hand_joins_and_retires(tmp_path: Path) -> None:
+    steps = 80
+    out, server_out, results = run_with_hand_server(tmp_path, steps, retire_at=40)
     assert "serving epoch 1" in server_out, server_out
     assert "leaving the elastic job: it retired" in server_out, server_out
     # It summed its share of the keys.
     held = re.search(r"at most (\d+) at once", server_out)
     assert held is not None, server_out
     assert int(held.group(1)) > 0, server_out
-    assert job.returncode == 0, out
-    assert f"elastic rendezvous at 127.0.0.1:{port}" in out, out
     assert "epoch 1: 3 workers (localhost: 3), 2 CPU servers (1 started by hand)" in out, out
     assert "epoch 2: 3 workers (localhost: 3), 1 CPU server\n" in out, out
-    results = [
-        json.loads(line.split("RESULT ", 1)[1]) for line in out.splitlines() if "RESULT " in line
-    ]
+    check_consistent(results, steps)
+
+
+def test_a_server_started_by_hand_stays_through_a_workers_failure(tmp_path: Path) -> None:
+    steps = 80
+    out, server_out, results = run_with_hand_server(
+        tmp_path, steps, retire_at=50, ELASTIC_TEST_VICTIM="w2", ELASTIC_TEST_KILL_AT="30"
+    )
+    # The next membership takes it in again once it has left the last one (no settling
+    # wait, no membership without it).
+    assert "serving epoch 1" in server_out, server_out
+    assert "serving epoch 2" in server_out, server_out
+    assert "epoch 2: 2 workers (localhost: 2), 2 CPU servers (1 started by hand)" in out, out
+    assert "epoch 3: 2 workers (localhost: 2), 1 CPU server\n" in out, out
     check_consistent(results, steps)
 
 
@@ -412,6 +439,9 @@ def test_the_rendezvous_refuses_bad_requests_and_changes_nothing(rendezvous: Any
     # The same signed request again is a replay.
     assert "replay" in raw(address, wire.encode(good))["error"]
     assert asked == [("w0", "updates", 0)]
+    # A server started by hand asks for its place after an epoch, as a worker does.
+    raw(address, wire.encode(wire.sign({"worker": "lender", "op": "serve", "after": 2}, TOKEN)))
+    assert asked[-1] == ("lender", "serve", 2)
 
 
 def test_a_request_signed_too_long_ago_is_refused() -> None:

@@ -111,9 +111,8 @@ class _RendezvousHandler(socketserver.StreamRequestHandler):
         for value in (after, epoch):
             if not isinstance(value, int) or isinstance(value, bool):
                 return {"error": "epoch numbers are integers"}
-        reply: dict[str, Any] = self.server.answer(
-            worker, op, after if op == "assignment" else epoch
-        )
+        # A request for a place says after which epoch; "updates" names the one it is in.
+        reply: dict[str, Any] = self.server.answer(worker, op, epoch if op == "updates" else after)
         return reply
 
 
