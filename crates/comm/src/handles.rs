@@ -32,6 +32,18 @@ struct State {
     next: u64,
     ops: HashMap<u64, Op>,
     busy: HashSet<u32>,
+    /// Threads asleep in `wait` or `wait_idle`. Stage threads end an access and complete a
+    /// partition hundreds of times a second; they notify only when an operation settles and
+    /// someone sleeps, since a notify is a futex system call even with no one to wake, and
+    /// a waiter woken for every partition spends a context switch to go back to sleep.
+    waiting: usize,
+}
+
+impl Op {
+    /// Whether a waiter may return: done or failed, and no stage touching the buffer.
+    fn settled(&self) -> bool {
+        self.in_use == 0 && (self.error.is_some() || self.outstanding.is_empty())
+    }
 }
 
 /// Operations on tensor ids with this bit set are the network legs of shared-memory
@@ -68,6 +80,13 @@ impl Handles {
         }
     }
 
+    /// Wakes the waiters, if any sleep.
+    fn notify(&self, s: &State) {
+        if s.waiting > 0 {
+            self.changed.notify_all();
+        }
+    }
+
     /// Tensors with an operation whose partitions are not all done.
     pub fn busy(&self) -> usize {
         self.state.lock().expect("handles lock").busy.len()
@@ -76,11 +95,13 @@ impl Handles {
     /// Waits until no operation has partitions outstanding, at most `timeout`; otherwise
     /// returns the tensors still in flight.
     pub fn wait_idle(&self, timeout: Duration) -> Result<(), Vec<String>> {
-        let s = self.state.lock().expect("handles lock");
-        let (s, _) = self
+        let mut s = self.state.lock().expect("handles lock");
+        s.waiting += 1;
+        let (mut s, _) = self
             .changed
             .wait_timeout_while(s, timeout, |s| !s.busy.is_empty())
             .expect("handles lock");
+        s.waiting -= 1;
         if s.busy.is_empty() {
             return Ok(());
         }
@@ -157,30 +178,30 @@ impl Handles {
             return;
         };
         op.in_use -= 1;
-        if op.in_use == 0 {
-            self.changed.notify_all();
-        }
-        let crossed = match done {
-            Some(key) => Self::complete(&mut s, handle, key, &self.changed),
-            None => false,
+        let released = op.settled();
+        let (ended, crossed) = match done {
+            Some(key) => Self::complete(&mut s, handle, key),
+            None => (false, false),
         };
+        if released || ended {
+            self.notify(&s);
+        }
         drop(s);
         self.crossed(crossed);
     }
 
-    /// Marks partition `key` done; true when that ended a [`CROSSING`] operation.
-    fn complete(s: &mut State, handle: u64, key: u64, changed: &Condvar) -> bool {
+    /// Marks partition `key` done: whether that ended the operation, and whether it was a
+    /// [`CROSSING`] one.
+    fn complete(s: &mut State, handle: u64, key: u64) -> (bool, bool) {
         let Some(op) = s.ops.get_mut(&handle) else {
-            return false;
+            return (false, false);
         };
-        op.outstanding.remove(&key);
-        if op.outstanding.is_empty() {
-            let t = op.tensor_id;
-            s.busy.remove(&t);
-            changed.notify_all();
-            return t & CROSSING != 0;
+        if op.outstanding.remove(&key).is_none() || !op.outstanding.is_empty() {
+            return (false, false);
         }
-        false
+        let t = op.tensor_id;
+        s.busy.remove(&t);
+        (true, t & CROSSING != 0)
     }
 
     /// Fails the operation; its tensor may be used again (the job is likely broken anyway,
@@ -196,7 +217,7 @@ impl Handles {
         let t = op.tensor_id;
         s.busy.remove(&t);
         // An access in progress ends with end_access, which notifies again.
-        self.changed.notify_all();
+        self.notify(&s);
         drop(s);
         self.crossed(t & CROSSING != 0);
     }
@@ -221,19 +242,18 @@ impl Handles {
         describe_server: impl Fn(usize) -> String,
     ) -> Result<(), CommError> {
         let started = Instant::now();
-        let s = self.state.lock().expect("handles lock");
+        let mut s = self.state.lock().expect("handles lock");
         if !s.ops.contains_key(&handle) {
             return Err(CommError::UnknownHandle(handle));
         }
+        s.waiting += 1;
         let (mut s, _) = self
             .changed
-            .wait_timeout_while(s, timeout, |s| {
-                let op = &s.ops[&handle];
-                op.in_use > 0 || (op.error.is_none() && !op.outstanding.is_empty())
-            })
+            .wait_timeout_while(s, timeout, |s| !s.ops[&handle].settled())
             .expect("handles lock");
+        s.waiting -= 1;
         let op = &s.ops[&handle];
-        if op.in_use > 0 || (op.error.is_none() && !op.outstanding.is_empty()) {
+        if !op.settled() {
             let mut servers: Vec<usize> = op.outstanding.values().copied().collect();
             servers.sort_unstable();
             servers.dedup();
@@ -271,7 +291,7 @@ impl Handles {
         for t in freed {
             s.busy.remove(&t);
         }
-        self.changed.notify_all();
+        self.notify(&s);
         drop(s);
         self.crossed(crossed);
     }

@@ -4,12 +4,16 @@
 
 use std::collections::VecDeque;
 use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[derive(Debug)]
 struct State<T> {
     items: VecDeque<T>,
     closed: bool,
+    /// Threads asleep in `pop`: a push wakes one only when there is one, since a notify is
+    /// a futex system call whether or not anyone sleeps, and the push thread is usually
+    /// busy writing when the scheduler starts another partition for it.
+    asleep: usize,
 }
 
 /// A blocking FIFO shared by the threads feeding a lane and its push thread.
@@ -25,6 +29,7 @@ impl<T> Default for LaneQueue<T> {
             state: Mutex::new(State {
                 items: VecDeque::new(),
                 closed: false,
+                asleep: 0,
             }),
             ready: Condvar::new(),
         }
@@ -33,25 +38,36 @@ impl<T> Default for LaneQueue<T> {
 
 impl<T> LaneQueue<T> {
     pub fn push(&self, item: T) {
-        self.state.lock().expect("queue lock").items.push_back(item);
-        self.ready.notify_one();
+        let mut s = self.state.lock().expect("queue lock");
+        s.items.push_back(item);
+        if s.asleep > 0 {
+            self.ready.notify_one();
+        }
     }
 
     /// The oldest item, waiting up to `timeout`; `None` on timeout, or once closed and
     /// drained.
     pub fn pop(&self, timeout: Duration) -> Option<T> {
-        let s = self.state.lock().expect("queue lock");
-        let (mut s, _) = self
-            .ready
-            .wait_timeout_while(s, timeout, |s| s.items.is_empty() && !s.closed)
-            .expect("queue lock");
+        let deadline = Instant::now() + timeout;
+        let mut s = self.state.lock().expect("queue lock");
+        while s.items.is_empty() && !s.closed {
+            let Some(left) = deadline.checked_duration_since(Instant::now()) else {
+                break;
+            };
+            s.asleep += 1;
+            s = self.ready.wait_timeout(s, left).expect("queue lock").0;
+            s.asleep -= 1;
+        }
         s.items.pop_front()
     }
 
     /// Wakes every waiter; later pops return what is left, then `None`.
     pub fn close(&self) {
-        self.state.lock().expect("queue lock").closed = true;
-        self.ready.notify_all();
+        let mut s = self.state.lock().expect("queue lock");
+        s.closed = true;
+        if s.asleep > 0 {
+            self.ready.notify_all();
+        }
     }
 
     /// Removes and returns everything queued (a dead server's work).
@@ -79,6 +95,19 @@ mod tests {
         let got: Vec<_> = (0..3).map(|_| q.pop(Duration::ZERO).unwrap()).collect();
         assert_eq!(got, [3, 1, 2]);
         assert_eq!(q.pop(Duration::from_millis(5)), None);
+    }
+
+    #[test]
+    fn a_push_wakes_a_sleeping_pop() {
+        let q = Arc::new(LaneQueue::<u32>::default());
+        let q2 = q.clone();
+        let waiter = std::thread::spawn(move || q2.pop(Duration::from_secs(10)));
+        while q.state.lock().unwrap().asleep == 0 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        q.push(7);
+        assert_eq!(waiter.join().unwrap(), Some(7));
+        assert_eq!(q.state.lock().unwrap().asleep, 0);
     }
 
     #[test]
