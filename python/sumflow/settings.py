@@ -388,7 +388,7 @@ CPU_SERVER_CONNECTIONS = _add(
         kind=integer(least=1, most=_core.MAX_CPU_SERVER_CONNECTIONS),
         doc="connections from a worker to each CPU-only server (the same on every worker)",
         readers=(WORKER,),
-        unset="BytePS's Eq. 1 and 2 share of the link",
+        unset="BytePS's Eq. 1 and 2 share of the link: round(c/g), at most 4",
     )
 )
 SHARED_MEMORY = _add(

@@ -109,10 +109,15 @@ pub fn pieces(partition: Partition, elem: u64, lanes: u32) -> Result<Vec<Partiti
         .collect())
 }
 
-/// At most this many lanes per CPU server unless asked for more: beyond it the extra
-/// threads and sockets cost more than the last few percent of balance is worth (c/g
-/// reaches 8 only at k = n − 1 with n ≥ 8, where a colocated share is already tiny).
-pub const AUTO_MAX: u32 = 8;
+/// At most this many lanes per CPU server unless asked for more. Every lane costs a
+/// thread and a socket on each end, and a derived partition holds a piece of at least
+/// `partition::DERIVED_MIN_PIECE_BYTES` per lane, so past 4 lanes partitions double in
+/// size and each server gets half as many per round to overlap pushes with pulls. At
+/// n = 4, k = 3 (c/g = 6), 64 MB in 8 tensors: 4 lanes (512 KiB partitions) ran at
+/// 0.89-0.93 of Eq. 6 at 1 Gbit/s (three runs) and 0.91 at 250 Mbit/s, 6 lanes (1 MiB) at
+/// 0.87-0.89 (four runs) and 0.88, 3 lanes at 0.89 and 2 at 0.85: a CPU server's share of
+/// each link 12/15 of its Eq. 2 share's 18/21 costs less than coarser partitions.
+pub const AUTO_MAX: u32 = 4;
 
 /// The most lanes a worker may open to one server: a summation server accepts this many
 /// connections per worker (sumflow-summation's `MAX_CONNECTIONS_PER_WORKER`).
@@ -139,11 +144,13 @@ mod tests {
         // 2(n − 1)/(n − k): n = 4 gives 6/3, 6/2, 6/1.
         assert_eq!(per_cpu_server(4, 1), 2);
         assert_eq!(per_cpu_server(4, 2), 3);
-        assert_eq!(per_cpu_server(4, 3), 6);
-        // 14/6 = 2.33 and 14/3 = 4.67 round to the nearest.
+        // 6/1 is capped.
+        assert_eq!(per_cpu_server(4, 3), AUTO_MAX);
+        // 14/6 = 2.33 and 14/4 = 3.5 round to the nearest.
         assert_eq!(per_cpu_server(8, 2), 2);
-        assert_eq!(per_cpu_server(8, 5), 5);
-        // 14/1 is capped.
+        assert_eq!(per_cpu_server(8, 4), 4);
+        // 14/3 = 4.67 and 14/1 are capped.
+        assert_eq!(per_cpu_server(8, 5), AUTO_MAX);
         assert_eq!(per_cpu_server(8, 7), AUTO_MAX);
         // n = 2: 2/1.
         assert_eq!(per_cpu_server(2, 1), 2);

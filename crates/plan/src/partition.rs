@@ -377,8 +377,9 @@ mod tests {
             "{}",
             huge.reason
         );
-        // 6 connections to a CPU server (n = 4, k = 3): pieces of 128 KiB or more, so
-        // 768 KiB rounded up; 3 connections (k = 2): 384 KiB, below 512 KiB anyway.
+        // 6 connections to a CPU server (asked for: n = 4, k = 3 gets 4 by default): pieces
+        // of 128 KiB or more, so 768 KiB rounded up; 4 connections (n = 4, k = 3): 512 KiB;
+        // 3 connections (k = 2): 384 KiB, below 512 KiB anyway.
         let k3 = derived_partition_bytes(61 * mib, 7, 6, 1);
         assert_eq!(k3.bytes, mib);
         assert_eq!(
@@ -387,6 +388,7 @@ mod tests {
              smallest derived size for that many connections to a server: pieces of at least \
              128 KiB"
         );
+        assert_eq!(derived_partition_bytes(61 * mib, 7, 4, 1).bytes, mib / 2);
         assert_eq!(derived_partition_bytes(61 * mib, 6, 3, 1).bytes, mib / 2);
         // No servers counts as one rather than dividing by zero.
         assert_eq!(
