@@ -15,7 +15,6 @@ test accuracy; writes results.json, results.md and async.png to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -24,8 +23,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow_bench.jobs import JobFailed, read_result, run_sumflow_job
-from sumflow_bench.netns import ClusterError, ClusterUnavailable, EmulatedCluster, LinkShape
+from sumflow_bench.jobs import read_result, report, run_recorded, run_sumflow_job
+from sumflow_bench.netns import EmulatedCluster, LinkShape
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits.py"
 
@@ -83,7 +82,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     shape = LinkShape(args.rate_mbit, mtu=9000)
     total = args.repeats * len(args.modes)
-    try:
+
+    def jobs() -> None:
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
             EmulatedCluster(n + k, shape, log=sys.stderr) as cl,
@@ -119,19 +119,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     results["runs"].append(
                         {"mode": mode, "staleness": staleness, "repeat": repeat, **metrics}
                     )
-    except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow_bench.async_cluster: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"sumflow_bench.async_cluster: {e}", file=sys.stderr)
-        return 1
-    finally:
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (args.out / "results.md").write_text(table)
-    print(table)
-    plot(results, args.out / "async.png")
-    return 0
+
+    failed = run_recorded("async_cluster", args.out, results, jobs)
+    if failed is not None:
+        return failed
+    return report(args.out, markdown(results), lambda path: plot(results, path), "async.png")
 
 
 def fast_rate(run: dict[str, Any], slow: int) -> float:

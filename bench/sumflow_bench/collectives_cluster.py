@@ -13,7 +13,6 @@ collectives.png), each operation's median round and sumflow's speed as a ratio o
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -21,8 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow_bench.jobs import JobFailed, read_result, run_sumflow_job
-from sumflow_bench.netns import ClusterError, ClusterUnavailable, EmulatedCluster, LinkShape
+from sumflow_bench.jobs import read_result, report, run_recorded, run_sumflow_job
+from sumflow_bench.netns import EmulatedCluster, LinkShape
 
 OPS = ("allgather", "reducescatter", "alltoall")
 GLOO_PORT = 29517
@@ -81,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     # Jumbo frames, as GPU clusters use: per-packet costs are CPU time this machine lacks.
     shape = LinkShape(args.rate_mbit, mtu=9000)
-    try:
+
+    def jobs() -> None:
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
             EmulatedCluster(n + max(args.ks), shape, log=sys.stderr) as cl,
@@ -120,19 +120,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 run = read_result(out, f"collectives k={k}")
                 results["runs"].append({"k": k, **run["results"]})
-    except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow_bench.collectives_cluster: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"sumflow_bench.collectives_cluster: {e}", file=sys.stderr)
-        return 1
-    finally:
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (args.out / "results.md").write_text(table)
-    print(table)
-    plot(results, args.out / "collectives.png")
-    return 0
+
+    failed = run_recorded("collectives_cluster", args.out, results, jobs)
+    if failed is not None:
+        return failed
+    return report(args.out, markdown(results), lambda path: plot(results, path), "collectives.png")
 
 
 def markdown(results: dict[str, Any]) -> str:

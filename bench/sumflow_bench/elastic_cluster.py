@@ -23,7 +23,6 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -33,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow_bench.jobs import JobFailed, read_result, run_sumflow_job
-from sumflow_bench.netns import ClusterError, ClusterUnavailable, EmulatedCluster, LinkShape
+from sumflow_bench.jobs import read_result, report, run_recorded, run_sumflow_job
+from sumflow_bench.netns import EmulatedCluster, LinkShape
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "train_digits_elastic.py"
 MODES = ("uninterrupted", "killed", "joined")
@@ -116,7 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     shape = LinkShape(args.rate_mbit, mtu=9000)
     total = len(args.seed_list) * len(MODES)
-    try:
+
+    def jobs() -> None:
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
             EmulatedCluster(n + k, shape, log=sys.stderr) as cl,
@@ -158,19 +158,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                     if run["killed_at"] is not None and run["changes"]:
                         run["kill_to_step"] = run["changes"][0]["first_step_at"] - run["killed_at"]
                     results["runs"].append(run)
-    except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow_bench.elastic_cluster: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"sumflow_bench.elastic_cluster: {e}", file=sys.stderr)
-        return 1
-    finally:
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
-    table = markdown(results)
-    (args.out / "results.md").write_text(table)
-    print(table)
-    plot(results, args.out / "elastic.png")
-    return 0
+
+    failed = run_recorded("elastic_cluster", args.out, results, jobs)
+    if failed is not None:
+        return failed
+    return report(args.out, markdown(results), lambda path: plot(results, path), "elastic.png")
 
 
 def markdown(results: dict[str, Any]) -> str:

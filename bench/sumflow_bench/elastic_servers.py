@@ -19,7 +19,6 @@ results.json, results.md and elastic-servers.png to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import sys
@@ -29,8 +28,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sumflow_bench.jobs import JobFailed, run_sumflow_job
-from sumflow_bench.netns import ClusterError, ClusterUnavailable, EmulatedCluster, LinkShape
+from sumflow_bench.jobs import report, run_recorded, run_sumflow_job
+from sumflow_bench.netns import EmulatedCluster, LinkShape
 from sumflow_bench.theory import optimal_time
 
 _ROUND = re.compile(r"ROUND (\d+) epoch (\d+) seconds ([0-9.]+)")
@@ -110,7 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     worker = [sys.executable, "-m", "sumflow_bench.elastic_goodput_worker"]
     worker += ["--megabytes", str(args.megabytes)]
-    try:
+
+    def jobs() -> None:
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
             EmulatedCluster(n + kmax, LinkShape(args.rate_mbit, mtu=9000), log=sys.stderr) as cl,
@@ -146,25 +146,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 [phase] = phases(fresh_log, args.settle)
                 results["fresh"][str(k)] = phase["median_s"]
-    except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow_bench.elastic_servers: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"sumflow_bench.elastic_servers: {e}", file=sys.stderr)
-        return 1
-    finally:
-        (args.out / "results.json").write_text(json.dumps(results, indent=1))
+
+    failed = run_recorded("elastic_servers", args.out, results, jobs)
+    if failed is not None:
+        return failed
     for phase in results["elastic"]:
         k = phase["k"]
         phase["goodput_mb_s"] = nbytes / phase["median_s"] / 1e6
         fresh = results["fresh"].get(str(k))
         phase["vs_fresh"] = fresh / phase["median_s"] if fresh else None
         phase["vs_eq6"] = optimal_time(n, k, nbytes, rate) / phase["median_s"]
-    table = markdown(results)
-    (args.out / "results.md").write_text(table)
-    print(table)
-    plot(results, args.out / "elastic-servers.png")
-    return 0
+    return report(
+        args.out, markdown(results), lambda path: plot(results, path), "elastic-servers.png"
+    )
 
 
 def markdown(results: dict[str, Any]) -> str:

@@ -21,14 +21,14 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 from sumflow import settings
 from sumflow._programs import program
-from sumflow_bench.netns import EmulatedCluster, EmulatedHost
+from sumflow_bench.netns import ClusterError, ClusterUnavailable, EmulatedCluster, EmulatedHost
 
 #: Port of torch.distributed's store on the first worker host.
 TORCH_MASTER_PORT = 29500
@@ -41,6 +41,33 @@ class JobFailed(RuntimeError):
 @dataclass(frozen=True)
 class JobResult:
     seconds: float
+
+
+def run_recorded(
+    harness: str, out: Path, results: dict[str, Any], body: Callable[[], None]
+) -> int | None:
+    """Runs a harness's jobs (``body``, which fills ``results``) and writes
+    ``out/results.json`` whatever happens. Returns the harness's exit status on a failure,
+    said on stderr: 2 without an emulated cluster, 1 when a job failed; None once it ran."""
+    try:
+        body()
+    except (ClusterUnavailable, ClusterError) as e:
+        print(f"sumflow_bench.{harness}: {e}", file=sys.stderr)
+        return 2
+    except JobFailed as e:
+        print(f"sumflow_bench.{harness}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+    return None
+
+
+def report(out: Path, table: str, plot: Callable[[Path], None], png: str) -> int:
+    """Writes and prints a harness's table (results.md) and its plot; exit status 0."""
+    (out / "results.md").write_text(table)
+    print(table)
+    plot(out / png)
+    return 0
 
 
 def read_result(path: Path, what: str) -> dict[str, Any]:

@@ -835,7 +835,8 @@ fn unknown_key(key: u64, reply: &Replier) {
 mod tests {
     use std::time::{Duration, Instant};
 
-    use crate::channel::{unbounded, Receiver};
+    use crate::channel::Receiver;
+    use crate::messages::replier;
     use sumflow_wire::Dtype;
 
     use super::*;
@@ -909,7 +910,7 @@ mod tests {
     fn a_lent_push_is_summed_in_place_and_its_slot_comes_back() {
         use sumflow_client::mailbox::{Mailbox, Side};
         let pool = BufferPool::new(2);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let n = 2048;
         for lent_first in [true, false] {
             let mut e = Engine::new(Reducer::detect(), 2);
@@ -943,7 +944,7 @@ mod tests {
     #[test]
     fn a_round_waiting_past_the_stall_warning_names_the_workers_that_have_not_pushed() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let warning = Duration::from_secs(60);
         let (to_coordinator, reports) = std::sync::mpsc::channel();
         let mut e = engine(3)
@@ -1001,7 +1002,7 @@ mod tests {
     #[test]
     fn only_the_longest_stall_of_a_check_goes_to_the_coordinator() {
         let pool = BufferPool::new(8);
-        let (tx, _rx) = unbounded();
+        let (tx, _rx) = replier();
         let warning = Duration::from_secs(60);
         let (to_coordinator, reports) = std::sync::mpsc::channel();
         let mut e = engine(2)
@@ -1022,7 +1023,7 @@ mod tests {
     #[test]
     fn skipping_workers_add_nothing_and_notices_carry_no_sum() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         let skip = (1, ReduceOp::Sum);
         // Round 1: one worker holds the bytes, the others skip; it takes only the notice.
@@ -1056,7 +1057,7 @@ mod tests {
     #[test]
     fn a_round_takes_one_reduction() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         e.on_push(1, 1, (0, ReduceOp::Sum), Some(data(&pool, &[1, 2, 3])), &tx);
         // A push of another op is refused, data or skip, folded partial result or not.
@@ -1134,7 +1135,7 @@ mod tests {
         pushes: [PushData; 3],
         schedule: &[usize],
     ) -> Arc<AlignedBuf> {
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let adoptable = e.keys[&2].meta.dtype.accumulator() == e.keys[&2].meta.dtype;
         let mut pushes = pushes.into_iter().enumerate();
         for (g, &group) in schedule.iter().enumerate() {
@@ -1270,7 +1271,7 @@ mod tests {
     #[test]
     fn a_lone_contribution_is_the_result_and_nobody_s_is_zeros_whatever_the_op() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         e.init(2, meta(Dtype::F16, 3), None);
         let mut round = 0;
@@ -1305,7 +1306,7 @@ mod tests {
     #[test]
     fn a_refused_push_leaves_no_partial_sum() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(2);
         e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
         e.push(1, 1, 0, data(&pool, &[100, 100, 100]), &tx); // duplicate: refused
@@ -1319,7 +1320,7 @@ mod tests {
     #[test]
     fn staged_and_folded_pushes_sum_alike() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(4);
         // Two pushes folded at a batch end, two staged and reduced at completion.
         e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
@@ -1345,7 +1346,7 @@ mod tests {
     #[test]
     fn small_keys_copy_rather_than_shrink_pool_buffers() {
         let pool = BufferPool::new(1);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(2);
         e.init(2, meta(Dtype::I32, 2048), None);
         let big: Vec<i32> = (0..2048).collect();
@@ -1405,7 +1406,7 @@ mod tests {
     #[test]
     fn top_k_sums_are_re_compressed_and_what_they_drop_comes_later() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let m = compressed(sumflow_wire::Codec::TopK, 2, true, 4);
         let mut e = Engine::new(Reducer::detect(), 2);
         e.init(1, m.clone(), None);
@@ -1429,7 +1430,7 @@ mod tests {
     #[test]
     fn sign_sums_are_decoded_summed_and_encoded_again() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let m = compressed(sumflow_wire::Codec::Sign, 0, false, 4);
         let mut e = Engine::new(Reducer::detect(), 2);
         e.init(1, m.clone(), None);
@@ -1443,7 +1444,7 @@ mod tests {
     #[test]
     fn random_k_values_are_summed_as_they_are() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let m = compressed(sumflow_wire::Codec::RandomK, 3, false, 100);
         assert!(m.decoder().is_none());
         let mut e = Engine::new(Reducer::detect(), 2);
@@ -1474,7 +1475,7 @@ mod tests {
     }
 
     fn delta(e: &mut Engine, round: u64, worker: u32, staleness: Option<u32>, d: PushData) {
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         e.on_delta(1, round, (worker, staleness), Some(d), &tx);
         assert!(rx.try_recv().is_err(), "an accepted delta is not answered");
     }
@@ -1484,7 +1485,7 @@ mod tests {
     #[test]
     fn deltas_are_added_to_the_stored_value_at_once() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = Engine::new(Reducer::detect(), 2);
         let mut initial = AlignedBuf::zeroed(12);
         for (chunk, v) in initial.chunks_mut(4).zip([100i32, 200, 300]) {
@@ -1514,7 +1515,7 @@ mod tests {
     #[test]
     fn a_staleness_bound_holds_the_fast_worker_and_names_the_slow_one() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let warning = Duration::from_secs(60);
         let mut e = engine(2).with_stall_warning(Some(warning));
         delta(&mut e, 1, 0, Some(1), data(&pool, &[1, 1, 1]));
@@ -1538,7 +1539,7 @@ mod tests {
         delta(&mut e, 1, 1, Some(1), data(&pool, &[5, 5, 5]));
         assert_eq!(sum_of(&rx), vec![7, 7, 7], "released by worker 1's delta");
         // Every delta of a key carries the same bound.
-        let (tx1, rx1) = unbounded();
+        let (tx1, rx1) = replier();
         e.on_delta(1, 2, (1, None), Some(data(&pool, &[1, 1, 1])), &tx1);
         let why = error_of(&rx1, ErrorCode::KeyMismatch);
         assert!(why.contains("staleness bound none"), "{why}");
@@ -1547,7 +1548,7 @@ mod tests {
     #[test]
     fn a_key_takes_sums_or_deltas_not_both() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(2);
         e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
         e.on_delta(1, 1, (1, None), Some(data(&pool, &[1, 1, 1])), &tx);
@@ -1563,14 +1564,14 @@ mod tests {
     #[test]
     fn a_departed_or_joined_worker_under_a_staleness_bound() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         delta(&mut e, 1, 0, Some(0), data(&pool, &[1, 1, 1]));
         delta(&mut e, 1, 1, Some(0), data(&pool, &[1, 1, 1]));
         e.pull(1, 1, 0, tx.clone());
         assert!(rx.try_recv().is_err(), "waits for worker 2");
         // A joined worker is not waited for; a departed one fails the pulls it blocks.
-        let (ack_tx, _ack_rx) = unbounded();
+        let (ack_tx, _ack_rx) = replier();
         e.on_join(2, true, &JoinAck::new(true, 1, ack_tx.clone()));
         assert_eq!(sum_of(&rx), vec![2, 2, 2]);
         // Back from join, it is waited for again.
@@ -1590,7 +1591,7 @@ mod tests {
     #[test]
     fn a_departed_worker_fails_the_rounds_it_did_not_push() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
         e.pull(1, 1, 0, tx.clone());
@@ -1617,7 +1618,7 @@ mod tests {
     #[test]
     fn a_key_is_freed_once_every_worker_retired_it() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(2);
         e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
         e.push(1, 1, 1, data(&pool, &[1, 1, 1]), &tx);
@@ -1649,7 +1650,7 @@ mod tests {
     #[test]
     fn retiring_with_a_pull_pending_fails_what_cannot_complete() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         // Worker 0 pushed and waits; worker 1 retires without pushing: the pull fails.
         e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
@@ -1681,7 +1682,7 @@ mod tests {
     #[test]
     fn sixteen_bit_keys_sum_in_f32_across_batches() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = Engine::new(Reducer::detect(), 3);
         e.init(2, meta(Dtype::F16, 1), None);
         let h = |v: f32| {
@@ -1727,7 +1728,7 @@ mod tests {
     #[test]
     fn a_member_key_sums_its_members_and_refuses_the_others() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = member_engine();
         e.push(2, 1, 0, data(&pool, &[1, 2, 3]), &tx);
         e.pull(2, 1, 0, tx.clone());
@@ -1765,7 +1766,7 @@ mod tests {
     #[test]
     fn a_departed_worker_blocks_only_the_keys_it_is_a_member_of() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = member_engine();
         e.push(2, 1, 0, data(&pool, &[1, 1, 1]), &tx);
         e.pull(2, 1, 0, tx.clone());
@@ -1808,7 +1809,7 @@ mod tests {
     #[test]
     fn a_joined_worker_counts_as_zeros_and_comes_back_in_its_own_numbering() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(3);
         // Round 1: workers 0 and 1 push; worker 2 joins instead, completing it.
         e.push(1, 1, 0, data(&pool, &[1, 2, 3]), &tx);
@@ -1880,7 +1881,7 @@ mod tests {
     #[test]
     fn joining_in_the_middle_of_a_round_is_refused() {
         let pool = BufferPool::new(8);
-        let (tx, rx) = unbounded();
+        let (tx, rx) = replier();
         let mut e = engine(2);
         e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
         let ack = Arc::new(JoinAck::new(true, 1, tx.clone()));

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::channel::Sender;
+use crate::channel::{unbounded, Receiver, SendError, Sender};
 use sumflow_wire::{Codec, Dtype, Message, ReduceOp};
 
 use crate::directory::KeyMeta;
@@ -155,5 +155,58 @@ pub enum Outgoing {
     Close,
 }
 
-/// Where an engine sends its answers to one connection.
-pub type Replier = Sender<Outgoing>;
+/// Where an engine (or the connection's own reader) sends its answers to one connection:
+/// the writer's queue, and a count of the answers queued or being written. The reader
+/// writes a push's acknowledgement itself when that count is 0 (`connection.rs`): nothing
+/// it sent before can then be overtaken, and the writer need not be woken for it.
+#[derive(Clone)]
+pub struct Replier {
+    queue: Sender<Outgoing>,
+    unwritten: Arc<AtomicUsize>,
+}
+
+impl Replier {
+    /// Queues `out` for the writer; fails, handing it back, once the writer is gone.
+    pub fn send(&self, out: Outgoing) -> Result<(), SendError<Outgoing>> {
+        self.unwritten.fetch_add(1, Ordering::AcqRel);
+        self.queue.send(out).inspect_err(|_| {
+            self.unwritten.fetch_sub(1, Ordering::AcqRel);
+        })
+    }
+
+    /// Answers queued or being written; the writer counts each down once written.
+    pub fn unwritten(&self) -> &Arc<AtomicUsize> {
+        &self.unwritten
+    }
+}
+
+/// A connection's replier and the queue its writer takes answers from.
+pub fn replier() -> (Replier, Receiver<Outgoing>) {
+    let (queue, rx) = unbounded();
+    let unwritten = Arc::new(AtomicUsize::new(0));
+    (Replier { queue, unwritten }, rx)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_replier_counts_what_is_queued_until_the_writer_counts_it_down() {
+        let (tx, rx) = replier();
+        let other = tx.clone();
+        assert!(tx.send(Outgoing::Close).is_ok());
+        assert!(other.send(Outgoing::Close).is_ok());
+        assert_eq!(tx.unwritten().load(Ordering::Acquire), 2, "shared by clones");
+        assert!(matches!(rx.recv(), Ok(Outgoing::Close)));
+        tx.unwritten().fetch_sub(1, Ordering::AcqRel);
+        assert_eq!(other.unwritten().load(Ordering::Acquire), 1);
+        drop(rx);
+        assert!(tx.send(Outgoing::Close).is_err());
+        assert_eq!(
+            tx.unwritten().load(Ordering::Acquire),
+            1,
+            "a send that failed is not counted"
+        );
+    }
+}
