@@ -197,7 +197,11 @@ mod tests {
         let other = tx.clone();
         assert!(tx.send(Outgoing::Close).is_ok());
         assert!(other.send(Outgoing::Close).is_ok());
-        assert_eq!(tx.unwritten().load(Ordering::Acquire), 2, "shared by clones");
+        assert_eq!(
+            tx.unwritten().load(Ordering::Acquire),
+            2,
+            "shared by clones"
+        );
         assert!(matches!(rx.recv(), Ok(Outgoing::Close)));
         tx.unwritten().fetch_sub(1, Ordering::AcqRel);
         assert_eq!(other.unwritten().load(Ordering::Acquire), 1);
