@@ -197,6 +197,10 @@ def wait_for(paths: list[Path], proc: subprocess.Popen[str], timeout: float = 30
             ["-H", "a", "--coordinator-bind", "127.0.0.1:0", "--machine-per-worker", "true"],
             "--machine-per-worker is for one machine",
         ),
+        (
+            ["-np", "2", "--min-np", "1", "--local-size", "2", "true"],
+            "--local-size is not for an elastic job",
+        ),
         (["-np", "2", "sumflow-no-such-program"], "no such program on PATH"),
         (["-np", "2", "./no/such/file.sh"], "no such file"),
         (["-np", "2", "--timeout", "0", "true"], "--timeout must be a positive number"),

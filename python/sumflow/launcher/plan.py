@@ -229,6 +229,18 @@ def _output_dir(path: str | None) -> Path | None:
     return directory
 
 
+def _refuse_machine_shape(args: argparse.Namespace, why: str) -> None:
+    """Refuses --local-size and --machine-per-worker, which shape the emulated machines of a
+    job on one machine, where something else decides the machines (``why`` follows the
+    flag in the message)."""
+    for flag, given in (
+        ("--local-size", args.local_size is not None),
+        ("--machine-per-worker", args.machine_per_worker),
+    ):
+        if given:
+            raise ConfigError(f"{flag} {why}")
+
+
 def make_plan(args: argparse.Namespace) -> Plan:
     """Checks the parsed arguments and resolves them into a plan; raises ConfigError."""
     command = list(args.command)
@@ -285,15 +297,11 @@ def make_plan(args: argparse.Namespace) -> Plan:
     )
     cluster = _cluster_hosts(args)
     if elastic_asked and cluster is None:
-        for flag, given in (
-            ("--local-size", args.local_size is not None),
-            ("--machine-per-worker", args.machine_per_worker),
-        ):
-            if given:
-                raise ConfigError(
-                    f"{flag} is not for an elastic job: its workers on this machine form one "
-                    "machine, host localhost"
-                )
+        _refuse_machine_shape(
+            args,
+            "is not for an elastic job: its workers on this machine form one machine, "
+            "host localhost",
+        )
         if args.np is None:
             raise ConfigError("-np N is required: the number of workers an elastic job starts with")
         # One machine: its slots are -np, unless the discovery script says otherwise.
@@ -330,15 +338,9 @@ def make_plan(args: argparse.Namespace) -> Plan:
         _check_program(command[0])
     else:
         hosts, hosts_from = cluster
-        for flag, given in (
-            ("--local-size", args.local_size is not None),
-            ("--machine-per-worker", args.machine_per_worker),
-        ):
-            if given:
-                raise ConfigError(
-                    f"{flag} is for one machine; in the cluster form each host's slots are "
-                    "its local size"
-                )
+        _refuse_machine_shape(
+            args, "is for one machine; in the cluster form each host's slots are its local size"
+        )
         n = sum(h.slots for h in hosts)
         if elastic_asked:
             n = n if args.np is None else args.np
