@@ -44,6 +44,11 @@ pub const LOCAL_SERVER: u32 = u32::MAX;
 
 /// How long the stage sleeps at most before checking for failures again.
 const POLL: Duration = Duration::from_millis(100);
+/// Bytes a pass copies in before it looks again at the rounds already in (see
+/// [`Stage::run`]): one 8 MB tensor, or a few dozen of ResNet-50's small ones, whose
+/// pass per tensor cost the one-machine benchmark 8-10% (a scan of every round and a ring
+/// of the doorbell each).
+const COPY_IN_BATCH: usize = 4 << 20;
 /// How long a failed slice's push and pull may take to let go of the result.
 const ABANDON_WAIT: Duration = Duration::from_secs(1);
 
@@ -241,11 +246,11 @@ impl Stage {
                 }
             }
             // First the rounds past their copy-in: a reduce, a crossing or a copy out
-            // unblocks the other members and starts pushes. Then one copy-in, the oldest
-            // that can go, and the pass starts over: copying every tensor in before
-            // reducing any held a round's first push back until the machine's slowest
-            // member had copied its whole gradient (40-110 ms a round at G = 4 on the
-            // emulated cluster's 2 cores), and the others, asleep, heard of none of it
+            // unblocks the other members and starts pushes. Then copy-ins, oldest first,
+            // up to COPY_IN_BATCH bytes, and the pass starts over: copying every tensor in
+            // before reducing any held a round's first push back until the machine's
+            // slowest member had copied its whole gradient (40-110 ms a round at G = 4 on
+            // the emulated cluster's 2 cores), and the others, asleep, heard of none of it
             // until the ring at the pass's end.
             let mut moved = false;
             let mut i = 0;
@@ -258,16 +263,17 @@ impl Stage {
                 moved |= went;
                 i += usize::from(!left);
             }
-            let mut i = 0;
-            while i < pending.len() {
+            let (mut i, mut copied) = (0, 0);
+            while i < pending.len() && copied < COPY_IN_BATCH {
                 if !matches!(pending[i].phase, Phase::Enter) {
                     i += 1;
                     continue;
                 }
+                let bytes = pending[i].op.data.len;
                 let (went, left) = self.drive(&mut pending, i);
                 if went {
                     moved = true;
-                    break;
+                    copied += bytes;
                 }
                 i += usize::from(!left);
             }
