@@ -37,7 +37,7 @@ from typing import Any
 from sumflow.tune.space import SearchSpace
 from sumflow_bench import grid, matrix, report, schedreport, theory
 from sumflow_bench.cpu import CpuSampler
-from sumflow_bench.jobs import JobFailed, read_result, run_sumflow_job, run_torch_job
+from sumflow_bench.jobs import read_result, run_harness, run_sumflow_job, run_torch_job
 from sumflow_bench.netns import (
     DEFAULT_SUBNET,
     ClusterError,
@@ -533,7 +533,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         }
     }
     started = time.monotonic()
-    try:
+
+    def jobs() -> None:
         shape = LinkShape(args.rate_mbit, delay_ms=args.delay_ms, mtu=args.mtu)
         with (
             tempfile.TemporaryDirectory(prefix="sumflow-bench-") as tmpdir,
@@ -558,17 +559,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.grid is not None:
                 systems = [s.system for s in steps]
                 results["grid"] = write_grid(args, results, systems, grid_space(args))
-    except (ClusterUnavailable, ClusterError) as e:
-        print(f"sumflow_bench.cluster: {e}", file=sys.stderr)
-        return 2
-    except JobFailed as e:
-        print(f"sumflow_bench.cluster: {e}", file=sys.stderr)
-        return 1
-    finally:
+
+    def save() -> None:
         results["config"]["took_s"] = time.monotonic() - started
         if len(results) > 1:
             write_outputs(results, args.out)
-    return 0
+
+    return run_harness("cluster", jobs, save) or 0
 
 
 def write_grid(

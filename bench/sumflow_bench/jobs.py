@@ -43,12 +43,10 @@ class JobResult:
     seconds: float
 
 
-def run_recorded(
-    harness: str, out: Path, results: dict[str, Any], body: Callable[[], None]
-) -> int | None:
-    """Runs a harness's jobs (``body``, which fills ``results``) and writes
-    ``out/results.json`` whatever happens. Returns the harness's exit status on a failure,
-    said on stderr: 2 without an emulated cluster, 1 when a job failed; None once it ran."""
+def run_harness(harness: str, body: Callable[[], None], save: Callable[[], None]) -> int | None:
+    """Runs a harness's jobs (``body``) and then ``save`` whatever happens. Returns the
+    harness's exit status on a failure, said on stderr: 2 without an emulated cluster, 1
+    when a job failed; None once it ran."""
     try:
         body()
     except (ClusterUnavailable, ClusterError) as e:
@@ -58,8 +56,20 @@ def run_recorded(
         print(f"sumflow_bench.{harness}: {e}", file=sys.stderr)
         return 1
     finally:
-        (out / "results.json").write_text(json.dumps(results, indent=1))
+        save()
     return None
+
+
+def run_recorded(
+    harness: str, out: Path, results: dict[str, Any], body: Callable[[], None]
+) -> int | None:
+    """:func:`run_harness` for a harness whose record is ``results``, written to
+    ``out/results.json`` whatever happens."""
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(results, indent=1))
+
+    return run_harness(harness, body, save)
 
 
 def report(out: Path, table: str, plot: Callable[[Path], None], png: str) -> int:
