@@ -710,7 +710,10 @@ PROGRAM_VARIABLES = (
         "SUMFLOW_SERVER_RANK", "--rank", "the server rank to ask the coordinator for", _SERVER
     ),
     ProgramVariable(
-        "SUMFLOW_ENGINE_THREADS", "--engine-threads", "threads summing keys in a server", _SERVER
+        "SUMFLOW_ENGINE_THREADS",
+        "--engine-threads",
+        "engines a server splits its keys over: how many threads can sum at once",
+        _SERVER,
     ),
     ProgramVariable(
         "SUMFLOW_PUSH_BUFFERS",

@@ -66,7 +66,8 @@ struct Args {
     /// Ask the coordinator for this server rank.
     #[arg(long, env = "SUMFLOW_SERVER_RANK")]
     rank: Option<u32>,
-    /// Engine threads summing keys [default: half the CPU cores, 1 to 8].
+    /// Engines the keys are split over: how many threads can sum at once [default: half
+    /// the CPU cores, 1 to 8].
     #[arg(long, env = "SUMFLOW_ENGINE_THREADS")]
     engine_threads: Option<usize>,
     /// Receive buffers per worker connection: pushes in flight before back-pressure.

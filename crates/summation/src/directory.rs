@@ -1,4 +1,4 @@
-//! Which keys exist, what they hold, and which engine thread owns each.
+//! Which keys exist, what they hold, and which engine owns each.
 //!
 //! Keys are placed on the engine with the fewest bytes so far (PHub's load-balanced key
 //! assignment): engines then share no state on the hot path, and each does about the same

@@ -1,22 +1,25 @@
-//! An engine thread: owns a share of the keys and does all reduction for them.
+//! An engine: a share of the server's keys and everything that reduces them.
 //!
-//! No engine touches another's keys, so the hot path takes no lock (PHub). Commands arrive
-//! over one channel; the engine drains what is queued and handles it as a batch. Pushes of
-//! a key are staged, not combined one by one: when a round completes, its staged pushes
-//! and the partial result are reduced, by the round's op (sum, min, max or product: every
-//! push of a round must carry the same), in one pass straight into the round's result
-//! (16-bit results are rounded once, there); pushes still staged at the end of a batch are
-//! folded into the accumulator. Either way each pushed byte is read once, and the first
-//! push of a round is never combined with an identity element (zeros, ones): it is copied,
-//! or, where its bytes already have the accumulator's layout and the accumulator's
-//! allocation is at least as large as the receive buffer's, its receive buffer is adopted
-//! outright and the old buffer given to the pool (so pool buffers never shrink and never
+//! No engine touches another's keys (PHub's key assignment), and each is summed by one
+//! thread at a time: the connection thread that brought a command carries it out under
+//! the engine's lock (`Shared::engine`), run to completion. Handing pushes to engine
+//! threads instead cost a wake per push on both sides of a queue, the most frequent
+//! sleep of a server after the socket reads themselves (issue 22's CPU per byte).
+//! A push that completes its round is reduced with the partial result, by the round's op
+//! (sum, min, max or product: every push of a round must carry the same), in one pass
+//! straight into the round's result (16-bit results are rounded once, there); an earlier
+//! push is folded into the accumulator before its connection goes on, so it holds no
+//! receive buffer or mailbox slot while other workers are awaited. Either way each pushed
+//! byte is read once, and the first push of a round is never combined with an identity
+//! element (zeros, ones): it is copied, or, where its bytes already have the
+//! accumulator's layout and the accumulator's allocation is at least as large as the
+//! receive buffer's, its receive buffer is adopted outright and the old buffer given to the pool (so pool buffers never shrink and never
 //! need regrowing: see `pool.rs`). That holds for every op, since a lone term is its own
 //! result. A round that every worker skipped (no push carried data) is zeros, whatever
 //! its op.
 //!
 //! A compressed key whose payloads cannot be summed as they are (top-k, sign, dithering)
-//! takes the same batches, but each push is decoded and added into an f32 accumulator of
+//! takes the same path, but each push is decoded and added into an f32 accumulator of
 //! the key's full length, and the completed sum is compressed again with the key's codec,
 //! keeping what that drops in the key's residual when the key asks for error feedback.
 //! Compressed keys are only summed (the wire decoder refuses any other op on them).
@@ -30,7 +33,6 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::channel::{Receiver, RecvTimeoutError};
 use sumflow_compress::{Compressor, Scratch, Seed};
 use sumflow_wire::{ErrorCode, Message, ReduceOp};
 
@@ -41,10 +43,6 @@ use crate::metrics::EngineCounters;
 use crate::rounds::{PullOutcome, RoundError, RoundTracker};
 use sumflow_reduce::buffer::AlignedBuf;
 use sumflow_reduce::Reducer;
-
-/// Commands queued beyond this are left for the next batch, bounding how long a staged
-/// push waits and how many pool buffers a batch holds.
-const MAX_BATCH: usize = 64;
 
 struct KeyState {
     meta: KeyMeta,
@@ -93,8 +91,14 @@ pub struct Engine {
     counters: Arc<EngineCounters>,
 }
 
-/// How often an engine with a stall warning looks for rounds that wait too long.
-const STALL_CHECK: Duration = Duration::from_millis(250);
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("keys", &self.keys.len())
+            .field("workers", &self.workers)
+            .finish_non_exhaustive()
+    }
+}
 
 impl Engine {
     pub fn new(reducer: Reducer, workers: u32) -> Self {
@@ -132,48 +136,18 @@ impl Engine {
         self
     }
 
-    /// Runs until `Stop` arrives or every sender of `commands` is gone.
-    pub fn run(mut self, commands: Receiver<Command>) {
-        let mut batch = Vec::with_capacity(MAX_BATCH);
-        let mut next_check = Instant::now() + STALL_CHECK;
-        loop {
-            let first = match self.stall_warning {
-                None => match commands.recv() {
-                    Ok(cmd) => Some(cmd),
-                    Err(_) => return,
-                },
-                Some(_) => {
-                    match commands
-                        .recv_timeout(next_check.saturating_duration_since(Instant::now()))
-                    {
-                        Ok(cmd) => Some(cmd),
-                        Err(RecvTimeoutError::Timeout) => None,
-                        Err(RecvTimeoutError::Disconnected) => return,
-                    }
-                }
-            };
-            if let Some(first) = first {
-                batch.push(first);
-                batch.extend(commands.try_iter().take(MAX_BATCH - 1));
-                for cmd in batch.drain(..) {
-                    if let Command::Stop = cmd {
-                        return;
-                    }
-                    self.handle(cmd);
-                }
-                self.fold_staged();
-            }
-            let now = Instant::now();
-            if now >= next_check {
-                self.check_stalls(now);
-                next_check = now + STALL_CHECK;
-            }
-        }
+    /// Carries out `cmd` in the calling thread (the connection that brought it), then
+    /// folds what it left staged, so no push holds a receive buffer or mailbox slot past
+    /// the call (a connection whose buffers all waited on other workers would stop
+    /// reading, and those workers' pushes could be waiting behind its own).
+    pub fn apply(&mut self, cmd: Command) {
+        self.handle(cmd);
+        self.fold_staged();
     }
 
     /// Sends a stall notice to the pulls of every round that has kept them waiting for the
     /// stall warning since it was first seen waiting (or since its last notice).
-    fn check_stalls(&mut self, now: Instant) {
+    pub fn check_stalls(&mut self, now: Instant) {
         let Some(warning) = self.stall_warning else {
             return;
         };
@@ -245,7 +219,6 @@ impl Engine {
 
     fn handle(&mut self, cmd: Command) {
         match cmd {
-            Command::Stop => {}
             Command::Init { key, meta, initial } => self.init(key, meta, initial),
             Command::Push {
                 key,

@@ -1,5 +1,5 @@
-//! What connection threads and engine threads say to each other: a connection's reader
-//! sends [`Command`]s to the engine that owns the key, and every engine answers on the
+//! What connections and engines say to each other: a connection's reader carries out
+//! [`Command`]s on the engine that owns the key, and every engine answers on the
 //! [`Replier`] of the connection that asked, whose writer thread sends each [`Outgoing`] in
 //! the order it arrives. Both sides depend on this module, not on each other.
 
@@ -28,7 +28,7 @@ pub struct StallReport {
     pub missing: Vec<u32>,
 }
 
-/// What a connection's reader (or the service) asks of an engine thread.
+/// What a connection's reader (or the service) asks of an engine.
 pub enum Command {
     Init {
         key: u64,
@@ -66,8 +66,6 @@ pub enum Command {
     Retire { key: u64, worker: u32, last: bool },
     /// A worker left or failed: rounds it has not pushed can never complete.
     WorkerGone { worker: u32, reason: Arc<str> },
-    /// The server is stopping.
-    Stop,
 }
 
 /// The acknowledgement of a worker's `Join`, sent once every engine has applied it.

@@ -16,15 +16,14 @@ use sumflow_wire::{JobToken, Registration, Role};
 use thiserror::Error;
 use tracing::{error, info, warn};
 
-use crate::channel::bounded;
 use crate::engine::Engine;
 use crate::messages::StallReport;
 use crate::metrics::{EngineCounters, Served};
 use crate::shared::{Settings, Shared};
 use sumflow_reduce::{Reducer, SimdLevel};
 
-/// Commands an engine's queue holds before connections wait (back-pressure).
-const ENGINE_QUEUE: usize = 256;
+/// How often a server with a stall warning looks for rounds that wait too long.
+const STALL_CHECK: Duration = Duration::from_millis(250);
 
 #[derive(Debug, Error)]
 pub enum ServerError {
@@ -189,12 +188,10 @@ impl SummationService {
                 (names, Some(client.rank()), Some(client))
             }
         };
-        let mut engine_txs = Vec::new();
         let mut engines = Vec::new();
         let mut counters = Vec::new();
         let (stall_tx, stall_reports) = std::sync::mpsc::channel();
-        for i in 0..cfg.engine_threads {
-            let (tx, rx) = bounded(ENGINE_QUEUE);
+        for _ in 0..cfg.engine_threads {
             let counted = Arc::new(EngineCounters::default());
             counters.push(Arc::clone(&counted));
             let mut engine = Engine::new(reducer, worker_names.len() as u32)
@@ -203,18 +200,30 @@ impl SummationService {
             if coordinator.is_some() {
                 engine = engine.with_stall_reports(stall_tx.clone());
             }
-            engines.push(spawn(format!("sumflow-engine-{i}"), move || {
-                engine.run(rx);
-            })?);
-            engine_txs.push(tx);
+            engines.push(engine);
         }
         let shared = Arc::new(Shared::new(
             cfg.settings.clone(),
             cfg.token.clone(),
             worker_names,
-            engine_txs,
+            engines,
             cfg.max_key_memory,
         ));
+        // Dropped by the handle: the checker stops at once, not at its next check.
+        let (stall_checks, stall_stop) = std::sync::mpsc::channel::<()>();
+        let stall_checker = match cfg.settings.stall_warning {
+            Some(_) => {
+                let shared = Arc::clone(&shared);
+                Some(spawn("sumflow-stalls".into(), move || {
+                    while let Err(std::sync::mpsc::RecvTimeoutError::Timeout) =
+                        stall_stop.recv_timeout(STALL_CHECK)
+                    {
+                        shared.check_stalls();
+                    }
+                })?)
+            }
+            None => None,
+        };
         info!(
             %addr,
             rank = ?rank,
@@ -267,7 +276,8 @@ impl SummationService {
             shared,
             accept: Some(accept),
             accept_local,
-            engines,
+            stall_checker,
+            stall_checks: Some(stall_checks),
             monitor,
             connections,
             coordinator,
@@ -442,7 +452,9 @@ pub struct ServerHandle {
     shared: Arc<Shared>,
     accept: Option<JoinHandle<()>>,
     accept_local: Option<JoinHandle<()>>,
-    engines: Vec<JoinHandle<()>>,
+    /// Looks for rounds waiting past the stall warning; stops once `stall_checks` drops.
+    stall_checker: Option<JoinHandle<()>>,
+    stall_checks: Option<std::sync::mpsc::Sender<()>>,
     monitor: Option<JoinHandle<()>>,
     connections: Arc<Mutex<Vec<JoinHandle<()>>>>,
     coordinator: Option<Arc<Mutex<Option<CoordinatorClient>>>>,
@@ -505,8 +517,8 @@ impl ServerHandle {
         for h in conns {
             let _ = h.join();
         }
-        self.shared.stop_engines();
-        for h in self.engines.drain(..) {
+        drop(self.stall_checks.take());
+        if let Some(h) = self.stall_checker.take() {
             let _ = h.join();
         }
         if let Some(h) = self.monitor.take() {

@@ -1,13 +1,12 @@
-//! State shared by the connections of one server: the key directory, the engines' queues,
+//! State shared by the connections of one server: the key directory, the engines,
 //! which workers are connected or gone, and the stop flag.
 
 use std::collections::HashMap;
 use std::net::Shutdown;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
-use std::time::Duration;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
 
-use crate::channel::Sender;
 use sumflow_client::link::Link;
 use sumflow_wire::gate::{Gate, MAX_HANDSHAKES};
 use sumflow_wire::{ErrorCode, ErrorReply, JobToken};
@@ -15,6 +14,7 @@ use tracing::info;
 
 use crate::accounting::Traffic;
 use crate::directory::KeyDirectory;
+use crate::engine::Engine;
 use crate::messages::{Command, JoinAck, Replier};
 
 /// Per-connection limits.
@@ -72,7 +72,8 @@ pub struct Shared {
     pub token: JobToken,
     pub workers: u32,
     pub directory: RwLock<KeyDirectory>,
-    engines: Vec<Sender<Command>>,
+    /// Each summed by one thread at a time, whichever connection brings a command.
+    engines: Vec<Mutex<Engine>>,
     registry: Mutex<Registry>,
     stopping: AtomicBool,
     /// Bytes on the wire per key.
@@ -88,7 +89,7 @@ impl Shared {
         settings: Settings,
         token: JobToken,
         worker_names: Vec<String>,
-        engines: Vec<Sender<Command>>,
+        engines: Vec<Engine>,
         memory_limit: Option<u64>,
     ) -> Self {
         let workers = worker_names.len() as u32;
@@ -97,7 +98,7 @@ impl Shared {
             token,
             workers,
             directory: RwLock::new(KeyDirectory::new(engines.len(), memory_limit)),
-            engines,
+            engines: engines.into_iter().map(Mutex::new).collect(),
             registry: Mutex::new(Registry {
                 names: worker_names,
                 attached: vec![0; workers as usize],
@@ -112,22 +113,40 @@ impl Shared {
         }
     }
 
-    /// Queues a command; blocks while the engine's queue is full (back-pressure).
+    /// Carries out `cmd` on `engine` in the calling thread, waiting while another thread
+    /// sums on it.
     pub fn engine(&self, engine: usize, cmd: Command) {
-        // A send fails only once the engine stopped, i.e. the server is shutting down.
-        let _ = self.engines[engine].send(cmd);
+        self.lock_engine(engine).apply(cmd);
+    }
+
+    fn lock_engine(&self, engine: usize) -> MutexGuard<'_, Engine> {
+        // A panic while summing is a bug that may have left a round half-updated: every
+        // later command on the engine fails loudly too, ending its connections, rather
+        // than summing on from a state nobody can vouch for.
+        self.engines[engine].lock().expect("engine lock")
     }
 
     /// Tells every engine that `worker` joined (or leaves join); the last engine to apply
     /// it answers `JoinAck` on `reply`.
     pub fn join(&self, worker: u32, joined: bool, reply: Replier) {
         let ack = Arc::new(JoinAck::new(joined, self.engines.len(), reply));
-        for e in &self.engines {
-            let _ = e.send(Command::Join {
-                worker,
-                joined,
-                ack: Arc::clone(&ack),
-            });
+        for engine in 0..self.engines.len() {
+            self.engine(
+                engine,
+                Command::Join {
+                    worker,
+                    joined,
+                    ack: Arc::clone(&ack),
+                },
+            );
+        }
+    }
+
+    /// Tells the pulls of every round waiting past the stall warning who they wait for.
+    pub fn check_stalls(&self) {
+        let now = Instant::now();
+        for engine in 0..self.engines.len() {
+            self.lock_engine(engine).check_stalls(now);
         }
     }
 
@@ -147,13 +166,6 @@ impl Shared {
             waiting: r.gone.len() - gone - connected,
             gone,
             connections: r.streams.len(),
-        }
-    }
-
-    /// Sends `Stop` to every engine.
-    pub fn stop_engines(&self) {
-        for e in &self.engines {
-            let _ = e.send(Command::Stop);
         }
     }
 
@@ -247,11 +259,14 @@ impl Shared {
         };
         info!("{text}");
         let reason: Arc<str> = text.into();
-        for e in &self.engines {
-            let _ = e.send(Command::WorkerGone {
-                worker: rank,
-                reason: Arc::clone(&reason),
-            });
+        for engine in 0..self.engines.len() {
+            self.engine(
+                engine,
+                Command::WorkerGone {
+                    worker: rank,
+                    reason: Arc::clone(&reason),
+                },
+            );
         }
     }
 

@@ -109,8 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-threads",
         type=int,
         metavar="E",
-        help="engine threads per summation server [default: 1 on one machine, the "
-        "server's own default (half the cores) in the cluster form]",
+        help="engines per summation server, how many threads can sum at once [default: "
+        "1 on one machine, the server's own default (half the cores) in the cluster form]",
     )
     job.add_argument(
         "--partition-bytes",
