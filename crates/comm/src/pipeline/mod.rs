@@ -17,7 +17,10 @@
 //! has its own send queue and thread: every worker sends partitions in the same order, so
 //! with one sending thread all workers would push to the same server at once while the
 //! links to the others idled (incast). One sender per lane keeps every link busy, as
-//! BytePS §4.1's analysis assumes. A sum is read from the socket into the caller's memory
+//! BytePS §4.1's analysis assumes. A partition started by the credit a lane's receiver
+//! returned, while that lane's push thread sleeps with nothing queued, is sent by the
+//! receiver itself: waking the push thread for it cost a futex call and two context
+//! switches per partition (issue 22's CPU per byte). A sum is read from the socket into the caller's memory
 //! directly: no intermediate buffer to allocate or fault in, and no second pass to copy
 //! it, so a sum is touched once (twice when averaged).
 //!
@@ -51,7 +54,7 @@ use crate::error::CommError;
 use crate::handles::Handles;
 use crate::queue::LaneQueue;
 use crate::trace::{Arg, Tracer, Track};
-use push::{push_loop, Lane};
+use push::{push_loop, Lane, LaneSender, Queued};
 use receive::receive_loop;
 pub use task::{Delta, HostSlice, PartTask};
 
@@ -122,7 +125,20 @@ impl Shared {
     /// Hands what the scheduler started to the lanes. Called with the scheduler locked, so
     /// lanes receive partitions in the order they started.
     fn dispatch(&self, started: Vec<Started<PartTask>>) {
+        let kept = self.dispatch_helping(started, None);
+        debug_assert!(kept.is_empty());
+    }
+
+    /// As `dispatch`, but what is started for lane `helper` while its push thread sleeps
+    /// with nothing queued comes back, in order, for the caller (that lane's receiver,
+    /// which returned the credit) to send once the scheduler is unlocked.
+    fn dispatch_helping(
+        &self,
+        started: Vec<Started<PartTask>>,
+        helper: Option<usize>,
+    ) -> Vec<Queued> {
         let now = Instant::now();
+        let mut kept = Vec::new();
         for Started {
             server,
             order,
@@ -130,8 +146,19 @@ impl Shared {
         } in started
         {
             let lane = self.lane_of(server, item.key());
-            self.lanes[lane].queue.push((order, now, item));
+            let queued = (order, now, item);
+            // Once one is kept, the rest for that lane are too, keeping their order.
+            if Some(lane) == helper {
+                if !kept.is_empty() {
+                    kept.push(queued);
+                } else if let Some(queued) = self.lanes[lane].queue.offer(queued) {
+                    kept.push(queued);
+                }
+            } else {
+                self.lanes[lane].queue.push(queued);
+            }
         }
+        kept
     }
 
     /// Records a scheduler decision and the scheduler's load on the trace.
@@ -197,10 +224,9 @@ impl Pipeline {
             for (index, (tx, rx)) in link.lanes.into_iter().enumerate() {
                 lanes.push(Lane {
                     server,
-                    sender: Mutex::new(tx),
+                    sender: Mutex::new(LaneSender::new(tx)),
                     queue: LaneQueue::default(),
                     index,
-                    retired: Mutex::default(),
                 });
                 receivers.push(rx);
             }
@@ -349,17 +375,18 @@ impl Pipeline {
             }
             let lane = &sh.lanes[sh.lane_of(server, key)];
             let sent = {
-                let mut tx = lane.sender.lock().expect("sender lock");
-                let before = tx.bytes_sent();
-                let sent = tx.retire(key);
-                sh.wire.sent(key, tensor, tx.bytes_sent() - before);
+                let mut lane_tx = lane.sender.lock().expect("sender lock");
+                let before = lane_tx.tx.bytes_sent();
+                let sent = lane_tx.tx.retire(key);
+                sh.wire.sent(key, tensor, lane_tx.tx.bytes_sent() - before);
+                // Retired keys never come back (tensor ids are never reused).
+                lane_tx.initialised.remove(&key);
                 sent
             };
             if let Err(e) = sent {
                 server_lost(sh, server, &e.to_string());
                 return Err(lost(tensor, &sh.server_names[server], &e.to_string()));
             }
-            lane.retired.lock().expect("retired lock").push(key);
             sh.residuals.forget(key);
         }
         Ok(())
@@ -397,7 +424,7 @@ impl Pipeline {
             lane.queue.close();
         }
         for lane in &self.shared.lanes {
-            let mut tx = lane.sender.lock().expect("sender lock");
+            let tx = &mut lane.sender.lock().expect("sender lock").tx;
             let before = tx.bytes_sent();
             let _ = tx.shutdown(reason);
             self.shared.wire.sent_other(tx.bytes_sent() - before);
@@ -489,8 +516,9 @@ fn timer_loop(sh: &Shared) {
     }
 }
 
-/// The server has read a push: its credit returns, which may start the next ones.
-fn acknowledged(sh: &Shared, key: u64, round: u64) {
+/// The server has read a push: its credit returns, which may start the next ones. Those
+/// for `lane` while its push thread sleeps go to `kept`, for its receiver to send.
+fn acknowledged(sh: &Shared, key: u64, round: u64, lane: usize, kept: &mut Vec<Queued>) {
     let order = match sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
         Some(f) if f.task.round == round => {
             f.acknowledged = Some(Instant::now());
@@ -501,12 +529,12 @@ fn acknowledged(sh: &Shared, key: u64, round: u64) {
     let now = Instant::now();
     let mut s = sh.scheduler();
     s.acknowledged(order, now);
-    sh.dispatch(s.poll(now));
+    kept.extend(sh.dispatch_helping(s.poll(now), Some(lane)));
 }
 
 /// A partition's sum is back (or it failed): its credit returns, which may start the
-/// next ones.
-fn finished(sh: &Shared, order: Order, ok: bool) {
+/// next ones; as [`acknowledged`], those kept for `lane` go to `kept`.
+fn finished(sh: &Shared, order: Order, ok: bool, lane: usize, kept: &mut Vec<Queued>) {
     let now = Instant::now();
     let mut s = sh.scheduler();
     if ok {
@@ -514,7 +542,7 @@ fn finished(sh: &Shared, order: Order, ok: bool) {
     } else {
         s.abandoned(order, now);
     }
-    sh.dispatch(s.poll(now));
+    kept.extend(sh.dispatch_helping(s.poll(now), Some(lane)));
 }
 
 #[cfg(test)]

@@ -1,6 +1,8 @@
 //! The sending half of each lane: a FIFO send queue that the scheduler fills in the order
 //! it starts partitions, and the push thread that drains it, compressing a partition
-//! first when its tensor is compressed.
+//! first when its tensor is compressed. A partition started for a lane whose push thread
+//! sleeps, by that lane's own receiver (a returning credit), is sent by the receiver
+//! instead: the push thread would be woken once per partition for it (issue 22).
 
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
@@ -20,141 +22,164 @@ use crate::trace::{Arg, Track};
 #[derive(Debug)]
 pub(super) struct Lane {
     pub(super) server: usize,
-    pub(super) sender: Mutex<ServerSender>,
-    pub(super) queue: LaneQueue<(Order, Instant, PartTask)>,
+    pub(super) sender: Mutex<LaneSender>,
+    pub(super) queue: LaneQueue<Queued>,
     /// Its index among its server's lanes, for the trace.
     pub(super) index: usize,
-    /// Keys retired on this lane, for its push thread to forget.
-    pub(super) retired: Mutex<Vec<u64>>,
+}
+
+/// A started partition in a lane's queue: its order, and when it started.
+pub(super) type Queued = (Order, Instant, PartTask);
+
+/// The sending side of a lane's connection, and the keys it has initialised on it: both
+/// under one lock, since the lane's push thread and its receiver both send (`send`).
+#[derive(Debug)]
+pub(super) struct LaneSender {
+    pub(super) tx: ServerSender,
+    /// Keys whose `InitKey` went out on this connection (retired ones leave: tensor ids
+    /// are never reused).
+    pub(super) initialised: HashSet<u64>,
+}
+
+impl LaneSender {
+    pub(super) fn new(tx: ServerSender) -> LaneSender {
+        LaneSender {
+            tx,
+            initialised: HashSet::new(),
+        }
+    }
 }
 
 /// Sends the partitions started for `lane`, in the order they started.
 pub(super) fn push_loop(sh: &Shared, lane: usize) {
-    let mut initialised: HashSet<u64> = HashSet::new();
     let mut buffers = CodecBuffers::default();
+    while !sh.stop.load(Ordering::Acquire) {
+        if let Some(queued) = sh.lanes[lane].queue.pop(POLL) {
+            send(sh, lane, queued, &mut buffers);
+        }
+    }
+}
+
+/// Sends one started partition on `lane`: its push and pull, behind its key's `InitKey`
+/// the first time. Called by the lane's push thread, or by its receiver for a partition
+/// started while the push thread slept (see `Shared::dispatch_helping`).
+pub(super) fn send(
+    sh: &Shared,
+    lane: usize,
+    (order, started, task): Queued,
+    buffers: &mut CodecBuffers,
+) {
     let Lane {
         server,
         sender,
-        queue,
         index,
-        retired,
+        ..
     } = &sh.lanes[lane];
     let (server, index) = (*server, *index);
-    while !sh.stop.load(Ordering::Acquire) {
-        // Retired keys never come back (tensor ids are never reused).
-        for key in retired.lock().expect("retired lock").drain(..) {
-            initialised.remove(&key);
-        }
-        let Some((order, started, task)) = queue.pop(POLL) else {
-            continue;
-        };
-        let popped = Instant::now();
-        // A failed operation's buffer may already be gone: drop its remaining partitions.
-        if !sh.handles.begin_access(task.handle) {
-            sh.scheduler().abandoned(order, Instant::now());
-            continue;
-        }
-        debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
-        // Compressed by this lane's thread, so lanes compress in parallel, and before the
-        // connection is locked.
-        let (pushes, wants_sum, op) = (task.pushes, task.wants_sum, task.op);
-        if let Some(c) = task.compressor().filter(|_| pushes) {
-            compress(sh, &task, c, &mut buffers);
-        }
-        let (key, round, dtype, len, handle, codec) = (
-            task.key(),
-            task.round,
-            task.dtype,
-            task.data.len,
-            task.handle,
-            task.codec,
-        );
-        let wire_len = task.wire_len();
-        let members = task.members.clone();
-        let data = task.data;
-        let delta = task.delta;
-        let tensor_name = Arc::clone(&task.name);
-        let label = sh
-            .tracer
-            .active()
-            .then(|| (Arc::clone(&task.name), task.index));
-        // Registered before the frames go out: the reply may beat this thread back (so
-        // `pushed` is corrected below, which only the trace reads).
-        sh.in_flight.lock().expect("in-flight lock").insert(
-            key,
-            Flight {
-                order,
-                task,
-                started,
-                pushed: popped,
-                acknowledged: None,
-            },
-        );
-        let sent = {
-            let mut tx = sender.lock().expect("sender lock");
-            let before = tx.bytes_sent();
-            let init = if initialised.insert(key) {
-                // Before a key's first frames go: the server's replies may be read (and
-                // counted) before this thread counts what it wrote.
-                sh.wire.open(key, &tensor_name);
-                match (members.as_deref(), &delta) {
-                    // Members are for raw keys only (the service refuses the rest).
-                    (Some(members), _) => tx.init_member_key(key, dtype, len as u64, members),
-                    // The stored value a delta key starts from.
-                    (None, Some(delta)) => {
-                        tx.init_key(key, dtype, len as u64, Some(delta.initial.bytes()))
-                    }
-                    (None, None) if codec.is_raw() => tx.init_key(key, dtype, len as u64, None),
-                    (None, None) => tx.init_compressed_key(key, len as u64, codec),
+    let popped = Instant::now();
+    // A failed operation's buffer may already be gone: drop its remaining partitions.
+    if !sh.handles.begin_access(task.handle) {
+        sh.scheduler().abandoned(order, Instant::now());
+        return;
+    }
+    debug_assert_eq!(sh.lane_of(task.server(), task.key()), lane);
+    // Compressed before the connection is locked, so lanes compress in parallel.
+    let (pushes, wants_sum, op) = (task.pushes, task.wants_sum, task.op);
+    if let Some(c) = task.compressor().filter(|_| pushes) {
+        compress(sh, &task, c, buffers);
+    }
+    let (key, round, dtype, len, handle, codec) = (
+        task.key(),
+        task.round,
+        task.dtype,
+        task.data.len,
+        task.handle,
+        task.codec,
+    );
+    let wire_len = task.wire_len();
+    let members = task.members.clone();
+    let data = task.data;
+    let delta = task.delta;
+    let tensor_name = Arc::clone(&task.name);
+    let label = sh
+        .tracer
+        .active()
+        .then(|| (Arc::clone(&task.name), task.index));
+    // Registered before the frames go out: the reply may beat this thread back (so
+    // `pushed` is corrected below, which only the trace reads).
+    sh.in_flight.lock().expect("in-flight lock").insert(
+        key,
+        Flight {
+            order,
+            task,
+            started,
+            pushed: popped,
+            acknowledged: None,
+        },
+    );
+    let sent = {
+        let mut lane_tx = sender.lock().expect("sender lock");
+        let LaneSender { tx, initialised } = &mut *lane_tx;
+        let before = tx.bytes_sent();
+        let init = if initialised.insert(key) {
+            // Before a key's first frames go: the server's replies may be read (and
+            // counted) before this thread counts what it wrote.
+            sh.wire.open(key, &tensor_name);
+            match (members.as_deref(), &delta) {
+                // Members are for raw keys only (the service refuses the rest).
+                (Some(members), _) => tx.init_member_key(key, dtype, len as u64, members),
+                // The stored value a delta key starts from.
+                (None, Some(delta)) => {
+                    tx.init_key(key, dtype, len as u64, Some(delta.initial.bytes()))
                 }
-            } else {
-                Ok(())
-            };
-            let pushed = if let Some(delta) = &delta {
-                Pushed::Delta(data.bytes(), delta.staleness)
-            } else if !pushes {
-                Pushed::Skip
-            } else if codec.is_raw() {
-                Pushed::Raw(data.bytes())
-            } else {
-                Pushed::Compressed(codec.codec, &buffers.payload)
-            };
-            let sent =
-                init.and_then(|()| tx.push_and_pull(key, round, (dtype, op), pushed, wants_sum));
-            sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
-            sent
+                (None, None) if codec.is_raw() => tx.init_key(key, dtype, len as u64, None),
+                (None, None) => tx.init_compressed_key(key, len as u64, codec),
+            }
+        } else {
+            Ok(())
         };
-        // Recorded before the access ends: the waiter cannot return (and a step close the
-        // trace window) before it is.
-        if let Some((tensor, part)) = label {
-            let pushed = Instant::now();
-            if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
-                f.pushed = pushed;
-            }
-            sh.tracer.span(
-                Track::Push {
-                    server: server as u32,
-                    lane: index as u32,
-                },
-                format!("{tensor} [{part}]"),
-                popped,
-                pushed,
-                &[
-                    ("bytes", Arg::Uint(wire_len)),
-                    ("round", Arg::Uint(round)),
-                    ("key", Arg::Uint(key)),
-                    (
-                        "queued in lane ms",
-                        Arg::Float(popped.duration_since(started).as_secs_f64() * 1e3),
-                    ),
-                ],
-            );
+        let pushed = if let Some(delta) = &delta {
+            Pushed::Delta(data.bytes(), delta.staleness)
+        } else if !pushes {
+            Pushed::Skip
+        } else if codec.is_raw() {
+            Pushed::Raw(data.bytes())
+        } else {
+            Pushed::Compressed(codec.codec, &buffers.payload)
+        };
+        let sent = init.and_then(|()| tx.push_and_pull(key, round, (dtype, op), pushed, wants_sum));
+        sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
+        sent
+    };
+    // Recorded before the access ends: the waiter cannot return (and a step close the
+    // trace window) before it is.
+    if let Some((tensor, part)) = label {
+        let pushed = Instant::now();
+        if let Some(f) = sh.in_flight.lock().expect("in-flight lock").get_mut(&key) {
+            f.pushed = pushed;
         }
-        sh.handles.end_access(handle, None);
-        if let Err(e) = sent {
-            if sh.stop.load(Ordering::Acquire) {
-                break;
-            }
+        sh.tracer.span(
+            Track::Push {
+                server: server as u32,
+                lane: index as u32,
+            },
+            format!("{tensor} [{part}]"),
+            popped,
+            pushed,
+            &[
+                ("bytes", Arg::Uint(wire_len)),
+                ("round", Arg::Uint(round)),
+                ("key", Arg::Uint(key)),
+                (
+                    "queued in lane ms",
+                    Arg::Float(popped.duration_since(started).as_secs_f64() * 1e3),
+                ),
+            ],
+        );
+    }
+    sh.handles.end_access(handle, None);
+    if let Err(e) = sent {
+        if !sh.stop.load(Ordering::Acquire) {
             server_lost(sh, server, &e.to_string());
         }
     }

@@ -12,6 +12,7 @@ use sumflow_wire::{Codec, KeyCodec};
 use thiserror::Error;
 use tracing::{debug, warn};
 
+use super::push::{send, Queued};
 use super::task::{CodecBuffers, PartTask};
 use super::{acknowledged, finished, server_lost, Flight, Shared};
 use crate::average::scale_in_place;
@@ -57,6 +58,9 @@ enum SumError {
 pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
     let server = sh.lanes[lane].server;
     let mut buffers = CodecBuffers::default();
+    // Partitions started for this lane, by the credit a reply returned, while its push
+    // thread slept: sent from here once the reply is handled.
+    let mut kept = Vec::new();
     loop {
         let mut before = rx.bytes_received();
         let (key, received) = match rx.recv_header() {
@@ -64,10 +68,17 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
             // and its waiter read the count.
             Ok(Reply::Sum(head)) => (
                 None,
-                receive_sum(sh, lane, &mut rx, head, &mut before, &mut buffers),
+                receive_sum(
+                    sh,
+                    (lane, &mut kept),
+                    &mut rx,
+                    head,
+                    &mut before,
+                    &mut buffers,
+                ),
             ),
             Ok(Reply::PushAck { key, round }) => {
-                acknowledged(sh, key, round);
+                acknowledged(sh, key, round, lane, &mut kept);
                 (Some(key), Ok(()))
             }
             Ok(Reply::InitAck { key }) => (Some(key), Ok(())),
@@ -90,7 +101,7 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
             }) => {
                 let flight = sh.in_flight.lock().expect("in-flight lock").remove(&key);
                 if let Some(Flight { order, task, .. }) = flight {
-                    finished(sh, order, false);
+                    finished(sh, order, false, lane, &mut kept);
                     let server_name = sh.server_names[server].clone();
                     sh.handles.fail(task.handle, |t| CommError::Failed {
                         tensor: t.to_string(),
@@ -103,6 +114,9 @@ pub(super) fn receive_loop(sh: &Shared, lane: usize, mut rx: ServerReceiver) {
             Err(e) => (None, Err(ReceiveError::from(e))),
         };
         sh.wire.received(key, rx.bytes_received() - before);
+        for queued in kept.drain(..) {
+            send(sh, lane, queued, &mut buffers);
+        }
         if let Err(why) = received {
             if !sh.stop.load(Ordering::Acquire) {
                 server_lost(sh, server, &why.to_string());
@@ -151,7 +165,7 @@ fn stalled(sh: &Shared, server: usize, key: u64, round: u64, waited: Duration, m
 /// asked, and marks the partition done. An error is why the server must be given up.
 fn receive_sum(
     sh: &Shared,
-    lane: usize,
+    (lane, kept): (usize, &mut Vec<Queued>),
     rx: &mut ServerReceiver,
     head: SumHeader,
     counted_from: &mut u64,
@@ -186,8 +200,12 @@ fn receive_sum(
             *stall = None;
         }
     }
-    // The credit returns before the sum is read: the next push overlaps the read.
-    finished(sh, order, true);
+    // The credit returns before the sum is read: the next push overlaps the read (sent
+    // from here when the push thread sleeps, before reading on).
+    finished(sh, order, true, lane, kept);
+    for queued in kept.drain(..) {
+        send(sh, lane, queued, buffers);
+    }
     if !task.wants_sum {
         // Only the notice: the span stays as it is.
         if head.len != 0 {
