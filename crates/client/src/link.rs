@@ -55,6 +55,30 @@ impl Link {
         })
     }
 
+    /// Writes as much of `bufs` as the socket's buffer takes now, without waiting for room
+    /// (`MSG_DONTWAIT`, whatever the socket's mode): the bytes written, 0 when it is full.
+    pub fn send_now(&self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let fd = match self {
+            Link::Tcp(s) => s.as_raw_fd(),
+            Link::Local(s) => s.as_raw_fd(),
+        };
+        // SAFETY: msghdr is plain data, valid zeroed; `IoSlice` is ABI-compatible with
+        // `iovec` on Unix, and `bufs` outlives the sendmsg call, which only reads it.
+        let sent = unsafe {
+            let mut msg: libc::msghdr = std::mem::zeroed();
+            msg.msg_iov = bufs.as_ptr() as *mut libc::iovec;
+            msg.msg_iovlen = bufs.len() as _;
+            libc::sendmsg(fd, &msg, libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL)
+        };
+        if sent >= 0 {
+            return Ok(sent as usize);
+        }
+        match io::Error::last_os_error() {
+            e if e.kind() == io::ErrorKind::WouldBlock => Ok(0),
+            e => Err(e),
+        }
+    }
+
     pub fn shutdown(&self, how: Shutdown) -> io::Result<()> {
         match self {
             Link::Tcp(s) => s.shutdown(how),

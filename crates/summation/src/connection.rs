@@ -26,8 +26,10 @@ use sumflow_wire::{
 };
 use tracing::{debug, info, warn};
 
+use crate::channel::Sender;
 use crate::directory::{DeclareError, Declared, RetireError, Retired};
-use crate::messages::{replier, Command, Outgoing, PushData, Replier};
+use crate::messages::{replier, Command, Direct, Outgoing, PushData, Replier};
+use crate::outbox::{Frame, Outbox};
 use crate::shared::Shared;
 use sumflow_client::link::{Link, Receiving};
 use sumflow_client::mailbox::{Mailbox, Side};
@@ -69,7 +71,7 @@ pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
     let outbox = match stream.try_clone() {
         Ok(sending) => {
             let _ = sending.set_write_timeout(Some(shared.settings.write_timeout));
-            Arc::new(Mutex::new(Counted::new(sending)))
+            Arc::new(Mutex::new(Outbox::new(sending)))
         }
         Err(e) => {
             warn!(%addr, error = %e, "connection dropped: no second descriptor for its writer");
@@ -79,6 +81,16 @@ pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
     let (tx, rx) = replier();
     let fatal = Arc::new(Mutex::new(None));
     let mailbox = Arc::new(OnceLock::new());
+    let tx = {
+        let direct = DirectWriter {
+            outbox: Arc::clone(&outbox),
+            unwritten: Arc::clone(tx.unwritten()),
+            queue: tx.queue().clone(),
+            shared: Arc::clone(&shared),
+            mailbox: Arc::clone(&mailbox),
+        };
+        tx.with_direct(Arc::new(direct))
+    };
     let writer = {
         let outbox = Arc::clone(&outbox);
         let unwritten = Arc::clone(tx.unwritten());
@@ -102,7 +114,6 @@ pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
         pool: crate::pool::BufferPool::new(shared.settings.push_buffers),
         mailbox,
         tx,
-        outbox,
     };
     let ending = conn.run();
     if let Ending::Refused(_) = ending {
@@ -197,12 +208,7 @@ struct Connection<'a> {
     /// in it).
     mailbox: Arc<OnceLock<Arc<Mailbox>>>,
     tx: Replier,
-    /// The sending side of the socket, which the writer locks for each answer.
-    outbox: Outbox,
 }
-
-/// The sending side of a connection's socket, counting what it sends.
-type Outbox = Arc<Mutex<Counted<Link>>>;
 
 impl Connection<'_> {
     fn run(&mut self) -> Ending {
@@ -438,22 +444,13 @@ impl Connection<'_> {
         Ok(())
     }
 
-    /// Sends a push's acknowledgement: written here when the writer is idle with nothing
-    /// queued, so nothing sent before is overtaken and the writer is not woken for a frame
-    /// of 30 bytes (one wake per push, a third of the writers' on issue 22's cluster);
-    /// queued for the writer otherwise.
+    /// Sends a push's acknowledgement: written by this thread when the writer is idle
+    /// (`DirectWriter`), so the writer is not woken for a frame of 30 bytes (one wake per
+    /// push, a third of the writers' on issue 22's cluster).
     fn acknowledge(&self, key: u64, round: u64) {
-        let ack = Message::PushAck { key, round };
-        if let Ok(mut w) = self.outbox.try_lock() {
-            if self.tx.unwritten().load(Ordering::Acquire) == 0 {
-                let before = w.counted();
-                // A failed write fails the writer's next one and this reader's next read.
-                let _ = io::write_message(&mut *w, &ack);
-                self.shared.traffic.sent(Some(key), w.counted() - before);
-                return;
-            }
-        }
-        let _ = self.tx.send(Outgoing::Message(ack));
+        let _ = self
+            .tx
+            .send(Outgoing::Message(Message::PushAck { key, round }));
     }
 
     /// Reads a push's payload into a pool buffer, checked whole: its length against the
@@ -700,29 +697,35 @@ fn key_of(m: &Message) -> Option<u64> {
 }
 
 fn write_loop(
-    outbox: &Outbox,
+    outbox: &Mutex<Outbox>,
     rx: Receiver<Outgoing>,
     unwritten: &AtomicUsize,
     fatal: Arc<Mutex<Option<String>>>,
     shared: &Shared,
     mailbox: &OnceLock<Arc<Mailbox>>,
 ) {
-    // Where the next pull slot is looked for, and what lent sums add to the bytes sent.
-    let mut cursor = 0;
-    let mut lent_bytes = 0;
     for out in &rx {
         let mut w = outbox.lock().unwrap_or_else(|e| e.into_inner());
-        // Counted down once written, with the lock held: the reader, writing an
-        // acknowledgement itself only when nothing is unwritten, never overtakes this.
+        // Counted down once written, with the lock held: a thread writing an answer itself
+        // only when nothing is unwritten (`DirectWriter`) never overtakes this.
         let _written = Written(unwritten);
-        let before = w.counted().wrapping_add(lent_bytes);
+        // The rest of a frame written directly goes before anything taken after it.
+        match w.finish() {
+            Ok(None) => {}
+            Ok(Some((key, bytes))) => shared.traffic.sent(key, bytes),
+            Err(e) => {
+                debug!(error = %e, "writer stopping");
+                break;
+            }
+        }
+        let before = w.sent();
         let key = match &out {
             Outgoing::Message(m) | Outgoing::Fatal(m) => key_of(m),
             Outgoing::Sum { key, .. } => Some(*key),
-            Outgoing::Close => None,
+            Outgoing::Close | Outgoing::Flush => None,
         };
         let result = match out {
-            Outgoing::Message(m) => io::write_message(&mut *w, &m),
+            Outgoing::Message(m) => io::write_message(w.stream(), &m),
             Outgoing::Sum {
                 key,
                 round,
@@ -739,24 +742,22 @@ fn write_loop(
                 // Into the worker's mailbox when a pull slot is free and the sum fits.
                 match mailbox
                     .get()
-                    .and_then(|m| m.lend(Side::Pull, &mut cursor, &data))
+                    .and_then(|m| m.lend(Side::Pull, &mut w.cursor, &data))
                 {
                     Some(lent) => {
-                        lent_bytes = lent_bytes.wrapping_add(lent.inline_surplus());
-                        io::write_lent(&mut *w, &reply, lent)
+                        w.lent_bytes = w.lent_bytes.wrapping_add(lent.inline_surplus());
+                        io::write_lent(w.stream(), &reply, lent)
                     }
-                    None => io::write_data(&mut *w, &reply, &data),
+                    None => io::write_data(w.stream(), &reply, &data),
                 }
             }
             Outgoing::Fatal(m) => {
                 *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
-                let _ = io::write_message(&mut *w, &m);
-                shared
-                    .traffic
-                    .sent(key, w.counted().wrapping_add(lent_bytes) - before);
+                let _ = io::write_message(w.stream(), &m);
+                shared.traffic.sent(key, w.sent() - before);
                 // The refusal, then the end of the stream: the reader keeps reading until
                 // the worker, having read why, closes, or until it gives up lingering.
-                let _ = w.get_ref().shutdown(Shutdown::Write);
+                let _ = w.link().shutdown(Shutdown::Write);
                 let deadline = Instant::now() + LINGER;
                 while let Some(left) = deadline.checked_duration_since(Instant::now()) {
                     match rx.recv_timeout(left) {
@@ -766,11 +767,10 @@ fn write_loop(
                 }
                 break;
             }
+            Outgoing::Flush => Ok(()),
             Outgoing::Close => break,
         };
-        shared
-            .traffic
-            .sent(key, w.counted().wrapping_add(lent_bytes) - before);
+        shared.traffic.sent(key, w.sent() - before);
         if let Err(e) = result {
             debug!(error = %e, "writer stopping");
             break;
@@ -780,8 +780,93 @@ fn write_loop(
     let _ = outbox
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .get_ref()
+        .link()
         .shutdown(Shutdown::Both);
+}
+
+/// Writes an answer on an idle connection from the thread that has it (an engine's, after
+/// a round completes, or the reader's, acknowledging a push), without waiting for room in
+/// the socket's buffer: a wake of the writer saved per answer. The writer finishes what
+/// the socket did not take, woken by a `Flush` counted as unwritten like any answer.
+struct DirectWriter {
+    outbox: Arc<Mutex<Outbox>>,
+    unwritten: Arc<AtomicUsize>,
+    queue: Sender<Outgoing>,
+    shared: Arc<Shared>,
+    mailbox: Arc<OnceLock<Arc<Mailbox>>>,
+}
+
+impl Direct for DirectWriter {
+    fn write_now(&self, out: Outgoing) -> Result<(), Outgoing> {
+        if !matches!(out, Outgoing::Message(_) | Outgoing::Sum { .. }) {
+            return Err(out);
+        }
+        let Ok(mut w) = self.outbox.try_lock() else {
+            return Err(out);
+        };
+        // Under the lock the writer counts down under: nothing queued or half-written.
+        if self.unwritten.load(Ordering::Acquire) != 0 {
+            return Err(out);
+        }
+        let before = w.sent();
+        let frame = match out {
+            Outgoing::Message(m) => Frame {
+                key: key_of(&m),
+                head: m.encode(0),
+                payload: None,
+            },
+            Outgoing::Sum {
+                key,
+                round,
+                dtype,
+                codec,
+                data,
+            } => {
+                let reply = Message::PullReply {
+                    key,
+                    round,
+                    dtype,
+                    codec,
+                };
+                match self
+                    .mailbox
+                    .get()
+                    .and_then(|m| m.lend(Side::Pull, &mut w.cursor, &data))
+                {
+                    Some(lent) => {
+                        w.lent_bytes = w.lent_bytes.wrapping_add(lent.inline_surplus());
+                        Frame {
+                            key: Some(key),
+                            head: reply.encode_lent(lent),
+                            payload: None,
+                        }
+                    }
+                    None => Frame {
+                        key: Some(key),
+                        head: reply.encode(data.len()),
+                        payload: Some(data),
+                    },
+                }
+            }
+            Outgoing::Fatal(_) | Outgoing::Close | Outgoing::Flush => unreachable!("checked"),
+        };
+        let key = frame.key;
+        match w.write_now(frame) {
+            Ok(true) => {}
+            Ok(false) => {
+                self.unwritten.fetch_add(1, Ordering::AcqRel);
+                // A writer gone has stopped the connection: the rest has nowhere to go.
+                if self.queue.send(Outgoing::Flush).is_err() {
+                    self.unwritten.fetch_sub(1, Ordering::AcqRel);
+                }
+            }
+            // The socket is broken: the reader's next read fails, and the connection with
+            // it, as it would have had the writer met this.
+            Err(e) => debug!(error = %e, "direct write failed"),
+        }
+        self.shared.traffic.sent(key, w.sent() - before);
+        Ok(())
+    }
 }
 
 /// Counts an answer written when dropped (see `write_loop`).

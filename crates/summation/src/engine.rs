@@ -847,7 +847,7 @@ mod tests {
                 .map(|c| i32::from_le_bytes(c.try_into().unwrap()))
                 .collect(),
             Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a sum, got {m:?}"),
-            Outgoing::Close => panic!("expected a sum, got Close"),
+            Outgoing::Close | Outgoing::Flush => panic!("expected a sum, got Close or Flush"),
         }
     }
 
@@ -873,7 +873,7 @@ mod tests {
             Outgoing::Message(Message::PullReply { round, .. }) => round,
             Outgoing::Sum { round, .. } => panic!("expected a notice, got round {round}'s sum"),
             Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a notice, got {m:?}"),
-            Outgoing::Close => panic!("expected a notice, got Close"),
+            Outgoing::Close | Outgoing::Flush => panic!("expected a notice, got Close or Flush"),
         }
     }
 
@@ -1085,7 +1085,7 @@ mod tests {
         match rx.try_recv().expect("a reply") {
             Outgoing::Sum { data, .. } => data,
             Outgoing::Message(m) | Outgoing::Fatal(m) => panic!("expected a result, got {m:?}"),
-            Outgoing::Close => panic!("expected a result, got Close"),
+            Outgoing::Close | Outgoing::Flush => panic!("expected a result, got Close or Flush"),
         }
     }
 

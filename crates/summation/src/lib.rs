@@ -18,6 +18,7 @@ pub mod elastic;
 mod engine;
 mod messages;
 mod metrics;
+mod outbox;
 mod pool;
 pub mod rounds;
 pub mod service;

@@ -151,21 +151,45 @@ pub enum Outgoing {
     Fatal(Message),
     /// The reader is done: stop without waiting for engines to drop their senders.
     Close,
+    /// Nothing to send but the rest of a frame written directly ([`Direct`]), which the
+    /// writer finishes before anything else whatever it takes from its queue.
+    Flush,
+}
+
+/// Writes an answer on the connection's socket at once when its writer is idle, instead
+/// of waking the writer for it (`connection.rs`).
+pub trait Direct: Send + Sync {
+    /// Writes `out` now (what the socket does not take is the writer's to finish), or
+    /// gives it back to be queued: the writer is busy or has answers queued, or `out` is
+    /// one only the writer sends.
+    fn write_now(&self, out: Outgoing) -> Result<(), Outgoing>;
 }
 
 /// Where an engine (or the connection's own reader) sends its answers to one connection:
-/// the writer's queue, and a count of the answers queued or being written. The reader
-/// writes a push's acknowledgement itself when that count is 0 (`connection.rs`): nothing
-/// it sent before can then be overtaken, and the writer need not be woken for it.
+/// the writer's queue, a count of the answers queued or being written, and, when set,
+/// the way to write an answer at once while that count is 0 (nothing sent before can
+/// then be overtaken, and the writer need not be woken).
 #[derive(Clone)]
 pub struct Replier {
     queue: Sender<Outgoing>,
     unwritten: Arc<AtomicUsize>,
+    direct: Option<Arc<dyn Direct>>,
 }
 
 impl Replier {
-    /// Queues `out` for the writer; fails, handing it back, once the writer is gone.
+    /// Writes `out` at once when the connection is idle, else queues it for the writer;
+    /// fails, handing it back, once the writer is gone.
     pub fn send(&self, out: Outgoing) -> Result<(), SendError<Outgoing>> {
+        let out = match &self.direct {
+            // Only a hint here: `write_now` checks again under the socket's lock.
+            Some(direct) if self.unwritten.load(Ordering::Acquire) == 0 => {
+                match direct.write_now(out) {
+                    Ok(()) => return Ok(()),
+                    Err(out) => out,
+                }
+            }
+            _ => out,
+        };
         self.unwritten.fetch_add(1, Ordering::AcqRel);
         self.queue.send(out).inspect_err(|_| {
             self.unwritten.fetch_sub(1, Ordering::AcqRel);
@@ -176,13 +200,33 @@ impl Replier {
     pub fn unwritten(&self) -> &Arc<AtomicUsize> {
         &self.unwritten
     }
+
+    /// The writer's queue, for a [`Direct`] that leaves it a frame to finish.
+    pub fn queue(&self) -> &Sender<Outgoing> {
+        &self.queue
+    }
+
+    /// This replier, writing answers through `direct` while the connection is idle.
+    pub fn with_direct(self, direct: Arc<dyn Direct>) -> Replier {
+        Replier {
+            direct: Some(direct),
+            ..self
+        }
+    }
 }
 
 /// A connection's replier and the queue its writer takes answers from.
 pub fn replier() -> (Replier, Receiver<Outgoing>) {
     let (queue, rx) = unbounded();
     let unwritten = Arc::new(AtomicUsize::new(0));
-    (Replier { queue, unwritten }, rx)
+    (
+        Replier {
+            queue,
+            unwritten,
+            direct: None,
+        },
+        rx,
+    )
 }
 
 #[cfg(test)]

@@ -34,6 +34,11 @@ impl<S> Counted<S> {
         self.bytes
     }
 
+    /// Counts `bytes` moved through the inner stream by other means (a non-blocking send).
+    pub fn add(&mut self, bytes: u64) {
+        self.bytes += bytes;
+    }
+
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
