@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::channel::Receiver;
+use crate::channel::{Receiver, Sender};
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::gate::Pass;
 use sumflow_wire::io::{self, FrameReader};
@@ -26,7 +26,6 @@ use sumflow_wire::{
 };
 use tracing::{debug, info, warn};
 
-use crate::channel::Sender;
 use crate::directory::{DeclareError, Declared, RetireError, Retired};
 use crate::messages::{replier, Command, Direct, Outgoing, PushData, Replier};
 use crate::outbox::{Frame, Outbox};
@@ -719,42 +718,17 @@ fn write_loop(
             }
         }
         let before = w.sent();
-        let key = match &out {
-            Outgoing::Message(m) | Outgoing::Fatal(m) => key_of(m),
-            Outgoing::Sum { key, .. } => Some(*key),
-            Outgoing::Close | Outgoing::Flush => None,
-        };
-        let result = match out {
-            Outgoing::Message(m) => io::write_message(w.stream(), &m),
-            Outgoing::Sum {
-                key,
-                round,
-                dtype,
-                codec,
-                data,
-            } => {
-                let reply = Message::PullReply {
-                    key,
-                    round,
-                    dtype,
-                    codec,
-                };
-                // Into the worker's mailbox when a pull slot is free and the sum fits.
-                match mailbox
-                    .get()
-                    .and_then(|m| m.lend(Side::Pull, &mut w.cursor, &data))
-                {
-                    Some(lent) => {
-                        w.lent_bytes = w.lent_bytes.wrapping_add(lent.inline_surplus());
-                        io::write_lent(w.stream(), &reply, lent)
-                    }
-                    None => io::write_data(w.stream(), &reply, &data),
-                }
+        let result = match frame_of(out, &mut w, mailbox.get()) {
+            Ok(frame) => {
+                let written = w.write(&frame);
+                shared.traffic.sent(frame.key, w.sent() - before);
+                written
             }
-            Outgoing::Fatal(m) => {
+            Err(Outgoing::Fatal(m)) => {
                 *fatal.lock().expect("fatal slot") = Some(refusal_text(&m));
-                let _ = io::write_message(w.stream(), &m);
-                shared.traffic.sent(key, w.sent() - before);
+                let frame = message_frame(&m);
+                let _ = w.write(&frame);
+                shared.traffic.sent(frame.key, w.sent() - before);
                 // The refusal, then the end of the stream: the reader keeps reading until
                 // the worker, having read why, closes, or until it gives up lingering.
                 let _ = w.link().shutdown(Shutdown::Write);
@@ -767,10 +741,10 @@ fn write_loop(
                 }
                 break;
             }
-            Outgoing::Flush => Ok(()),
-            Outgoing::Close => break,
+            Err(Outgoing::Flush) => Ok(()),
+            Err(Outgoing::Close) => break,
+            Err(Outgoing::Message(_) | Outgoing::Sum { .. }) => unreachable!("framed above"),
         };
-        shared.traffic.sent(key, w.sent() - before);
         if let Err(e) = result {
             debug!(error = %e, "writer stopping");
             break;
@@ -798,9 +772,6 @@ struct DirectWriter {
 
 impl Direct for DirectWriter {
     fn write_now(&self, out: Outgoing) -> Result<(), Outgoing> {
-        if !matches!(out, Outgoing::Message(_) | Outgoing::Sum { .. }) {
-            return Err(out);
-        }
         let Ok(mut w) = self.outbox.try_lock() else {
             return Err(out);
         };
@@ -809,47 +780,7 @@ impl Direct for DirectWriter {
             return Err(out);
         }
         let before = w.sent();
-        let frame = match out {
-            Outgoing::Message(m) => Frame {
-                key: key_of(&m),
-                head: m.encode(0),
-                payload: None,
-            },
-            Outgoing::Sum {
-                key,
-                round,
-                dtype,
-                codec,
-                data,
-            } => {
-                let reply = Message::PullReply {
-                    key,
-                    round,
-                    dtype,
-                    codec,
-                };
-                match self
-                    .mailbox
-                    .get()
-                    .and_then(|m| m.lend(Side::Pull, &mut w.cursor, &data))
-                {
-                    Some(lent) => {
-                        w.lent_bytes = w.lent_bytes.wrapping_add(lent.inline_surplus());
-                        Frame {
-                            key: Some(key),
-                            head: reply.encode_lent(lent),
-                            payload: None,
-                        }
-                    }
-                    None => Frame {
-                        key: Some(key),
-                        head: reply.encode(data.len()),
-                        payload: Some(data),
-                    },
-                }
-            }
-            Outgoing::Fatal(_) | Outgoing::Close | Outgoing::Flush => unreachable!("checked"),
-        };
+        let frame = frame_of(out, &mut w, self.mailbox.get())?;
         let key = frame.key;
         match w.write_now(frame) {
             Ok(true) => {}
@@ -866,6 +797,57 @@ impl Direct for DirectWriter {
         }
         self.shared.traffic.sent(key, w.sent() - before);
         Ok(())
+    }
+}
+
+/// The frame that answers with `out`, a message or a sum; the others come back. A sum
+/// goes into the worker's mailbox when a pull slot is free and it fits.
+fn frame_of(
+    out: Outgoing,
+    w: &mut Outbox,
+    mailbox: Option<&Arc<Mailbox>>,
+) -> Result<Frame, Outgoing> {
+    let (key, round, dtype, codec, data) = match out {
+        Outgoing::Message(m) => return Ok(message_frame(&m)),
+        Outgoing::Sum {
+            key,
+            round,
+            dtype,
+            codec,
+            data,
+        } => (key, round, dtype, codec, data),
+        other => return Err(other),
+    };
+    let reply = Message::PullReply {
+        key,
+        round,
+        dtype,
+        codec,
+    };
+    Ok(
+        match mailbox.and_then(|m| m.lend(Side::Pull, &mut w.cursor, &data)) {
+            Some(lent) => {
+                w.lent_bytes = w.lent_bytes.wrapping_add(lent.inline_surplus());
+                Frame {
+                    key: Some(key),
+                    head: reply.encode_lent(lent),
+                    payload: None,
+                }
+            }
+            None => Frame {
+                key: Some(key),
+                head: reply.encode(data.len()),
+                payload: Some(data),
+            },
+        },
+    )
+}
+
+fn message_frame(m: &Message) -> Frame {
+    Frame {
+        key: key_of(m),
+        head: m.encode(0),
+        payload: None,
     }
 }
 

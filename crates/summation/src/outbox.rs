@@ -73,11 +73,30 @@ impl Outbox {
         self.link.counted().wrapping_add(self.lent_bytes)
     }
 
-    /// Where frames are written whole, waiting for room: only once [`Outbox::finish`] has
-    /// left no rest.
-    pub fn stream(&mut self) -> &mut Counted<Link> {
+    /// Writes `frame` whole, waiting for room (up to the socket's write timeout): only
+    /// once [`Outbox::finish`] has left no rest.
+    pub fn write(&mut self, frame: &Frame) -> io::Result<()> {
         debug_assert!(self.rest.is_none(), "a frame's rest goes first");
-        &mut self.link
+        self.write_from(frame, 0)
+    }
+
+    /// Writes `frame` from `offset` on, head and payload in one system call where the
+    /// socket takes them (so that, with Nagle's delay off, a head does not leave as a
+    /// packet of its own).
+    fn write_from(&mut self, frame: &Frame, mut offset: usize) -> io::Result<()> {
+        while offset < frame.len() {
+            let [a, b] = frame.from(offset);
+            match self
+                .link
+                .write_vectored(&[IoSlice::new(a), IoSlice::new(b)])
+            {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(n) => offset += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Writes what the socket takes of `frame` now, without waiting for room; false when
@@ -105,9 +124,7 @@ impl Outbox {
             return Ok(None);
         };
         let before = self.link.counted();
-        for part in frame.from(written) {
-            self.link.write_all(part)?;
-        }
+        self.write_from(&frame, written)?;
         Ok(Some((frame.key, self.link.counted() - before)))
     }
 }
@@ -149,7 +166,16 @@ mod tests {
             Some((Some(7), (8 << 20) + 4 - taken))
         );
         assert_eq!(outbox.finish().unwrap(), None, "nothing left");
-        outbox.stream().write_all(b"NEXT").unwrap();
+        let next = Frame {
+            key: None,
+            head: b"NE".to_vec(),
+            payload: Some(Arc::new({
+                let mut xt = AlignedBuf::zeroed(2);
+                xt.copy_from_slice(b"XT");
+                xt
+            })),
+        };
+        outbox.write(&next).unwrap();
         assert_eq!(outbox.sent(), (8 << 20) + 8);
         drop(outbox);
         let all = reader.join().unwrap();
