@@ -285,6 +285,65 @@ fn an_early_pull_waits_for_the_last_push() {
 }
 
 #[test]
+fn sums_a_socket_cannot_take_at_once_arrive_whole_and_in_order() {
+    // Far more sum bytes than loopback's socket buffers hold, answered while worker 0
+    // reads nothing: the thread completing each round writes what the socket takes and
+    // the connection's writer finishes the rest before anything else (outbox.rs).
+    const KEYS: u64 = 24;
+    const ELEMENTS: usize = 200_000;
+    let (h, addr) = start(2, 1);
+    let mut a = worker_over(&addr, 0, false);
+    let mut b = worker_over(&addr, 1, false);
+    let data = |key: u64, round: u64, worker: u32| {
+        encode(
+            Dtype::I32,
+            (0..ELEMENTS).map(|i| value(key, round, worker, i)),
+        )
+    };
+    let sum = |key: u64, round: u64| {
+        encode(
+            Dtype::I32,
+            (0..ELEMENTS).map(|i| value(key, round, 0, i) + value(key, round, 1, i)),
+        )
+    };
+    let bytes = (ELEMENTS * 4) as u64;
+    for key in 1..=KEYS {
+        a.init_key(key, Dtype::I32, bytes, None).unwrap();
+        b.init_key(key, Dtype::I32, bytes, None).unwrap();
+    }
+    for key in 1..=KEYS {
+        a.tx.push(key, 1, Dtype::I32, &data(key, 1, 0)).unwrap();
+        a.tx.pull(key, 1, true).unwrap();
+    }
+    for key in 1..=KEYS {
+        let p = b.push_pull(key, 1, Dtype::I32, &data(key, 1, 1)).unwrap();
+        assert!(p.data == sum(key, 1), "worker 1's sum of key {key}");
+    }
+    // Worker 0's replies: the acknowledgements, then every sum, whole and in order.
+    for key in 1..=KEYS {
+        assert_eq!(
+            a.rx.recv_header().unwrap(),
+            Reply::PushAck { key, round: 1 }
+        );
+    }
+    for key in 1..=KEYS {
+        match a.rx.recv().unwrap() {
+            Reply::Sum(p) => {
+                assert_eq!((p.key, p.round), (key, 1));
+                assert!(p.data == sum(key, 1), "worker 0's sum of key {key}");
+            }
+            _ => panic!("expected the sum of key {key}"),
+        }
+    }
+    // The stream goes on intact.
+    let b_side = thread::spawn(move || b.push_pull(1, 2, Dtype::I32, &data(1, 2, 1)));
+    let p = a.push_pull(1, 2, Dtype::I32, &data(1, 2, 0)).unwrap();
+    assert!(p.data == sum(1, 2));
+    assert!(b_side.join().unwrap().unwrap().data == sum(1, 2));
+    stop(h);
+}
+
+#[test]
 fn sums_are_read_in_place_skipped_or_refused_when_their_length_is_wrong() {
     let (h, addr) = start(1, 1);
     let mut a = worker(&addr, 0);
