@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use crate::channel::{Receiver, Sender};
+use crate::channel::Receiver;
 use sumflow_wire::accounting::Counted;
 use sumflow_wire::gate::Pass;
 use sumflow_wire::io::{self, FrameReader};
@@ -83,8 +83,7 @@ pub fn serve(shared: Arc<Shared>, stream: Link, pass: Pass) {
     let tx = {
         let direct = DirectWriter {
             outbox: Arc::clone(&outbox),
-            unwritten: Arc::clone(tx.unwritten()),
-            queue: tx.queue().clone(),
+            writer: tx.clone(),
             shared: Arc::clone(&shared),
             mailbox: Arc::clone(&mailbox),
         };
@@ -764,8 +763,8 @@ fn write_loop(
 /// the socket did not take, woken by a `Flush` counted as unwritten like any answer.
 struct DirectWriter {
     outbox: Arc<Mutex<Outbox>>,
-    unwritten: Arc<AtomicUsize>,
-    queue: Sender<Outgoing>,
+    /// The connection's replier as it was before writing directly: its writer's queue.
+    writer: Replier,
     shared: Arc<Shared>,
     mailbox: Arc<OnceLock<Arc<Mailbox>>>,
 }
@@ -776,7 +775,7 @@ impl Direct for DirectWriter {
             return Err(out);
         };
         // Under the lock the writer counts down under: nothing queued or half-written.
-        if self.unwritten.load(Ordering::Acquire) != 0 {
+        if self.writer.unwritten().load(Ordering::Acquire) != 0 {
             return Err(out);
         }
         let before = w.sent();
@@ -784,12 +783,9 @@ impl Direct for DirectWriter {
         let key = frame.key;
         match w.write_now(frame) {
             Ok(true) => {}
+            // A writer gone has stopped the connection: the rest has nowhere to go.
             Ok(false) => {
-                self.unwritten.fetch_add(1, Ordering::AcqRel);
-                // A writer gone has stopped the connection: the rest has nowhere to go.
-                if self.queue.send(Outgoing::Flush).is_err() {
-                    self.unwritten.fetch_sub(1, Ordering::AcqRel);
-                }
+                let _ = self.writer.send(Outgoing::Flush);
             }
             // The socket is broken: the reader's next read fails, and the connection with
             // it, as it would have had the writer met this.

@@ -201,11 +201,6 @@ impl Replier {
         &self.unwritten
     }
 
-    /// The writer's queue, for a [`Direct`] that leaves it a frame to finish.
-    pub fn queue(&self) -> &Sender<Outgoing> {
-        &self.queue
-    }
-
     /// This replier, writing answers through `direct` while the connection is idle.
     pub fn with_direct(self, direct: Arc<dyn Direct>) -> Replier {
         Replier {

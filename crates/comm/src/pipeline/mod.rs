@@ -20,9 +20,9 @@
 //! BytePS §4.1's analysis assumes. A partition started by the credit a lane's receiver
 //! returned, while that lane's push thread sleeps with nothing queued, is sent by the
 //! receiver itself: waking the push thread for it cost a futex call and two context
-//! switches per partition (issue 22's CPU per byte). A sum is read from the socket into the caller's memory
-//! directly: no intermediate buffer to allocate or fault in, and no second pass to copy
-//! it, so a sum is touched once (twice when averaged).
+//! switches per partition (issue 22's CPU per byte). A sum is read from the socket into
+//! the caller's memory directly: no intermediate buffer to allocate or fault in, and no
+//! second pass to copy it, so a sum is touched once (twice when averaged).
 //!
 //! The scheduler is driven inline by the events (a push_pull call, a sum arriving) and by
 //! one timer thread for what happens without an event (a push window's stall rule).
