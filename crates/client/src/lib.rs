@@ -5,6 +5,7 @@ pub mod coordinator;
 mod dial;
 pub mod error;
 pub mod link;
+mod low_water;
 pub mod mailbox;
 pub mod server;
 

@@ -243,7 +243,7 @@ impl sumflow_wire::io::Timed for Link {
 impl Read for &Link {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Link::Tcp(s) => (&*s).read(buf),
+            Link::Tcp(s) => crate::low_water::read(s, buf),
             Link::Local(s) => (&*s).read(buf),
         }
     }
