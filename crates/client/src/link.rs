@@ -22,6 +22,8 @@ use std::os::linux::net::SocketAddrExt;
 use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::time::Duration;
 
+use sumflow_wire::PayloadRead;
+
 /// The abstract socket name of the server that workers dial at `addr` ("host:port").
 pub fn local_name(addr: &str) -> String {
     format!("sumflow-summation-{addr}")
@@ -234,6 +236,25 @@ impl Read for Receiving<'_> {
     }
 }
 
+impl PayloadRead for Receiving<'_> {
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.link {
+            Link::Tcp(s) => crate::low_water::read(s, buf),
+            // A passed descriptor may come with a payload's first bytes.
+            Link::Local(_) => self.read(buf),
+        }
+    }
+}
+
+impl PayloadRead for Link {
+    fn read_payload(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Link::Tcp(s) => crate::low_water::read(s, buf),
+            Link::Local(s) => (&*s).read(buf),
+        }
+    }
+}
+
 impl sumflow_wire::io::Timed for Link {
     fn set_read_timeout(&self, timeout: Option<Duration>) -> io::Result<()> {
         Link::set_read_timeout(self, timeout)
@@ -243,7 +264,7 @@ impl sumflow_wire::io::Timed for Link {
 impl Read for &Link {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         match self {
-            Link::Tcp(s) => crate::low_water::read(s, buf),
+            Link::Tcp(s) => (&*s).read(buf),
             Link::Local(s) => (&*s).read(buf),
         }
     }

@@ -22,9 +22,10 @@ use std::os::fd::AsRawFd;
 /// small replies are read as they come.
 pub const WHOLE_READ_BYTES: usize = 32 << 10;
 
-/// Reads into `buf`, as `Read::read` does, but when `buf` is large and not all of it is
-/// queued, sleeps until the rest (or half the socket's receive buffer) has arrived and
-/// returns it together with what was there. Honours the socket's read timeout
+/// Reads into `buf`, which the peer is sending whole (a frame's payload), as `Read::read`
+/// does, but when `buf` is large and not all of it is queued, sleeps until the rest (or
+/// half the socket's receive buffer) has arrived and returns it together with what was
+/// there: not for reads that take whatever comes. Honours the socket's read timeout
 /// (`SO_RCVTIMEO`): what arrived by then, or `WouldBlock`, as a plain blocking read fails,
 /// when nothing did.
 pub fn read(stream: &TcpStream, buf: &mut [u8]) -> io::Result<usize> {

@@ -673,7 +673,7 @@ impl ServerReceiver {
         }
         let started = Instant::now();
         self.reader
-            .read_payload(dst)
+            .read_payload_whole(dst)
             .map_err(|e| self.read_error(e, started))
     }
 

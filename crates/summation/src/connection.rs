@@ -466,7 +466,7 @@ impl Connection<'_> {
             .pool
             .take(payload_len, POOL_POLL, || !shared.is_stopping())
             .ok_or(Interrupted::Stopping)?;
-        self.reader.read_payload(&mut data)?;
+        self.reader.read_payload_whole(&mut data)?;
         // Checked whole before anything of it is summed: a bad payload is refused, not
         // summed in part.
         if let Some(decoder) = meta.decoder() {

@@ -68,6 +68,24 @@ pub struct Frame {
     pub lent: Option<Lent>,
 }
 
+/// A stream frame payloads are read from, whose reads of a payload may wait for more of
+/// the buffer than a plain read does: the peer is sending all of it.
+pub trait PayloadRead: Read {
+    /// Reads into `buf` as `Read::read` does, or sleeps until all of it has arrived (or
+    /// the stream's read timeout passed, or it ended) and returns what came.
+    fn read_payload(&mut self, buf: &mut [u8]) -> stdio::Result<usize> {
+        self.read(buf)
+    }
+}
+
+impl<S: PayloadRead> PayloadRead for crate::accounting::Counted<S> {
+    fn read_payload(&mut self, buf: &mut [u8]) -> stdio::Result<usize> {
+        let n = self.get_mut().read_payload(buf)?;
+        self.add(n as u64);
+        Ok(n)
+    }
+}
+
 #[derive(Debug)]
 pub struct FrameReader<R> {
     inner: R,
@@ -154,8 +172,33 @@ impl<R: Read> FrameReader<R> {
 
     /// Reads the current frame's payload into `buf`, whose length must equal it.
     pub fn read_payload(&mut self, buf: &mut [u8]) -> Result<(), WireError> {
+        self.fill_payload(buf, |r, b| r.read(b))
+    }
+
+    /// [`Self::read_payload`] through [`PayloadRead`], which may sleep until all of `buf`
+    /// has arrived rather than wake for every part of it.
+    pub fn read_payload_whole(&mut self, buf: &mut [u8]) -> Result<(), WireError>
+    where
+        R: PayloadRead,
+    {
+        self.fill_payload(buf, |r, b| r.read_payload(b))
+    }
+
+    fn fill_payload(
+        &mut self,
+        buf: &mut [u8],
+        mut read: impl FnMut(&mut R, &mut [u8]) -> stdio::Result<usize>,
+    ) -> Result<(), WireError> {
         assert_eq!(buf.len(), self.pending_payload, "payload length mismatch");
-        self.inner.read_exact(buf)?;
+        let mut filled = 0;
+        while filled < buf.len() {
+            match read(&mut self.inner, &mut buf[filled..]) {
+                Ok(0) => return Err(stdio::Error::from(stdio::ErrorKind::UnexpectedEof).into()),
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == stdio::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
         self.pending_payload = 0;
         Ok(())
     }

@@ -29,7 +29,7 @@ pub use compression::{Codec, CodecMismatch, KeyCodec};
 pub use dtype::Dtype;
 pub use error::{ErrorCode, WireError};
 pub use frame::{Lent, Op, DEFAULT_MAX_BODY};
-pub use io::{FrameReader, Peer};
+pub use io::{FrameReader, PayloadRead, Peer};
 pub use message::{
     BarrierGroup, ErrorReply, KeyInit, Message, PushMode, ReduceOp, Registration, Service,
 };
