@@ -46,18 +46,24 @@ def role_of(cmdline: str) -> str | None:
 Process = tuple[str, str, int]
 
 
-def read_processes(cache: dict[tuple[int, str], tuple[str, str] | None]) -> dict[int, Process]:
+def read_processes(
+    cache: dict[tuple[int, str, str], tuple[str, str] | None],
+) -> dict[int, Process]:
     """Every job process's (role, network namespace, user + system jiffies), by pid.
-    ``cache`` keeps each process's role and namespace (keyed by pid and start time, so a
-    reused pid is looked at again) to spare a read of its command line per sample."""
+    ``cache`` keeps each process's role and namespace to spare a read of its command line
+    per sample, keyed by pid, start time (a reused pid is looked at again) and command
+    name: a child forked by the launcher's remote wrapper carries the wrapper's command
+    line until it execs the worker, and its pid and start time stay the same across the
+    exec while its command name changes."""
     found: dict[int, Process] = {}
     for entry in PROC.iterdir():
         if not entry.name.isdigit():
             continue
         try:
             # The command (field 2) may hold spaces: fields are counted after its ')'.
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            key = (int(entry.name), fields[19])  # starttime
+            head, tail = (entry / "stat").read_text().rsplit(")", 1)
+            fields = tail.split()
+            key = (int(entry.name), fields[19], head.split("(", 1)[1])  # starttime, comm
             if key not in cache:
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
                 role = role_of(cmdline)
@@ -104,7 +110,7 @@ class CpuSampler:
         self._times: list[float] = []
         self._samples: list[tuple[int, int]] = []
         self._processes: list[dict[int, Process]] = []
-        self._known: dict[tuple[int, str], tuple[str, str] | None] = {}
+        self._known: dict[tuple[int, str, str], tuple[str, str] | None] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cpu-sampler", daemon=True)
 

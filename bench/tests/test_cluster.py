@@ -184,6 +184,30 @@ def test_cpu_by_role() -> None:
     assert sampler.seconds(0.2, 0.8) is None
 
 
+def test_a_forked_child_is_seen_again_once_it_execs_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The launcher's remote wrapper forks the worker: until it execs, the child has the
+    wrapper's command line. A role cached from that moment would count the worker as the
+    launcher for the whole run (and its colocated server as a CPU server)."""
+    proc = tmp_path / "proc"
+    (proc / "123" / "ns").mkdir(parents=True)
+    (proc / "123" / "ns" / "net").symlink_to(tmp_path / "net:[4026531840]")
+
+    def process(comm: str, cmdline: str, jiffies: int) -> None:
+        fields = ["S"] + ["0"] * 10 + [str(jiffies), "0"] + ["0"] * 6 + ["777"]
+        (proc / "123" / "stat").write_text(f"123 ({comm}) {' '.join(fields)}\n")
+        (proc / "123" / "cmdline").write_bytes(cmdline.replace(" ", "\0").encode())
+
+    monkeypatch.setattr(cpu, "PROC", proc)
+    cache: dict[tuple[int, str, str], tuple[str, str] | None] = {}
+    process("sh", "sh -c ... sumflow-run /work env python -m sumflow_bench.goodput_worker", 3)
+    assert cpu.read_processes(cache)[123][0] == "launcher"
+    process("python3", "python -m sumflow_bench.goodput_worker --system sumflow", 90)
+    assert cpu.read_processes(cache)[123][:1] == ("workers",)
+    assert cpu.read_processes(cache)[123][2] == 90
+
+
 def test_link_shape_validation() -> None:
     with pytest.raises(ValueError, match="rate_mbit"):
         netns.LinkShape(0)
