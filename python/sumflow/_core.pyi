@@ -147,6 +147,7 @@ class CommunicationService:
         rank: int | None = None,
         name: str | None = None,
         partition_bytes: int | None = None,
+        link_gbits: float | None = None,
         scheduler: str | None = None,
         credit_bytes: int | None = None,
         push_window_bytes: int | None = None,
@@ -176,8 +177,13 @@ class CommunicationService:
         colocated summation server. ``rank`` asks for a worker rank; ``name`` appears in
         other nodes' error messages. Tensors are cut into partitions of at most
         ``partition_bytes`` (None: a size derived from each declaration, the largest
-        power of two giving every server 16 partitions, within 256 KiB and
-        ``DEFAULT_PARTITION_BYTES``). ``scheduler`` decides when partitions go out: ``"fifo"``,
+        power of two giving every server 32 partitions from each of a machine's workers,
+        within floors set by the CPU cost of a message and the link rate, and at most
+        ``DEFAULT_PARTITION_BYTES``; the reason is in ``schedule()``). ``link_gbits`` is
+        this worker's link rate (None: the speed the kernel reports for the interface
+        that reaches the coordinator, if any); the slowest rate any worker registered
+        sets the derived size's link floor, the time a partition spends on the link.
+        ``scheduler`` decides when partitions go out: ``"fifo"``,
         ``"p3"``, ``"bytescheduler"`` or ``"prophet"`` (docs/scheduling.md);
         ``credit_bytes`` (default: 2 partitions; 0: unbounded) is the credit of
         ByteScheduler and Prophet, the bytes pushed to one server that it has not
@@ -187,7 +193,7 @@ class CommunicationService:
         unbounded) may be pushed to one server before their sums come back, which keeps
         the workers' pushes to a server in step so its sums stream back while pushes go
         out. ``connections_per_cpu_server`` (1 to 16; default: round(c/g) of BytePS's
-        Eq. 1 and 2, at most 8) connections go to each CPU-only server, each partition
+        Eq. 1 and 2, at most 4) connections go to each CPU-only server, each partition
         for it cut into one piece per connection (every worker must use the same value),
         so that TCP's per-connection fairness gives it its share of
         every link; colocated servers get one. With ``shared_memory`` (every worker must

@@ -338,8 +338,20 @@ PARTITION_BYTES = _add(
         doc="the largest partition a tensor is cut into (the fifo scheduler sends whole tensors)",
         readers=(WORKER,),
         unset="a size derived from each declaration: the largest power of two giving every server "
-        "32 partitions from each worker of a machine, 256 KiB (over the workers per machine) to "
-        "4 MiB (docs/scheduling.md)",
+        "32 partitions from each worker of a machine, 256 KiB (over the workers per machine, and "
+        "raised on links faster than 10 Gbit/s: SUMFLOW_LINK_GBITS) to 4 MiB (docs/scheduling.md)",
+    )
+)
+LINK_GBITS = _add(
+    OptionalSetting(
+        name="SUMFLOW_LINK_GBITS",
+        kind=number(0.001, unit="Gbit/s"),
+        doc="this worker's link rate; the slowest any worker states or detects sets the derived "
+        "partition size's floor: at least 0.34 ms on the link, as BytePS's 4 MiB at 100 Gbit/s",
+        readers=(WORKER,),
+        unset="the speed the kernel reports for the network interface that reaches the "
+        "coordinator (/sys/class/net/IFACE/speed); none for loopback and for virtual NICs "
+        "that report none",
     )
 )
 SCHEDULER = _add(

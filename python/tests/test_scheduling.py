@@ -34,6 +34,19 @@ def test_the_derived_partition_size_is_told_once_by_worker_0(tmp_path: Path) -> 
     assert "SUMFLOW_PARTITION_BYTES" in line, line
 
 
+def test_a_stated_link_rate_raises_the_derived_size_and_trains_alike(tmp_path: Path) -> None:
+    want = reference("sgd", 2)
+    outcomes = run(tmp_path, 2, "train-sgd-1", env={"SUMFLOW_LINK_GBITS": "100"})
+    for got in results(tmp_path, outcomes):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    line = next(x for x in outcomes[0].stderr.splitlines() if "declared together" in x)
+    # 0.34 ms at 100 Gbit/s is BytePS's 4 MiB, however small the model.
+    assert "100 Gbit/s links: 4 MiB partitions" in line, line
+    assert "the smallest derived size at that link rate" in line, line
+
+
 def test_partition_size_and_credit_switch_during_a_job(tmp_path: Path) -> None:
     outcomes = run_worker_processes(
         tmp_path, 2, [WORKER, str(tmp_path)], 1, env={"SUMFLOW_SCHEDULER": "prophet"}

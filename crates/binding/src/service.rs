@@ -67,6 +67,18 @@ fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
         })
 }
 
+/// A link rate given in Gbit/s, in the whole Mbit/s the cluster map carries.
+fn link_mbit(gbits: f64) -> PyResult<u32> {
+    let mbit = (gbits * 1000.0).round();
+    if gbits.is_finite() && (1.0..=f64::from(u32::MAX)).contains(&mbit) {
+        Ok(mbit as u32)
+    } else {
+        Err(PyValueError::new_err(format!(
+            "link_gbits must be a link rate of at least 0.001 Gbit/s, not {gbits}"
+        )))
+    }
+}
+
 /// A compression as Python gives it: (compressor, parameter, error feedback).
 type CompressionSpec = (String, f64, bool);
 
@@ -154,7 +166,7 @@ impl PyCommunicationService {
     #[new]
     #[pyo3(signature = (
         coordinator, token, *, host_id, rank = None, name = None,
-        partition_bytes = None, scheduler = None, credit_bytes = None,
+        partition_bytes = None, link_gbits = None, scheduler = None, credit_bytes = None,
         push_window_bytes = None, prophet_stage_factor = 0.0,
         connections_per_cpu_server = None, shared_memory = true, local_sockets = true,
         server_shared_memory = true, hierarchical = true,
@@ -175,6 +187,7 @@ impl PyCommunicationService {
         rank: Option<u32>,
         name: Option<String>,
         partition_bytes: Option<u64>,
+        link_gbits: Option<f64>,
         scheduler: Option<&str>,
         credit_bytes: Option<u64>,
         push_window_bytes: Option<u64>,
@@ -206,6 +219,7 @@ impl PyCommunicationService {
             cfg.name = name;
         }
         cfg.partition_bytes = partition_bytes;
+        cfg.link_mbit = link_gbits.map(link_mbit).transpose()?;
         if let Some(scheduler) = scheduler {
             cfg.scheduler = scheduler.parse().map_err(PyValueError::new_err)?;
         }

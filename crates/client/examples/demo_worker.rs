@@ -77,6 +77,7 @@ fn run() -> Result<(), String> {
         port: 0,
         host_id: format!("local-{rank}"),
         pid: std::process::id(),
+        link_mbit: 0,
         name: format!("demo worker {rank}"),
     };
     let err = |e: ClientError| e.to_string();

@@ -18,6 +18,7 @@
 //!     port: 0,
 //!     host_id: "machine-5".into(),
 //!     pid: std::process::id(),
+//!     link_mbit: 0, // the kernel's figure for the interface used
 //!     name: "worker-on-machine-5".into(),
 //! };
 //! let timeout = Duration::from_secs(300);
@@ -126,7 +127,9 @@ pub struct CoordinatorClient {
 impl CoordinatorClient {
     /// Connects to the coordinator at `addr` (retrying for `opts.connect_timeout`, as it
     /// may start after us), proves we hold `token`, registers as `reg` and waits up to
-    /// `join_timeout` for the cluster map, which comes once every node has joined.
+    /// `join_timeout` for the cluster map, which comes once every node has joined. A
+    /// `reg.link_mbit` of 0 is filled in with the speed of the interface the connection
+    /// leaves by, when the kernel knows it.
     pub fn join(
         addr: &str,
         token: &JobToken,
@@ -158,6 +161,13 @@ impl CoordinatorClient {
         };
         connect(&mut stream, token, Service::Coordinator, &me)
             .map_err(|e| ClientError::from_wire(&peer, e))?;
+        let mut reg = reg;
+        if reg.link_mbit == 0 {
+            // The interface this node reaches the job by, unless the caller knew its rate.
+            reg.link_mbit = stream
+                .local_addr()
+                .map_or(0, |local| crate::nic::link_mbit(local.ip()));
+        }
         write_message(&mut stream, &Message::Register(reg.clone())).map_err(wire)?;
         // The heartbeat thread judges silence precisely; the socket timeout only ensures a
         // reader cannot block forever, so it must not fire first.

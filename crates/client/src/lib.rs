@@ -7,6 +7,7 @@ pub mod error;
 pub mod link;
 mod low_water;
 pub mod mailbox;
+mod nic;
 pub mod server;
 
 pub use coordinator::CoordinatorClient;

@@ -48,6 +48,7 @@ fn reg(role: Role, rank: Option<u32>, name: &str, host_id: &str) -> Registration
         port: 7000,
         host_id: host_id.into(),
         pid: std::process::id(),
+        link_mbit: 0,
         name: name.into(),
     }
 }
@@ -451,6 +452,7 @@ fn losing_the_coordinator_fails_barriers_and_is_announced() {
             port: r.port,
             host_id: r.host_id,
             pid: r.pid,
+            link_mbit: r.link_mbit,
             name: r.name,
         };
         let map = ClusterMap {
@@ -484,4 +486,30 @@ fn losing_the_coordinator_fails_barriers_and_is_announced() {
     assert_eq!(f.name, format!("coordinator at {addr}"));
     assert!(c.leave("done").is_err(), "nobody to leave");
     fake.join().unwrap();
+}
+
+#[test]
+fn every_node_sees_each_link_rate_stated_or_found() {
+    let (handle, addr) = start(2, 1);
+    let mut stated = reg(Role::Worker, Some(0), "w-stated", "a");
+    stated.link_mbit = 25_000;
+    let clients = join_all(
+        &addr,
+        vec![
+            stated,
+            // Left to the kernel: loopback reports no speed.
+            reg(Role::Worker, Some(1), "w-found", "b"),
+            reg(Role::Server, None, "s", "a"),
+        ],
+    );
+    for c in &clients {
+        let map = c.cluster_map();
+        assert_eq!(map.workers[0].link_mbit, 25_000);
+        assert_eq!(map.workers[1].link_mbit, 0);
+        assert_eq!(map.servers[0].link_mbit, 0);
+    }
+    for c in clients {
+        c.leave("done").unwrap();
+    }
+    drop(outcome(handle));
 }

@@ -57,6 +57,7 @@ fn reg(role: Role, rank: u32) -> Registration {
         port: 7000,
         host_id: format!("machine-{rank}"),
         pid: std::process::id(),
+        link_mbit: 0,
         name,
     }
 }
@@ -392,6 +393,7 @@ fn a_declaration_left_unanswered_times_out_naming_the_tensor() {
             port: r.port,
             host_id: r.host_id,
             pid: r.pid,
+            link_mbit: r.link_mbit,
             name: r.name,
         };
         let map = ClusterMap {

@@ -91,6 +91,7 @@ fn a_coordinator_caps_unauthenticated_connections_and_then_admits_its_nodes() {
         port: 7000,
         host_id: "h0".into(),
         pid: std::process::id(),
+        link_mbit: 0,
         name: "worker 0".into(),
     };
     let opts = CoordinatorOptions {

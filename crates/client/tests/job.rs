@@ -74,6 +74,7 @@ fn join_worker(coord: &str, rank: u32) -> CoordinatorClient {
         port: 0,
         host_id: format!("host-{rank}"),
         pid: std::process::id(),
+        link_mbit: 0,
         name: format!("trainer {rank}"),
     };
     CoordinatorClient::join(coord, &token(), reg, Duration::from_secs(20), options()).unwrap()
@@ -174,6 +175,7 @@ fn hanging_worker(coord: &str, rank: u32) -> TcpStream {
         port: 0,
         host_id: format!("host-{rank}"),
         pid: 0,
+        link_mbit: 0,
         name: format!("trainer {rank}"),
     };
     io::write_message(&mut s, &Message::Register(reg)).unwrap();

@@ -76,6 +76,7 @@ fn the_coordinator_and_a_server_serve_metrics_that_follow_the_job() {
         port: 0,
         host_id: "host-w".into(),
         pid: std::process::id(),
+        link_mbit: 0,
         name: "trainer 0".into(),
     };
     let job =

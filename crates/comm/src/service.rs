@@ -65,6 +65,10 @@ pub struct CommConfig {
     /// `None`: derived from each declaration and the number of servers
     /// ([`derived_partition_bytes`]).
     pub partition_bytes: Option<u64>,
+    /// This worker's link rate in Mbit/s as the job states it; `None`: the kernel's figure
+    /// for the interface the coordinator is reached by (`sumflow_client::coordinator`).
+    /// The slowest worker's known rate sets the derived partition size's link floor.
+    pub link_mbit: Option<u32>,
     /// Which scheduler decides when partitions go out (see [`sumflow_plan::scheduler`]).
     pub scheduler: SchedulerKind,
     /// Unacknowledged bytes per server, the scheduler's credit (ByteScheduler and Prophet);
@@ -118,6 +122,7 @@ impl CommConfig {
             name: format!("worker pid {}", std::process::id()),
             host_id: host_id.to_string(),
             partition_bytes: None,
+            link_mbit: None,
             scheduler: SchedulerKind::default(),
             credit_bytes: None,
             push_window_bytes: None,
@@ -501,6 +506,18 @@ fn most_workers_per_machine(map: &ClusterMap) -> u32 {
     per_machine.into_values().max().unwrap_or(1)
 }
 
+/// The slowest link rate any worker registered, in bits a second (the same on every
+/// worker); `None` when none knows its own. Workers that do not know theirs are left out:
+/// the partition size's link floor is only ever raised by a rate someone reported.
+fn slowest_link_bits(map: &ClusterMap) -> Option<u64> {
+    map.workers
+        .iter()
+        .map(|w| w.link_mbit)
+        .filter(|&mbit| mbit > 0)
+        .min()
+        .map(|mbit| u64::from(mbit) * 1_000_000)
+}
+
 /// The one "partition" of an operation summed in the machine's shared memory.
 fn local_partition(tensor: u32, len: usize) -> Partition {
     Partition {
@@ -535,6 +552,8 @@ pub struct CommunicationService {
     hierarchical: bool,
     /// The most workers any machine of the job runs (the cluster map's, fixed).
     workers_per_machine: u32,
+    /// The slowest worker's link rate, bits a second, when known (the cluster map's).
+    link_bits: Option<u64>,
     /// The shared-memory stage, unless turned off.
     shared: Option<SharedMemory>,
     /// Whether the credit and the push window are counted in partitions of the reference
@@ -582,6 +601,7 @@ impl CommunicationService {
             port: 0,
             host_id: cfg.host_id.clone(),
             pid: std::process::id(),
+            link_mbit: cfg.link_mbit.unwrap_or(0),
             name: cfg.name.clone(),
         };
         let job = CoordinatorClient::join(
@@ -721,6 +741,7 @@ impl CommunicationService {
             servers = map.servers.len(),
             cpu_lanes,
             scheduler = %cfg.scheduler,
+            link_mbit = slowest_link_bits(&map).map_or(0, |b| b / 1_000_000),
             "joined job {}",
             map.job_id
         );
@@ -747,6 +768,7 @@ impl CommunicationService {
             local_sockets: cfg.local_sockets,
             hierarchical: cfg.hierarchical,
             workers_per_machine,
+            link_bits: slowest_link_bits(&map),
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
@@ -936,7 +958,7 @@ impl CommunicationService {
             } else {
                 self.workers_per_machine
             };
-            derived_partition_bytes(bytes, servers, lanes, carriers)
+            derived_partition_bytes(bytes, servers, lanes, carriers, self.link_bits)
         })
     }
 
@@ -1778,5 +1800,38 @@ mod retire_tests {
             "{msg}"
         );
         assert!(msg.contains("'allreduce.noname.9'"), "{msg}");
+    }
+}
+
+#[cfg(test)]
+mod link_tests {
+    use super::*;
+    use sumflow_wire::NodeInfo;
+
+    fn map(rates: &[u32]) -> ClusterMap {
+        let node = |(rank, &link_mbit): (usize, &u32)| NodeInfo {
+            rank: rank as u32,
+            host: "10.0.0.1".into(),
+            port: 0,
+            host_id: format!("m{rank}"),
+            pid: 1,
+            link_mbit,
+            name: format!("w{rank}"),
+        };
+        ClusterMap {
+            job_id: "j".into(),
+            workers: rates.iter().enumerate().map(node).collect(),
+            servers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn the_slowest_known_worker_link_sets_the_rate() {
+        assert_eq!(
+            slowest_link_bits(&map(&[100_000, 25_000, 0])),
+            Some(25_000_000_000)
+        );
+        assert_eq!(slowest_link_bits(&map(&[0, 0])), None);
+        assert_eq!(slowest_link_bits(&map(&[])), None);
     }
 }

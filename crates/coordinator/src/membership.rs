@@ -518,6 +518,7 @@ impl Membership {
                     port: reg.port,
                     host_id: reg.host_id.clone(),
                     pid: reg.pid,
+                    link_mbit: reg.link_mbit,
                     name: reg.name.clone(),
                 });
             }

@@ -33,6 +33,7 @@ fn reg(role: Role, rank: Option<u32>, name: &str, host_id: &str) -> Registration
         port: 9000,
         host_id: host_id.into(),
         pid: 42,
+        link_mbit: 0,
         name: name.into(),
     }
 }

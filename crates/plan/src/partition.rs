@@ -45,6 +45,14 @@ pub const DERIVED_MIN_CARRIED_BYTES: u64 = 128 << 10;
 /// cluster's CPU and ran at 0.74 of Eq. 6; in 170 KiB pieces, 0.87.
 pub const DERIVED_MIN_PIECE_BYTES: u64 = 128 << 10;
 
+/// The link rate BytePS's partition size was chosen for (§6.1: 4 MB on its 100 Gbit/s
+/// testbed). A derived partition spends at least as long on its link as BytePS's does
+/// there, 0.34 ms: every partition costs a message on a worker and a server whatever the
+/// link, and at 100 Gbit/s a 256 KiB partition passes in 21 µs, less than that cost, so
+/// the CPU rather than the link would set the pace. At 1 Gbit/s this asks for 42 KB, and
+/// the CPU floors above govern.
+pub const DERIVED_REFERENCE_LINK_BITS: u64 = 100_000_000_000;
+
 /// A partition size derived from what it partitions, and why, for the log.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct DerivedSize {
@@ -54,11 +62,14 @@ pub struct DerivedSize {
 
 /// The partition size of a declaration of `bytes` (a model's gradients, or one tensor)
 /// spread over `servers` summation servers, the busiest taking `lanes` connections, from
-/// machines of at most `carriers` workers, when no size is set: the largest power of two
+/// machines of at most `carriers` workers over links of `link_bits` a second (the
+/// slowest worker's, when known), when no size is set: the largest power of two
 /// that gives every server [`DERIVED_PARTITIONS_PER_SERVER`] partitions from each of a
 /// machine's workers, at least [`DERIVED_MIN_PARTITION_BYTES`] over the workers per machine
-/// (a power of two; never below [`DERIVED_MIN_CARRIED_BYTES`]) and pieces of
-/// at least [`DERIVED_MIN_PIECE_BYTES`], at most BytePS's [`DEFAULT_PARTITION_BYTES`]. A
+/// (a power of two; never below [`DERIVED_MIN_CARRIED_BYTES`]), pieces of
+/// at least [`DERIVED_MIN_PIECE_BYTES`] and as long on a machine's link, shared by its
+/// workers, as BytePS's size at [`DERIVED_REFERENCE_LINK_BITS`], at most BytePS's
+/// [`DEFAULT_PARTITION_BYTES`]. A
 /// power of two keeps full partitions aligned to pages and SIMD widths, and a size every
 /// worker computes alike from the same declaration and cluster map.
 ///
@@ -73,15 +84,12 @@ pub fn derived_partition_bytes(
     servers: usize,
     lanes: u32,
     carriers: u32,
+    link_bits: Option<u64>,
 ) -> DerivedSize {
     let servers = servers.max(1) as u64;
     let carriers = u64::from(carriers.max(1));
     let wanted = bytes / (servers * DERIVED_PARTITIONS_PER_SERVER * carriers);
-    let power = if wanted == 0 {
-        0
-    } else {
-        1u64 << (63 - wanted.leading_zeros())
-    };
+    let power = power_at_most(wanted);
     let smallest =
         (DERIVED_MIN_PARTITION_BYTES / carriers.next_power_of_two()).max(DERIVED_MIN_CARRIED_BYTES);
     // One connection sends a partition whole: only cut partitions have pieces.
@@ -90,9 +98,20 @@ pub fn derived_partition_bytes(
     } else {
         0
     };
-    let floor = pieces.clamp(smallest, DEFAULT_PARTITION_BYTES);
+    // A machine's workers send side by side: each has 1/G of the link.
+    let on_link = link_bits.map_or(0, |bits| {
+        let bytes = u128::from(bits) * u128::from(DEFAULT_PARTITION_BYTES)
+            / u128::from(DERIVED_REFERENCE_LINK_BITS * carriers);
+        power_at_most(u64::try_from(bytes).unwrap_or(u64::MAX))
+    });
+    let floor = pieces
+        .clamp(smallest, DEFAULT_PARTITION_BYTES)
+        .max(on_link.min(DEFAULT_PARTITION_BYTES));
     let chosen = power.clamp(floor, DEFAULT_PARTITION_BYTES);
-    let why = if power < floor && floor > smallest {
+    let why = if power < floor && floor == on_link && on_link > pieces.max(smallest) {
+        "the smallest derived size at that link rate: a partition spends at least 0.34 ms on \
+         its machine's link (BytePS's 4 MiB at 100 Gbit/s)"
+    } else if power < floor && floor > smallest {
         "the smallest derived size for that many connections to a server: pieces of at least \
          128 KiB"
     } else if power < floor {
@@ -115,13 +134,41 @@ pub fn derived_partition_bytes(
     } else {
         String::new()
     };
+    let links = link_bits.map_or_else(String::new, |bits| format!(", {} links", human_rate(bits)));
     DerivedSize {
         bytes: chosen,
         reason: format!(
-            "{} over {servers} server(s){connections}{machines}: {} partitions, {why}",
+            "{} over {servers} server(s){connections}{machines}{links}: {} partitions, {why}",
             human_bytes(bytes),
             human_bytes(chosen)
         ),
+    }
+}
+
+/// The largest power of two at most `bytes`; 0 for 0.
+fn power_at_most(bytes: u64) -> u64 {
+    match bytes {
+        0 => 0,
+        b => 1 << (63 - b.leading_zeros()),
+    }
+}
+
+/// `bits` a second in Mbit/s or Gbit/s, for log lines.
+fn human_rate(bits: u64) -> String {
+    let gbits = bits as f64 / 1e9;
+    if gbits >= 1.0 {
+        format!("{} Gbit/s", trim(gbits))
+    } else {
+        format!("{} Mbit/s", trim(bits as f64 / 1e6))
+    }
+}
+
+/// A figure with at most one decimal, none when it is whole.
+fn trim(value: f64) -> String {
+    if (value - value.round()).abs() < 0.05 {
+        format!("{value:.0}")
+    } else {
+        format!("{value:.1}")
     }
 }
 
@@ -348,7 +395,7 @@ mod tests {
     fn the_derived_size_gives_every_server_32_partitions_within_its_bounds() {
         let mib = 1u64 << 20;
         // 64 MiB over 8 servers: 256 KiB is the largest power of two giving 32 each.
-        let d = derived_partition_bytes(64 * mib, 8, 1, 1);
+        let d = derived_partition_bytes(64 * mib, 8, 1, 1, None);
         assert_eq!(d.bytes, 256 << 10);
         assert_eq!(
             d.reason,
@@ -356,21 +403,24 @@ mod tests {
              server 32 partitions per round"
         );
         // Not a power of two: rounded down, so each server gets at least 32.
-        assert_eq!(derived_partition_bytes(100 * mib, 6, 1, 1).bytes, mib / 2);
+        assert_eq!(
+            derived_partition_bytes(100 * mib, 6, 1, 1, None).bytes,
+            mib / 2
+        );
         assert!(100 * mib / (6 * (mib / 2)) >= 32);
         // A small tensor, or none: the floor. A huge set: BytePS's 4 MiB.
         assert_eq!(
-            derived_partition_bytes(mib, 4, 1, 1).bytes,
+            derived_partition_bytes(mib, 4, 1, 1, None).bytes,
             DERIVED_MIN_PARTITION_BYTES
         );
         assert_eq!(
-            derived_partition_bytes(0, 4, 1, 1).bytes,
+            derived_partition_bytes(0, 4, 1, 1, None).bytes,
             DERIVED_MIN_PARTITION_BYTES
         );
-        assert!(derived_partition_bytes(mib, 4, 1, 1)
+        assert!(derived_partition_bytes(mib, 4, 1, 1, None)
             .reason
             .contains("smallest"));
-        let huge = derived_partition_bytes(64 << 30, 2, 1, 1);
+        let huge = derived_partition_bytes(64 << 30, 2, 1, 1, None);
         assert_eq!(huge.bytes, DEFAULT_PARTITION_BYTES);
         assert!(
             huge.reason.starts_with("64 GiB over 2 server(s): 4 MiB"),
@@ -380,7 +430,7 @@ mod tests {
         // 6 connections to a CPU server (asked for: n = 4, k = 3 gets 4 by default): pieces
         // of 128 KiB or more, so 768 KiB rounded up; 4 connections (n = 4, k = 3): 512 KiB;
         // 3 connections (k = 2): 384 KiB, below 512 KiB anyway.
-        let k3 = derived_partition_bytes(61 * mib, 7, 6, 1);
+        let k3 = derived_partition_bytes(61 * mib, 7, 6, 1, None);
         assert_eq!(k3.bytes, mib);
         assert_eq!(
             k3.reason,
@@ -388,11 +438,17 @@ mod tests {
              smallest derived size for that many connections to a server: pieces of at least \
              128 KiB"
         );
-        assert_eq!(derived_partition_bytes(61 * mib, 7, 4, 1).bytes, mib / 2);
-        assert_eq!(derived_partition_bytes(61 * mib, 6, 3, 1).bytes, mib / 2);
+        assert_eq!(
+            derived_partition_bytes(61 * mib, 7, 4, 1, None).bytes,
+            mib / 2
+        );
+        assert_eq!(
+            derived_partition_bytes(61 * mib, 6, 3, 1, None).bytes,
+            mib / 2
+        );
         // No servers counts as one rather than dividing by zero.
         assert_eq!(
-            derived_partition_bytes(128 * mib, 0, 0, 1).bytes,
+            derived_partition_bytes(128 * mib, 0, 0, 1, None).bytes,
             DEFAULT_PARTITION_BYTES
         );
     }
@@ -402,8 +458,11 @@ mod tests {
         let mib = 1u64 << 20;
         // 128 MiB over 4 servers from machines of 2 workers: 32 partitions per server from
         // each is 512 KiB; from 4 workers, 256 KiB.
-        assert_eq!(derived_partition_bytes(128 * mib, 4, 1, 2).bytes, 512 << 10);
-        let d = derived_partition_bytes(128 * mib, 4, 1, 4);
+        assert_eq!(
+            derived_partition_bytes(128 * mib, 4, 1, 2, None).bytes,
+            512 << 10
+        );
+        let d = derived_partition_bytes(128 * mib, 4, 1, 4, None);
         assert_eq!(d.bytes, 256 << 10);
         assert_eq!(
             d.reason,
@@ -412,19 +471,65 @@ mod tests {
              machine's workers"
         );
         // The floor falls with the workers per machine, to 128 KiB at most.
-        assert_eq!(derived_partition_bytes(mib, 4, 1, 2).bytes, 128 << 10);
-        assert_eq!(derived_partition_bytes(mib, 4, 1, 3).bytes, 128 << 10);
-        let many = derived_partition_bytes(mib, 4, 1, 8);
+        assert_eq!(derived_partition_bytes(mib, 4, 1, 2, None).bytes, 128 << 10);
+        assert_eq!(derived_partition_bytes(mib, 4, 1, 3, None).bytes, 128 << 10);
+        let many = derived_partition_bytes(mib, 4, 1, 8, None);
         assert_eq!(many.bytes, DERIVED_MIN_CARRIED_BYTES);
         assert!(many
             .reason
             .contains("128 KiB partitions, the smallest derived size"));
         // Pieces per connection keep their own floor.
-        assert_eq!(derived_partition_bytes(mib, 7, 6, 4).bytes, mib);
+        assert_eq!(derived_partition_bytes(mib, 7, 6, 4, None).bytes, mib);
         // One worker per machine (or none given): as before.
         assert_eq!(
-            derived_partition_bytes(64 * mib, 8, 1, 0),
-            derived_partition_bytes(64 * mib, 8, 1, 1)
+            derived_partition_bytes(64 * mib, 8, 1, 0, None),
+            derived_partition_bytes(64 * mib, 8, 1, 1, None)
+        );
+    }
+
+    #[test]
+    fn fast_links_raise_the_floor_to_a_third_of_a_millisecond_on_the_link() {
+        let mib = 1u64 << 20;
+        let gbit = 1_000_000_000u64;
+        // ResNet-50's 97.5 MiB over 8 servers asks for 256 KiB; at 100 Gbit/s that passes
+        // in 21 µs, so BytePS's 4 MiB.
+        let fast = derived_partition_bytes(97 * mib, 8, 1, 1, Some(100 * gbit));
+        assert_eq!(fast.bytes, 4 * mib);
+        assert_eq!(
+            fast.reason,
+            "97 MiB over 8 server(s), 100 Gbit/s links: 4 MiB partitions, the smallest derived \
+             size at that link rate: a partition spends at least 0.34 ms on its machine's \
+             link (BytePS's 4 MiB at 100 Gbit/s)"
+        );
+        assert_eq!(
+            derived_partition_bytes(97 * mib, 8, 1, 1, Some(25 * gbit)).bytes,
+            mib
+        );
+        // 10 Gbit/s asks 419 KB: 256 KiB, the floor it would have had anyway.
+        let ten = derived_partition_bytes(97 * mib, 8, 1, 1, Some(10 * gbit));
+        assert_eq!(ten.bytes, 256 << 10);
+        assert!(ten.reason.contains("10 Gbit/s links"), "{}", ten.reason);
+        assert!(ten.reason.contains("32 partitions"), "{}", ten.reason);
+        // At 1 Gbit/s and below the rate changes nothing: the CPU floors govern.
+        for bits in [gbit, 250_000_000] {
+            assert_eq!(
+                derived_partition_bytes(mib, 4, 1, 1, Some(bits)).bytes,
+                derived_partition_bytes(mib, 4, 1, 1, None).bytes
+            );
+        }
+        assert!(derived_partition_bytes(mib, 4, 1, 1, Some(250_000_000))
+            .reason
+            .contains("250 Mbit/s links"));
+        // A machine's workers share its link: 4 per machine at 100 Gbit/s get 1 MiB each.
+        assert_eq!(
+            derived_partition_bytes(97 * mib, 8, 1, 4, Some(100 * gbit)).bytes,
+            mib
+        );
+        // A large set asks more than the link's floor anyway, and 400 Gbit/s stops at
+        // BytePS's size.
+        assert_eq!(
+            derived_partition_bytes(64 << 30, 2, 1, 1, Some(400 * gbit)).bytes,
+            DEFAULT_PARTITION_BYTES
         );
     }
 

@@ -735,6 +735,7 @@ mod tests {
             port: 9000,
             host_id: host.into(),
             pid: 1,
+            link_mbit: 0,
             name: format!("{host}-{rank}"),
         }
     }

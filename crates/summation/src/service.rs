@@ -306,6 +306,7 @@ fn join(
         port,
         host_id: link.host_id.clone(),
         pid,
+        link_mbit: 0,
         name: format!("server {}:{port} pid {pid}", link.advertise_host),
     };
     CoordinatorClient::join(

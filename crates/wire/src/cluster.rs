@@ -58,6 +58,9 @@ pub struct NodeInfo {
     /// Machine identity: nodes with equal `host_id` share a machine (colocation).
     pub host_id: String,
     pub pid: u32,
+    /// The speed of the node's network link in Mbit/s, as its kernel reports it for the
+    /// interface it reaches the coordinator by (or as the job set it); 0 when unknown.
+    pub link_mbit: u32,
     /// Human-readable name used in logs and error messages.
     pub name: String,
 }
@@ -129,6 +132,7 @@ mod tests {
             port: 9000 + rank as u16,
             host_id: host_id.into(),
             pid: 1,
+            link_mbit: 0,
             name: format!("n{rank}"),
         }
     }

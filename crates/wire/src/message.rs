@@ -184,6 +184,8 @@ pub struct Registration {
     pub port: u16,
     pub host_id: String,
     pub pid: u32,
+    /// See [`NodeInfo::link_mbit`].
+    pub link_mbit: u32,
     pub name: String,
 }
 
@@ -463,6 +465,7 @@ impl Message {
                     .u32(r.requested_rank.unwrap_or(NO_RANK))
                     .u16(r.port)
                     .u32(r.pid)
+                    .u32(r.link_mbit)
                     .string(&r.host)
                     .string(&r.host_id)
                     .string(&r.name);
@@ -475,6 +478,7 @@ impl Message {
                         e.u32(n.rank)
                             .u16(n.port)
                             .u32(n.pid)
+                            .u32(n.link_mbit)
                             .string(&n.host)
                             .string(&n.host_id)
                             .string(&n.name);
@@ -644,6 +648,7 @@ impl Message {
                 requested_rank: rank(&mut d, "requested_rank")?,
                 port: d.u16("port")?,
                 pid: d.u32("pid")?,
+                link_mbit: d.u32("link_mbit")?,
                 host: label(&mut d, "host")?,
                 host_id: label(&mut d, "host_id")?,
                 name: label(&mut d, "name")?,
@@ -1072,6 +1077,7 @@ fn nodes(d: &mut Dec<'_>, field: &'static str) -> Result<Vec<NodeInfo>, WireErro
             rank: d.u32("rank")?,
             port: d.u16("port")?,
             pid: d.u32("pid")?,
+            link_mbit: d.u32("link_mbit")?,
             host: d.string("host")?,
             host_id: d.string("host_id")?,
             name: d.string("name")?,

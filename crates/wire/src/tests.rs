@@ -21,6 +21,7 @@ fn node(rank: u32) -> NodeInfo {
         port: 7000,
         host_id: "machine-a".into(),
         pid: 42,
+        link_mbit: 0,
         name: "worker ünïcode".into(),
     }
 }
@@ -78,6 +79,7 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
                 port: 9999,
                 host_id: "h".into(),
                 pid: 77,
+                link_mbit: 0,
                 name: "server on h".into(),
             }),
             vec![],

@@ -43,6 +43,7 @@ class _Options(TypedDict, total=False):
 
     name: str
     partition_bytes: int | None
+    link_gbits: float | None
     scheduler: str
     credit_bytes: int | None
     push_window_bytes: int | None
@@ -67,6 +68,7 @@ def _service_options() -> _Options:
     options: _Options = {
         "name": settings.WORKER_NAME.read() or f"worker pid {os.getpid()}",
         "partition_bytes": settings.PARTITION_BYTES.read(),
+        "link_gbits": settings.LINK_GBITS.read(),
         "scheduler": settings.SCHEDULER.read(),
         "credit_bytes": settings.CREDIT_BYTES.read(),
         "push_window_bytes": settings.PUSH_WINDOW_BYTES.read(),
