@@ -7,21 +7,15 @@ import ast
 from pathlib import Path
 
 import pytest
-import torch
 from jobs import run_worker_processes
-from test_torch import ATOL, reference, results, run
+from test_torch import results, run, trains_like_one_process
 
 WORKER = str(Path(__file__).with_name("scheduling_worker.py"))
 
 
 @pytest.mark.parametrize("scheduler", ["fifo", "p3", "prophet"])
 def test_every_scheduler_trains_like_one_process(tmp_path: Path, scheduler: str) -> None:
-    want = reference("sgd", 2)
-    outcomes = run(tmp_path, 2, "train-sgd-1", env={"SUMFLOW_SCHEDULER": scheduler})
-    for got in results(tmp_path, outcomes):
-        assert isinstance(got, dict)
-        for k, v in want.items():
-            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    trains_like_one_process(tmp_path, {"SUMFLOW_SCHEDULER": scheduler})
 
 
 def test_the_derived_partition_size_is_told_once_by_worker_0(tmp_path: Path) -> None:
@@ -35,12 +29,7 @@ def test_the_derived_partition_size_is_told_once_by_worker_0(tmp_path: Path) -> 
 
 
 def test_a_stated_link_rate_raises_the_derived_size_and_trains_alike(tmp_path: Path) -> None:
-    want = reference("sgd", 2)
-    outcomes = run(tmp_path, 2, "train-sgd-1", env={"SUMFLOW_LINK_GBITS": "100"})
-    for got in results(tmp_path, outcomes):
-        assert isinstance(got, dict)
-        for k, v in want.items():
-            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    outcomes = trains_like_one_process(tmp_path, {"SUMFLOW_LINK_GBITS": "100"})
     line = next(x for x in outcomes[0].stderr.splitlines() if "declared together" in x)
     # 0.34 ms at 100 Gbit/s is BytePS's 4 MiB, however small the model.
     assert "100 Gbit/s links: 4 MiB partitions" in line, line

@@ -46,6 +46,18 @@ def reference(opt_name: str, workers: int) -> dict[str, torch.Tensor]:
     return m.state_dict()
 
 
+def trains_like_one_process(tmp_path: Path, env: dict[str, str]) -> list[Outcome]:
+    """Two workers train SGD with ``env`` set; both end with one process's parameters.
+    Returns their outcomes, for what else the test checks."""
+    want = reference("sgd", 2)
+    outcomes = run(tmp_path, 2, "train-sgd-1", env=env)
+    for got in results(tmp_path, outcomes):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    return outcomes
+
+
 @pytest.mark.parametrize(
     ("workers", "opt_name", "passes", "machines"),
     [
@@ -79,12 +91,7 @@ def test_an_lr_scheduler_created_before_wrapping_does_not_bypass_the_averaging(
     # torch's LR schedulers patch optimizer.step on the instance, whose attributes the
     # wrapper shares: without care, step() would skip synchronizing and each worker would
     # train on its own batch only.
-    want = reference("sgd", 2)
-    outcomes = run(tmp_path, 2, "train-sgd-1", env={"LR_SCHEDULER_FIRST": "1"})
-    for got in results(tmp_path, outcomes):
-        assert isinstance(got, dict)
-        for k, v in want.items():
-            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+    trains_like_one_process(tmp_path, {"LR_SCHEDULER_FIRST": "1"})
 
 
 def test_broadcasts_make_every_worker_equal_the_root(tmp_path: Path) -> None:
