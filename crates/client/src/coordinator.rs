@@ -133,7 +133,7 @@ impl CoordinatorClient {
     pub fn join(
         addr: &str,
         token: &JobToken,
-        reg: Registration,
+        mut reg: Registration,
         join_timeout: Duration,
         opts: CoordinatorOptions,
     ) -> Result<CoordinatorClient> {
@@ -161,7 +161,6 @@ impl CoordinatorClient {
         };
         connect(&mut stream, token, Service::Coordinator, &me)
             .map_err(|e| ClientError::from_wire(&peer, e))?;
-        let mut reg = reg;
         if reg.link_mbit == 0 {
             // The interface this node reaches the job by, unless the caller knew its rate.
             reg.link_mbit = stream

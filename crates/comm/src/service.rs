@@ -735,13 +735,14 @@ impl CommunicationService {
             source: Arc::new(source),
         })?;
         let local = local_rank(&map, job.rank());
+        let link_bits = slowest_link_bits(&map);
         info!(
             rank = job.rank(),
             workers = map.workers.len(),
             servers = map.servers.len(),
             cpu_lanes,
             scheduler = %cfg.scheduler,
-            link_mbit = slowest_link_bits(&map).map_or(0, |b| b / 1_000_000),
+            link_mbit = link_bits.map_or(0, |b| b / 1_000_000),
             "joined job {}",
             map.job_id
         );
@@ -768,7 +769,7 @@ impl CommunicationService {
             local_sockets: cfg.local_sockets,
             hierarchical: cfg.hierarchical,
             workers_per_machine,
-            link_bits: slowest_link_bits(&map),
+            link_bits,
             shared,
             follow: (cfg.credit_bytes.is_none(), cfg.push_window_bytes.is_none()),
             coordinator_loss,
