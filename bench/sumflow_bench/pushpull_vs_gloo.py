@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import sumflow.torch as hvd
+from sumflow_bench.cpu import read_cpu_seconds
 
 #: Element count of ResNet-50's parameters (torchvision's resnet50, 1000 classes).
 RESNET50_ELEMENTS = 25_557_032
@@ -326,11 +327,12 @@ class CpuProfile:
                     float(switches),
                 ]
                 out[(pid, int(tid))] = (role, group, counters)
-        # The whole machine (/proc/stat: user, nice, system, irq, softirq; and steal), to
-        # tell what other processes and the hypervisor took meanwhile.
+        # The whole machine (busy, exact: see read_cpu_seconds; and steal), to tell what
+        # other processes and the hypervisor took meanwhile.
         with open("/proc/stat") as f:
-            cpu = [int(v) / CLOCK_TICKS for v in f.readline().split()[1:]]
-        busy = cpu[0] + cpu[1] + cpu[2] + cpu[5] + cpu[6]
+            stat = f.read()
+        busy = read_cpu_seconds(stat)[0]
+        cpu = [int(v) / CLOCK_TICKS for v in stat.split("\n", 1)[0].split()[1:]]
         out[(0, 0)] = ("machine", "all", [busy, cpu[7] if len(cpu) > 7 else 0.0, 0.0, 0.0])
         return out
 

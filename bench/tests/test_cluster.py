@@ -137,8 +137,12 @@ def test_parse_iperf_uses_received_goodput_both_ways() -> None:
 
 
 def test_cpu_jiffies_and_window() -> None:
-    busy, total = cpu.read_jiffies("cpu  100 5 50 800 40 0 5 0 0 0\ncpu0 1 2 3 4\n")
-    assert (busy, total) == (160, 1000)  # idle and iowait are not busy
+    stat = "cpu  100 5 50 800 40 0 5 0 0 0\ncpu0 1 2 3 4\ncpu1 5 6 7 8\nintr 1 2\n"
+    ticks = cpu.TICKS
+    busy, total = cpu.read_cpu_seconds(stat, "6.00 11.50\n")
+    # Two CPUs for 6 s, less idle and iowait: the busy fields (160 ticks) play no part.
+    assert total == pytest.approx(12.0)
+    assert busy == pytest.approx(12.0 - 840 / ticks)
     sampler = cpu.CpuSampler()
     sampler._times = [0.0, 1.0, 2.0, 3.0]
     sampler._samples = [(0, 0), (50, 100), (150, 200), (160, 300)]
@@ -147,10 +151,16 @@ def test_cpu_jiffies_and_window() -> None:
     assert sampler.utilisation(1.2, 1.8) is None
     with cpu.CpuSampler(interval=0.01) as live:
         # Longer than a few jiffies (10 ms each), or /proc/stat may not have moved at all.
-        deadline = time.monotonic() + 0.05
+        spent = time.process_time()
+        deadline = time.monotonic() + 0.3
         while time.monotonic() < deadline:
             sum(range(10_000))
+        spent = time.process_time() - spent
     assert live.utilisation(0, 1e12) is not None
+    # The machine was busy at least while this process was (to the files' 10 ms).
+    seconds = live.seconds(0, 1e12)
+    assert seconds is not None
+    assert seconds["busy"] >= spent - 0.05
 
 
 def test_cpu_by_role() -> None:
@@ -175,7 +185,7 @@ def test_cpu_by_role() -> None:
     }
     sampler = cpu.CpuSampler(processes=True)
     sampler._times = [0.0, 1.0]
-    sampler._samples = [(0, 0), (5 * ticks, 8 * ticks)]
+    sampler._samples = [(0.0, 0.0), (5.0, 8.0)]
     sampler._processes = [before, after]
     seconds = sampler.seconds(0.0, 1.0)
     assert seconds is not None
