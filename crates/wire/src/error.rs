@@ -13,11 +13,14 @@ use crate::frame::Op;
 pub enum WireError {
     #[error("bad magic {0:02x?}: the peer does not speak the sumflow protocol")]
     BadMagic([u8; 4]),
-    #[error("unsupported protocol version {got} (this build speaks version {supported})")]
+    #[error(
+        "unsupported protocol version {got} (this build speaks version {supported}): every \
+         machine of a job needs the same sumflow release"
+    )]
     UnsupportedVersion { got: u8, supported: u8 },
     #[error("unknown op code {0:#04x}")]
     UnknownOp(u8),
-    #[error("unknown header flags {0:#06x} (version 1 defines only 0x0001, lent)")]
+    #[error("unknown header flags {0:#06x} (only 0x0001, lent, is defined)")]
     UnknownFlags(u16),
     #[error("frame body of {len} bytes exceeds the configured maximum of {max} bytes")]
     FrameTooLarge { len: u64, max: u64 },

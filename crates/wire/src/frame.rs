@@ -19,7 +19,7 @@ use std::fmt;
 use crate::error::WireError;
 
 pub const MAGIC: [u8; 4] = *b"SFLW";
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 pub const HEADER_LEN: usize = 12;
 /// Default cap on a frame body: a 4 MB partition plus generous room for larger keys.
 pub const DEFAULT_MAX_BODY: u32 = 64 << 20;

@@ -1175,3 +1175,40 @@ fn a_refused_clients_name_is_logged_escaped() {
     let err = server.join().unwrap().unwrap_err().to_string();
     assert!(err.contains(r#""a \"quoted\" name""#), "{err}");
 }
+
+/// The protocol versions and, for each, a digest of every sample frame's bytes (FNV-1a).
+/// A change to any frame's layout changes the digest and must come with a new
+/// [`crate::frame::VERSION`]: peers of different builds then refuse each other by the
+/// header ("unsupported protocol version 2 (this build speaks version 3)") instead of
+/// misreading a body.
+const LAYOUT_DIGESTS: &[(u8, u64)] = &[(2, 0x0522_f217_19ec_9f46)];
+
+#[test]
+fn a_frame_layout_change_comes_with_a_new_protocol_version() {
+    let samples = samples();
+    // Every op has a sample, so no frame's layout escapes the digest.
+    for code in 0..=u8::MAX {
+        if let Some(op) = Op::from_code(code) {
+            assert!(
+                samples.iter().any(|(m, _)| m.op() == op),
+                "no sample frame for {op:?}: add one to samples()"
+            );
+        }
+    }
+    let mut digest = 0xcbf2_9ce4_8422_2325u64;
+    for (msg, payload) in &samples {
+        for b in msg.encode_with_payload(payload) {
+            digest = (digest ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3);
+        }
+    }
+    let version = crate::frame::VERSION;
+    let pinned = LAYOUT_DIGESTS.iter().find(|(v, _)| *v == version);
+    assert_eq!(
+        pinned.map(|(_, d)| *d),
+        Some(digest),
+        "the sample frames' bytes changed under protocol version {version} (digest \
+         {digest:#018x}). If a frame's layout changed, raise VERSION in frame.rs, say what \
+         changed in docs/protocol.md, and pin the new version's digest here; if only the \
+         samples changed, pin the new digest for this version."
+    );
+}
