@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -24,23 +25,28 @@ PROC = Path("/proc")
 #: Jiffies per second of /proc's CPU times.
 TICKS = os.sysconf("SC_CLK_TCK")
 
-#: Substrings of a command line, in order, and the role of a process whose command line
+#: Patterns of a command line, in order, and the role of a process whose command line
 #: holds the first (the programs as the launcher starts them, the benchmark's worker
-#: modules; the launcher's own command line names the worker module too).
-ROLES = (
-    ("sumflow.launcher", "launcher"),
-    ("sumflow-run", "launcher"),
-    ("sumflow-server", "servers"),
-    ("import server;", "servers"),
-    ("sumflow-coordinator", "coordinator"),
-    ("import coordinator;", "coordinator"),
-    ("_worker", "workers"),
+#: modules; the launcher's own command line names the worker module too). A program is
+#: matched as a whole word or path component: the launcher's temporary directory
+#: (``/tmp/sumflow-run-XXXX/``) appears in the coordinator's arguments.
+ROLES = tuple(
+    (re.compile(pattern), role)
+    for pattern, role in (
+        (r"sumflow\.launcher", "launcher"),
+        (r"(^|[ /])sumflow-run( |$)", "launcher"),
+        (r"(^|[ /])sumflow-server( |$)", "servers"),
+        (r"import server;", "servers"),
+        (r"(^|[ /])sumflow-coordinator( |$)", "coordinator"),
+        (r"import coordinator;", "coordinator"),
+        (r"_worker", "workers"),
+    )
 )
 
 
 def role_of(cmdline: str) -> str | None:
     """The role of a process with this command line, or None for one not the job's."""
-    return next((role for part, role in ROLES if part in cmdline), None)
+    return next((role for pattern, role in ROLES if pattern.search(cmdline)), None)
 
 
 #: One process as sampled: its role, its network namespace, and its CPU jiffies.

@@ -168,6 +168,10 @@ def test_cpu_by_role() -> None:
     launcher = "python -m sumflow.launcher -H a:1 -- python -m sumflow_bench.goodput_worker"
     assert cpu.role_of(launcher) == "launcher"
     assert cpu.role_of("/venv/bin/sumflow-server --port 0") == "servers"
+    assert cpu.role_of("/venv/bin/python /venv/bin/sumflow-run -np 2 python t.py") == "launcher"
+    # The launcher's temporary directory in the coordinator's arguments.
+    coordinator = "python /venv/bin/sumflow-coordinator --addr-file /tmp/sumflow-run-ab12/addr"
+    assert cpu.role_of(coordinator) == "coordinator"
     assert cpu.role_of("bash") is None
     before = {1: ("workers", "ns-a", 100), 2: ("servers", "ns-a", 50), 3: ("servers", "ns-c", 10)}
     after = {
