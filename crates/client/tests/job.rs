@@ -13,7 +13,8 @@ use sumflow_summation::{
 };
 use sumflow_wire::io::{self, FrameReader};
 use sumflow_wire::{
-    BarrierGroup, Dtype, ErrorCode, JobToken, Message, Peer, Registration, Role, Service,
+    BarrierGroup, Codec, Dtype, ErrorCode, JobToken, Message, Peer, PushMode, ReduceOp,
+    Registration, Role, Service,
 };
 
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_millis(800);
@@ -199,12 +200,30 @@ fn a_hung_worker_is_named_to_the_others_within_the_heartbeat_timeout() {
         reader.read_owned().unwrap().0,
         Message::ClusterMap { your_rank: 2, .. }
     ));
-    // The hung worker also holds a server connection open and has pushed nothing.
+    // The hung worker also holds a server connection open, and hung halfway through the
+    // payload of a push of another key.
     let map = live[0].cluster_map().clone();
     let opts = ServerOptions::default();
     let mut hung_server =
         ServerClient::connect(&map.servers[0].addr(), &token(), 2, "trainer 2", &opts).unwrap();
     hung_server.init_key(1, Dtype::F32, 4, None).unwrap();
+    hung_server.init_key(2, Dtype::F32, 1 << 16, None).unwrap();
+    let push = Message::Push {
+        key: 2,
+        round: 1,
+        dtype: Dtype::F32,
+        codec: Codec::Raw,
+        mode: PushMode::Sum,
+        op: ReduceOp::Sum,
+    }
+    .encode_with_payload(&[0; 1 << 16]);
+    hung_server.tx.send_bytes(&push[..push.len() / 2]).unwrap();
+    let ServerClient {
+        tx: _hung_tx,
+        rx: mut hung_rx,
+    } = hung_server;
+    let (closed_tx, closed) = std::sync::mpsc::channel();
+    thread::spawn(move || closed_tx.send(hung_rx.recv().map(|_| ())));
 
     let started = Instant::now();
     let waits: Vec<_> = live
@@ -241,7 +260,13 @@ fn a_hung_worker_is_named_to_the_others_within_the_heartbeat_timeout() {
             .unwrap_err();
         assert!(err.to_string().contains("trainer 2"), "{err}");
     }
-    drop(hung_server);
+    // The server closed the hung worker's connection once the coordinator named it: a
+    // worker that wakes finds it closed, and the server holds no thread or buffer for it.
+    match closed.recv_timeout(Duration::from_secs(10)) {
+        Ok(Err(_)) => {}
+        Ok(Ok(())) => panic!("the hung worker's connection answered instead of closing"),
+        Err(_) => panic!("the server kept the hung worker's connection open"),
+    }
     drop(hung);
     for job in live {
         job.leave("giving up").unwrap();

@@ -396,6 +396,7 @@ fn monitor(
         match failures.recv_timeout(Duration::from_millis(100)) {
             Ok(f) if f.node.role == Role::Worker && f.node.rank < shared.workers => {
                 shared.worker_gone(f.node.rank, &format!("failed: {}", f.reason));
+                shared.disconnect(f.node.rank);
             }
             Ok(f) if f.is_coordinator() => {
                 // Without its coordinator the job can detect no failure, and its workers

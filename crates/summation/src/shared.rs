@@ -237,11 +237,18 @@ impl Shared {
         // Recorded before the other connections close, so that this is the reason given.
         self.worker_gone(rank, reason);
         if !graceful {
-            let reg = self.registry.lock().expect("registry lock");
-            for (r, s) in reg.streams.values() {
-                if *r == rank {
-                    let _ = s.shutdown(Shutdown::Both);
-                }
+            self.disconnect(rank);
+        }
+    }
+
+    /// Closes every connection of worker `rank`, which failed: their threads stop at
+    /// once, with any buffer a push half read holds, and a worker that was only hung
+    /// finds its connections closed when it wakes, not a server that still listens.
+    pub fn disconnect(&self, rank: u32) {
+        let reg = self.registry.lock().expect("registry lock");
+        for (r, s) in reg.streams.values() {
+            if *r == rank {
+                let _ = s.shutdown(Shutdown::Both);
             }
         }
     }
