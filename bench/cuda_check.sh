@@ -5,6 +5,7 @@
 #   tests      python/tests/test_cuda.py
 #   b64        ResNet-50 trained through sumflow by one worker, 64 images (the defaults),
 #              twice; backward timed with and without sumflow's hooks, sums checked
+#   python     the same with the copies staged by the Python thread (SUMFLOW_CUDA_STAGING=python)
 #   gradient   the same with every gradient sent alone (SUMFLOW_FUSION_THRESHOLD=0)
 #   spans16    the same in 16 MiB spans (not run by default)
 #   b128       one worker, 128 images
@@ -20,7 +21,7 @@
 set -uo pipefail
 out=${1:?usage: bench/cuda_check.sh OUT_DIR [STEP...]}
 shift
-steps=${*:-tests b64 gradient b128 np2 horovod}
+steps=${*:-tests b64 python gradient b128 np2 horovod}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/python:$PWD/bench" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -76,6 +77,7 @@ for step in $steps; do
         > "$out/test_cuda.log" 2>&1 || status=1
       tail -3 "$out/test_cuda.log" ;;
     b64) resnet np1-b64 1 64; resnet np1-b64-again 1 64 ;;
+    python) resnet np1-b64-python-staging 1 64 -x SUMFLOW_CUDA_STAGING=python ;;
     gradient) resnet np1-b64-per-gradient 1 64 -x SUMFLOW_FUSION_THRESHOLD=0 ;;
     spans16) resnet np1-b64-16mib 1 64 -x SUMFLOW_FUSION_THRESHOLD=16777216 ;;
     b128) resnet np1-b128 1 128 ;;

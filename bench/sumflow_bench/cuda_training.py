@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 import sumflow.torch as hvd
+from sumflow.torch import _runtime
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -149,8 +150,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             profiler[0].enable()
         entered[p] = time.perf_counter()
 
+    # Each hook's time, split by whether it sent a span (the work of a send) or not.
+    sends_us: list[float] = []
+    others_us: list[float] = []
+    in_flight = [0]
+
     def leave(p: torch.Tensor) -> None:
-        hook_s[0] += time.perf_counter() - entered[p]
+        spent = time.perf_counter() - entered[p]
+        hook_s[0] += spent
+        sent = len(opt._sf_handles)
+        (sends_us if sent != in_flight[0] else others_us).append(spent * 1e6)
+        in_flight[0] = sent
         if profiler:
             profiler[0].disable()
 
@@ -200,6 +210,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         torch.cuda.synchronize()
         step_time = time.perf_counter() - start
+        in_flight[0] = 0
         if step > args.warmup:
             plain_s.append(plain_time)
             empty_s.append(empty_time)
@@ -216,7 +227,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         opt.step()
         if hvd.rank() == 0:
             report = io.StringIO()
-            pstats.Stats(profiler.pop(), stream=report).sort_stats("tottime").print_stats(18)
+            pstats.Stats(profiler.pop(), stream=report).sort_stats("tottime").print_stats(30)
             print(report.getvalue())
     # Every worker ends with the same parameters.
     total = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum()
@@ -224,6 +235,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if not torch.all(totals == totals[0]):
         raise AssertionError(f"workers' parameters differ: sums {totals.tolist()}")
     plain_med, sumflow_med = statistics.median(plain_s), statistics.median(sumflow_s)
+    # Who queued and awaited the copies to host memory (SUMFLOW_CUDA_STAGING).
+    staging = "driver" if _runtime.current().driver_staging else "python"
     empty_med = statistics.median(empty_s)
     result = {
         "rank": hvd.rank(),
@@ -240,6 +253,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "step_s": statistics.median(step_s),
         "hooks_s": statistics.median(in_hooks_s),
         "gradients": sum(1 for _ in model.parameters()),
+        "staging": staging,
+        # Without fusion every hook sends: no other hook to time (0).
+        "send_hook_us": statistics.median(sends_us or [0.0]),
+        "sends": len(sends_us) // (args.warmup + args.steps + 1),
+        "other_hook_us": statistics.median(others_us or [0.0]),
         "check_relative_error": error,
         "plain_s": plain_s,
         "empty_s": empty_s,
@@ -249,7 +267,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"backward: {plain_med * 1e3:.1f} ms plain, {sumflow_med * 1e3:.1f} ms with sumflow's "
         f"hooks ({sumflow_med / plain_med:.3f}x; empty hooks {empty_med * 1e3:.1f} ms, "
         f"{empty_med / plain_med:.3f}x), {result['hooks_s'] * 1e3:.1f} ms of it in "
-        f"sumflow's {result['gradients']} hooks; step() {result['step_s'] * 1e3:.1f} ms"
+        f"sumflow's {result['gradients']} hooks; step() {result['step_s'] * 1e3:.1f} ms; "
+        f"copies staged by the {staging} thread; a hook that sends "
+        f"{result['send_hook_us']:.1f} us ({result['sends']} a step), another "
+        f"{result['other_hook_us']:.2f} us"
     )
     hvd.shutdown()
     return result

@@ -28,6 +28,7 @@ __all__ = [
     "DeclarationMismatchError",
     "NodeFailedError",
     "ProtocolError",
+    "StagedSum",
     "SumflowError",
     "SumflowTimeoutError",
     "__version__",
@@ -127,7 +128,19 @@ class ProtocolError(SumflowError):
     """A peer sent a message it must not send (a bug or a version mismatch); the message
     names the peer."""
 
-# A PyO3 class: built by __new__, and not subclassable.
+# PyO3 classes: not subclassable; StagedSum is made by push_pull_after_copy only.
+@final
+class StagedSum:
+    """A CUDA tensor's sum, issued once its copy to host memory is complete
+    (``CommunicationService.push_pull_after_copy``)."""
+
+    def ready(self) -> bool:
+        """Whether its sum was issued (or failed to be)."""
+    def cores(self, timeout: float) -> list[int]:
+        """The handle of its sum, in a list, once issued: waits at most ``timeout`` seconds
+        for the copy (0: only looks). Raises what the copy or the issue raised, every time
+        it is asked."""
+
 @final
 class CommunicationService:
     """The communication service of one worker: joins the job through its coordinator,
@@ -319,6 +332,36 @@ class CommunicationService:
         meets no pushed range is skipped (an empty push: no bytes cross the wire), one that
         meets no pulled range is left as it is (only its completion is awaited). Bytes of
         a pushed partition outside this worker's ranges must hold the op's identity."""
+    def push_pull_after_copy(
+        self,
+        name: str,
+        source: object,
+        source_ptr: int,
+        device: int,
+        stream: int,
+        tensor_id: int,
+        owner: object,
+        ptr: int,
+        nbytes: int,
+        priority: int = 0,
+        average: bool = False,
+        *,
+        op: str | None = None,
+        pushes: list[tuple[int, int]] | None = None,
+        pulls: list[tuple[int, int]] | None = None,
+    ) -> StagedSum:
+        """``push_pull`` of a CUDA tensor through its pinned host buffer: marks the point
+        of the caller's CUDA stream ``stream`` (a ``cudaStream_t``, 0: the legacy default
+        stream) of device ``device`` where the tensor at device address ``source_ptr``
+        (owned by ``source``) is complete, and returns at once. A staging thread copies the
+        tensor into the ``nbytes`` bytes at host address ``ptr`` (pinned memory owned by
+        ``owner``) on a side stream once the GPU reaches that point, then issues the sum,
+        all without the GIL. ``name`` names the tensor in errors. Raises where the CUDA
+        driver cannot be used (``cuda_staging_unavailable`` says why beforehand)."""
+    def cuda_staging_unavailable(self) -> str | None:
+        """None where CUDA tensors can be staged through the CUDA driver
+        (``push_pull_after_copy``); else why not (no driver, no GPU). The first call loads
+        the driver and starts the staging thread."""
     def push_delta(
         self,
         tensor_id: int,

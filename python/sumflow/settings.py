@@ -552,6 +552,18 @@ FUSION_THRESHOLD = _add(
     )
 )
 
+CUDA_STAGING = _add(
+    Setting(
+        name="SUMFLOW_CUDA_STAGING",
+        kind=choice(("driver", "python")),
+        doc="who queues and awaits a CUDA tensor's copy to host memory: sumflow's core "
+        "through the CUDA driver, without Python (where the driver cannot be loaded: "
+        "python, with a warning), or a Python thread through torch",
+        readers=(WORKER,),
+        default="driver",
+    )
+)
+
 # ---- auto-tuning (docs/autotune.md): only rank 0 reads these, and tells the others --------
 
 AUTOTUNE = _add(

@@ -9,6 +9,7 @@ passed.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 import sumflow.torch as hvd
+from sumflow.torch import _runtime
 
 #: Element counts not divisible by 2, 3 or 4 workers (nor by a partition), and one large.
 SIZES = [1, 7, 1001, (1 << 20) + 3]
@@ -103,6 +105,39 @@ def check_hook_does_not_block(device: torch.device) -> None:
     opt.zero_grad()
 
 
+def check_staging_path() -> None:
+    """The core's staging through the CUDA driver is the one used (by default), not a
+    silent fallback to the Python thread."""
+    want = os.environ.get("SUMFLOW_CUDA_STAGING", "driver") != "python"
+    got = _runtime.current().driver_staging
+    assert got is want, f"staged through the driver: {got}, expected {want}"
+
+
+def check_caller_stream(rank: int, size: int, device: torch.device) -> None:
+    """A tensor produced on a stream of the caller's own, behind GPU work: its copy waits
+    for that stream (not the default one), and the sum lands in order on it."""
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        torch.cuda._sleep(gpu_cycles(0.2, device))
+        x = data(rank, 4099, torch.float32, device) * 1
+        out = hvd.allreduce(x, op=hvd.Sum, name="caller-stream")
+        later = out * 2
+    torch.cuda.synchronize(device)
+    want = sum(data(r, 4099, torch.float64, device) for r in range(size))
+    assert torch.equal(out.double(), want), "caller's stream"
+    assert torch.equal(later.double(), 2 * want), "after the sum, on the caller's stream"
+
+
+def check_strided(rank: int, size: int, device: torch.device) -> None:
+    """A tensor whose elements are not laid out contiguously is summed in place."""
+    n = 64 * 33
+    x = data(rank, n, torch.float32, device).reshape(64, 33).t()
+    assert not x.is_contiguous()
+    hvd.allreduce_(x, op=hvd.Sum, name="strided")
+    want = sum(data(r, n, torch.float64, device) for r in range(size)).reshape(64, 33).t()
+    assert torch.equal(x.double(), want), "strided"
+
+
 def check_compression(rank: int, size: int, device: torch.device) -> None:
     x = data(rank, 1001, torch.float32, device)
     out = hvd.allreduce(x, op=hvd.Sum, name="fp16", compression=hvd.Compression.fp16)
@@ -183,6 +218,9 @@ def main() -> int:
     device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
     torch.cuda.set_device(device)
     check_sums(rank, size, device)
+    check_staging_path()
+    check_caller_stream(rank, size, device)
+    check_strided(rank, size, device)
     check_many_in_flight(rank, size, device)
     check_hook_does_not_block(device)
     check_compression(rank, size, device)

@@ -1,5 +1,6 @@
 """CUDA tensors through sumflow (``_staging``: pinned buffers, copies on a side stream,
-sums issued as their copies complete): every collective exact, DistributedOptimizer equal
+sums issued as their copies complete; by the core through the CUDA driver, and by the
+Python thread): every collective exact, DistributedOptimizer equal
 to one process on the whole batch, and a sum of a CUDA tensor issued without waiting for
 the GPU. Skipped where no GPU is present; run them on a GPU machine."""
 
@@ -23,8 +24,14 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.mark.parametrize(
     ("workers", "how"),
-    [(2, []), (3, []), (3, ["--machine-per-worker"]), (2, ["-x", "SUMFLOW_SHARED_MEMORY=off"])],
-    ids=["2-shared-memory", "3-shared-memory", "3-machines", "2-servers"],
+    [
+        (2, []),
+        (3, []),
+        (3, ["--machine-per-worker"]),
+        (2, ["-x", "SUMFLOW_SHARED_MEMORY=off"]),
+        (2, ["-x", "SUMFLOW_CUDA_STAGING=python"]),
+    ],
+    ids=["2-shared-memory", "3-shared-memory", "3-machines", "2-servers", "2-python-staging"],
 )
 def test_every_collective_on_cuda_tensors_is_exact(
     tmp_path: Path, workers: int, how: list[str]

@@ -42,7 +42,7 @@ def test_theta_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def in_pool(pool: GradientPool, p: torch.nn.Parameter) -> bool:
     """Whether ``p.grad`` is its place in the pool: inside its span's memory, contiguous."""
-    grad, span = p.grad, pool.span_of[p]
+    grad, span = p.grad, pool.span_of[id(p)]
     if grad is None or not grad.is_contiguous():
         return False
     start, item = span.flat.data_ptr(), span.flat.element_size()

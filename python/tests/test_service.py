@@ -208,6 +208,28 @@ def test_bad_arguments_raise_value_error(tmp_path: Path) -> None:
         job.run_workers(body)
 
 
+def test_cuda_staging_says_why_the_driver_cannot_be_used(tmp_path: Path) -> None:
+    """Where torch sees no GPU, the core cannot stage CUDA tensors either, says why, and
+    refuses a staged push_pull with that reason instead of queueing a copy."""
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: test_cuda.py runs the driver's staging")
+
+    def body(svc: sumflow._core.CommunicationService) -> None:
+        why = svc.cuda_staging_unavailable()
+        assert why is not None
+        assert why == svc.cuda_staging_unavailable()
+        assert "libcuda.so.1" in why or "cuInit" in why, why
+        tid = svc.declare("staged", "f32", 10)
+        t = torch.zeros(10)
+        with pytest.raises(sumflow.SumflowError, match="CUDA driver"):
+            svc.push_pull_after_copy("staged", t, 1 << 40, 0, 0, tid, t, t.data_ptr(), 40)
+        # Nothing was issued: the tensor sums as usual.
+        svc.wait(svc.push_pull(tid, t, t.data_ptr(), 40), WAIT)
+
+    with local_job(tmp_path, 1, 0) as job:
+        job.run_workers(body)
+
+
 def test_a_dead_server_fails_the_wait_naming_it(tmp_path: Path) -> None:
     with local_job(tmp_path, 1, 1, heartbeat_timeout=2.0) as job:
         # A job of one worker sums in its own memory; through the server, it needs it.

@@ -14,6 +14,7 @@ mod defaults;
 pub mod errors;
 mod service;
 mod sim;
+mod staging;
 mod trace;
 
 /// The name of the SIMD kernels the summation service would use on this CPU:
@@ -66,6 +67,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(run_coordinator, m)?)?;
     m.add_function(wrap_pyfunction!(sim::simulate, m)?)?;
     m.add_class::<service::PyCommunicationService>()?;
+    m.add_class::<staging::StagedSum>()?;
     errors::register(m)?;
     Ok(())
 }

@@ -7,7 +7,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
@@ -22,10 +22,12 @@ use sumflow_comm::{
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
+use crate::staging::{self, StagedSum};
 use crate::trace;
+use sumflow_cuda::{DriverEngine, Stager};
 
 /// Which Python exception a communication error becomes.
-fn kind_of(e: &CommError) -> ErrorKind {
+pub(crate) fn kind_of(e: &CommError) -> ErrorKind {
     match e {
         CommError::Invalid(_) | CommError::Layout(_) | CommError::UnknownHandle(_) => {
             ErrorKind::Invalid
@@ -56,7 +58,7 @@ fn py_err(py: Python<'_>, e: CommError) -> PyErr {
     to_py_err(py, kind_of(&e), e.to_string())
 }
 
-fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
+pub(crate) fn seconds(what: &str, secs: f64) -> PyResult<Duration> {
     Duration::try_from_secs_f64(secs)
         .ok()
         .filter(|d| !d.is_zero())
@@ -151,6 +153,29 @@ fn dtype(name: &str) -> PyResult<Dtype> {
     })
 }
 
+/// The reduction `push_pull` is asked for.
+fn reduce_op(op: Option<&str>, average: bool) -> PyResult<ReduceOp> {
+    match (op, average) {
+        (None, false) => Ok(ReduceOp::Sum),
+        (None, true) => Ok(ReduceOp::Average),
+        (Some("min"), false) => Ok(ReduceOp::Min),
+        (Some("max"), false) => Ok(ReduceOp::Max),
+        (Some("product"), false) => Ok(ReduceOp::Product),
+        (Some(op), _) => Err(PyValueError::new_err(format!(
+            "op must be 'min', 'max' or 'product' (and average false), not {op:?}"
+        ))),
+    }
+}
+
+/// `push_pull`'s byte ranges as the core takes them.
+fn exchange(pushes: Option<Vec<(u64, u64)>>, pulls: Option<Vec<(u64, u64)>>) -> Exchange {
+    let ranges = |r: Option<Vec<(u64, u64)>>| r.map(|r| r.into_iter().map(|(a, b)| a..b).collect());
+    Exchange {
+        pushes: ranges(pushes),
+        pulls: ranges(pulls),
+    }
+}
+
 /// The communication service of one worker: joins the job through its coordinator,
 /// connects to every summation server, and sums tensors across workers.
 #[pyclass(name = "CommunicationService", module = "sumflow._core", frozen)]
@@ -158,7 +183,9 @@ fn dtype(name: &str) -> PyResult<Dtype> {
 pub struct PyCommunicationService {
     svc: Arc<CommunicationService>,
     /// The objects owning the buffers of operations not yet waited for, by handle.
-    owners: Mutex<HashMap<u64, Py<PyAny>>>,
+    owners: Arc<Mutex<HashMap<u64, Py<PyAny>>>>,
+    /// The CUDA staging thread, started by the first CUDA tensor; or why it cannot be.
+    stager: OnceLock<Result<Stager<DriverEngine>, String>>,
 }
 
 #[pymethods]
@@ -256,7 +283,8 @@ impl PyCommunicationService {
             .map_err(|e| py_err(py, e))?;
         Ok(PyCommunicationService {
             svc: Arc::new(svc),
-            owners: Mutex::new(HashMap::new()),
+            owners: Arc::new(Mutex::new(HashMap::new())),
+            stager: OnceLock::new(),
         })
     }
 
@@ -453,24 +481,8 @@ impl PyCommunicationService {
         pushes: Option<Vec<(u64, u64)>>,
         pulls: Option<Vec<(u64, u64)>>,
     ) -> PyResult<u64> {
-        let op = match (op, average) {
-            (None, false) => ReduceOp::Sum,
-            (None, true) => ReduceOp::Average,
-            (Some("min"), false) => ReduceOp::Min,
-            (Some("max"), false) => ReduceOp::Max,
-            (Some("product"), false) => ReduceOp::Product,
-            (Some(op), _) => {
-                return Err(PyValueError::new_err(format!(
-                    "op must be 'min', 'max' or 'product' (and average false), not {op:?}"
-                )))
-            }
-        };
-        let ranges =
-            |r: Option<Vec<(u64, u64)>>| r.map(|r| r.into_iter().map(|(a, b)| a..b).collect());
-        let exchange = Exchange {
-            pushes: ranges(pushes),
-            pulls: ranges(pulls),
-        };
+        let op = reduce_op(op, average)?;
+        let exchange = exchange(pushes, pulls);
         // The owners lock is held across the enqueue so that a wait on another thread
         // cannot find the handle finished before its owner is recorded.
         let mut owners = self.owners.lock().expect("owners lock");
@@ -486,6 +498,62 @@ impl PyCommunicationService {
         .map_err(|e| py_err(py, e))?;
         owners.insert(handle, owner);
         Ok(handle)
+    }
+
+    /// `push_pull` of a CUDA tensor through its pinned host buffer: marks the point of
+    /// the caller's CUDA stream `stream` (a `cudaStream_t`, 0: the legacy default stream)
+    /// of device `device` where the tensor at device address `source_ptr` (owned by
+    /// `source`) is complete, and returns at once. A staging thread copies the tensor
+    /// into the `nbytes` bytes at host address `ptr` (pinned memory owned by `owner`) on
+    /// a side stream once the GPU reaches that point, then issues the sum, all without
+    /// the GIL. `name` names the tensor in errors. The returned `StagedSum` gives the
+    /// sum's handle once issued. Raises where the CUDA driver cannot be used
+    /// (`cuda_staging_unavailable` says why beforehand).
+    #[pyo3(signature = (
+        name, source, source_ptr, device, stream, tensor_id, owner, ptr, nbytes, priority = 0,
+        average = false, *, op = None, pushes = None, pulls = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn push_pull_after_copy(
+        &self,
+        py: Python<'_>,
+        name: String,
+        source: Py<PyAny>,
+        source_ptr: u64,
+        device: u32,
+        stream: usize,
+        tensor_id: u32,
+        owner: Py<PyAny>,
+        ptr: usize,
+        nbytes: usize,
+        priority: i64,
+        average: bool,
+        op: Option<&str>,
+        pushes: Option<Vec<(u64, u64)>>,
+        pulls: Option<Vec<(u64, u64)>>,
+    ) -> PyResult<StagedSum> {
+        let op = reduce_op(op, average)?;
+        let stager = self
+            .stager()
+            .map_err(|why| to_py_err(py, ErrorKind::Other, why.to_string()))?;
+        let sum = staging::Sum {
+            name,
+            device,
+            tensor_id,
+            host: (owner, ptr, nbytes),
+            source: (source, source_ptr),
+            priority,
+            op,
+            exchange: exchange(pushes, pulls),
+        };
+        staging::stage(py, stager, &self.svc, &self.owners, stream, sum)
+    }
+
+    /// None where CUDA tensors can be staged through the CUDA driver
+    /// (`push_pull_after_copy`); else why not (no driver, no GPU). The first call loads
+    /// the driver and starts the staging thread.
+    fn cuda_staging_unavailable(&self) -> Option<String> {
+        self.stager().err().map(str::to_string)
     }
 
     /// Asynchronous training (BytePS §4.3): adds the `nbytes` bytes at `ptr` (owned by
@@ -688,5 +756,14 @@ impl PyCommunicationService {
             self.svc.size(),
             self.svc.cluster_map().servers.len()
         )
+    }
+}
+
+impl PyCommunicationService {
+    fn stager(&self) -> Result<&Stager<DriverEngine>, &str> {
+        self.stager
+            .get_or_init(staging::start_stager)
+            .as_ref()
+            .map_err(String::as_str)
     }
 }

@@ -133,6 +133,9 @@ class Runtime:
     published: Path | None = None
     #: The membership epoch this service belongs to, in an elastic job.
     epoch: int | None = None
+    #: Whether CUDA tensors are staged by the core through the CUDA driver (``_staging``);
+    #: None until the first one.
+    driver_staging: bool | None = None
 
 
 _runtime: Runtime | None = None

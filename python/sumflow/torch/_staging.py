@@ -5,17 +5,23 @@ copy. A CUDA tensor goes through a pinned host buffer (cached by tensor name and
 and reused every step) in a pipeline that never makes the caller wait for the GPU
 (BytePS §6.1: the copy between GPU and host memory is a stage of its own):
 
-1. ``to_host`` (in the caller: a gradient hook, during backward) records an event on the
-   caller's stream, behind the work that produces the tensor, and returns. That is all
-   backward's thread does: on an H200 a gradient pass launches kernels about as fast as
-   the GPU runs them, so every microsecond of Python in a hook lengthens backward.
-2. The *issuer* thread (``after_copy``) queues each copy into its pinned buffer on a side
-   stream, behind that event, and an event after it (every copy waiting in line is queued
-   before the issuer waits for the first, so the copy engine runs them back to back);
-   then it waits for those events in order (blocking-sync events: it sleeps, it does not
-   spin) and hands each buffer to the core as soon as its copy is complete.
+1. ``after_copy`` (in the caller: a gradient hook, during backward) marks the point of the
+   caller's stream where the tensor is complete, and returns. That is all backward's
+   thread does: on an H200 a gradient pass launches kernels about as fast as the GPU runs
+   them, so every microsecond of Python in a hook lengthens backward.
+2. A *staging* thread queues each copy into its pinned buffer on a side stream, behind
+   that point, and an event after it (every copy waiting in line is queued before the
+   thread waits for the first, so the copy engine runs them back to back); then it waits
+   for those events in order (blocking-sync events: it sleeps, it does not spin) and
+   issues each buffer's sum as soon as its copy is complete.
 3. ``copy_back`` queues the copy of the result into the tensor on the side stream and
    makes the caller's stream wait for it on the GPU: nothing on the CPU waits.
+
+Steps 1 and 2 run in the core by default (``sumflow_cuda``, through the CUDA driver):
+the staging thread there never takes the GIL, which backward's thread needs for every
+hook. Where the driver cannot be loaded, or with ``SUMFLOW_CUDA_STAGING=python``, a
+Python thread does step 2 through torch (``Copy``): the same pipeline, but each of its
+torch calls competes with the hooks for the GIL.
 
 The caller keeps the rest (compression, scaling, declaring): handing that to another
 thread was measured slower, since both then compete for the GIL during backward.
@@ -23,11 +29,12 @@ thread was measured slower, since both then compete for the GIL during backward.
 The tensor is copied after the caller returned, so it must stay alive and unwritten until
 its copy completes: it does, since the caller's work holds it until its sum is finished
 (Horovod's contract: a tensor in flight is not touched), and the work's finish comes only
-after the copy. A pinned buffer is rewritten only by the next copy into it, queued on the
-same side stream after the copy out of it, and the core fills it only after that copy's
-event: no buffer is overwritten while a copy still reads it, without any CPU wait. Its
-events are reused too: a name is never in flight twice, so the issuer has waited for the
-last recording before the next one.
+after the copy; the staging thread holds a reference too, until the copy is done. A pinned
+buffer is rewritten only by the next copy into it, which waits for the caller's stream,
+which ``copy_back`` made wait for the copy out of it; and the core fills it only after
+that copy's event: no buffer is overwritten while a copy still reads it, without any CPU
+wait. Events are reused too: a name is never in flight twice, so the staging thread has
+waited for an event's last recording before the next one.
 """
 
 from __future__ import annotations
@@ -36,12 +43,13 @@ import collections
 import contextlib
 import queue
 import threading
+import warnings
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NamedTuple, Protocol, TypeVar
 
 import torch
 
-from sumflow import SumflowTimeoutError
+from sumflow import SumflowTimeoutError, _core, settings
 from sumflow.torch import _runtime
 
 T = TypeVar("T")
@@ -57,7 +65,7 @@ TRACK = "cuda staging"
 
 class ToHost:
     """A CUDA tensor's copy into its pinned buffer, ordered after the caller's work that
-    produces it (``produced``, recorded by ``to_host``); ``start`` queues it."""
+    produces it (``produced``, recorded by ``after_copy``); ``start`` queues it."""
 
     def __init__(
         self,
@@ -173,10 +181,105 @@ def _issue_forever() -> None:
         waiting.popleft().run()
 
 
-def after_copy(
+class Staged(Protocol):
+    """A CUDA tensor's sum, issued once its copy to host memory is complete: ``Copy``
+    (the Python staging thread) or ``_core.StagedSum`` (the core's)."""
+
+    def ready(self) -> bool:
+        """Whether its sum was issued (or failed to be)."""
+        ...
+
+    def cores(self, timeout: float) -> list[int]:
+        """The handles of its sums, once issued; raises what issuing raised."""
+        ...
+
+
+class Sum(NamedTuple):
+    """A push_pull of a host buffer, to issue once the buffer holds its tensor (a tuple:
+    made in every gradient hook that sends, where a frozen dataclass costs microseconds)."""
+
+    tensor_id: int
+    host: torch.Tensor
+    priority: int
+    average: bool
+    #: The servers' reduction other than a sum ("min", "max", "product"), if any.
+    op: str | None
+    #: The byte ranges this worker takes back (None: all).
+    pulls: list[tuple[int, int]] | None
+
+    def issue(self, service: _core.CommunicationService) -> list[int]:
+        """Issues it now; returns its handle, in a list."""
+        host = self.host
+        nbytes = host.numel() * host.element_size()
+        args = (self.tensor_id, host, host.data_ptr(), nbytes, self.priority, self.average)
+        return [service.push_pull(*args, op=self.op, pulls=self.pulls)]
+
+
+def after_copy(name: str, tensor: torch.Tensor, job: Sum) -> Staged:
+    """Issues `job` once `tensor` (CUDA, produced by the work queued so far on the
+    caller's stream) is copied into ``job.host``; returns at once."""
+    rt = _runtime.current()
+    service = rt.service
+    if rt.driver_staging is None:
+        rt.driver_staging = _driver_staging(service)
+    if rt.driver_staging:
+        host = job.host
+        nbytes = host.numel() * host.element_size()
+        # The driver copies bytes as they lie: a strided tensor is packed first, on the
+        # caller's stream (torch's own copy does that inside the Python thread's).
+        source = tensor if tensor.is_contiguous() else tensor.contiguous()
+        device = tensor.get_device()
+        return service.push_pull_after_copy(
+            name,
+            source,
+            source.data_ptr(),
+            device,
+            _raw_stream(device),
+            job.tensor_id,
+            host,
+            host.data_ptr(),
+            nbytes,
+            job.priority,
+            job.average,
+            op=job.op,
+            pulls=job.pulls,
+        )
+    _, produced, copied = _pinned_for(name, tensor)
+    # The tensor is produced on the caller's stream: copied once that work is done.
+    produced.record(torch.cuda.current_stream(tensor.device))
+    transfer = ToHost(tensor, job.host, produced, copied)
+    return _python_after_copy(name, tensor.device, transfer, lambda: job.issue(service))
+
+
+def _raw_stream(device: int) -> int:
+    """The caller's current stream on `device`, as a ``cudaStream_t``: one call into
+    torch where it has one (``torch.cuda.current_stream`` makes a Stream object)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device))
+    return int(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _driver_staging(service: _core.CommunicationService) -> bool:
+    """Whether this service stages CUDA tensors in the core (SUMFLOW_CUDA_STAGING)."""
+    if settings.CUDA_STAGING.read() == "python":
+        return False
+    why = service.cuda_staging_unavailable()
+    if why is None:
+        return True
+    warnings.warn(
+        f"sumflow: CUDA tensors are staged to host memory by a Python thread, since the "
+        f"core cannot use the CUDA driver: {why}",
+        stacklevel=3,
+    )
+    return False
+
+
+def _python_after_copy(
     name: str, device: torch.device, transfer: ToHost, issue: Callable[[], list[int]]
 ) -> Copy:
-    """Has the issuer thread queue `transfer` and call `issue` once it has completed."""
+    """Has the Python staging thread queue `transfer` and call `issue` once it has
+    completed."""
     global _issuer
     copy = Copy(name, device, transfer, issue)
     if _issuer is None:
@@ -220,20 +323,17 @@ def _pinned_for(
     return made
 
 
-def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, ToHost | None]:
-    """The host buffer the core sums for `tensor`, and the copy that fills it, to be
-    queued by ``after_copy`` (None: it holds the values now; `tensor` itself when the core
-    can use it). The caller keeps `tensor` alive and unwritten until the copy is done."""
+def to_host(name: str, tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The host buffer the core sums for `tensor`, and the CUDA tensor to copy into it
+    first with ``after_copy`` (None: it holds the values now; `tensor` itself when the
+    core can use it)."""
     if tensor.device.type == "cpu":
         return (tensor if tensor.is_contiguous() else tensor.contiguous()), None
     if tensor.device.type != "cuda":
         raise TypeError(
             f"tensor '{name}' is on {tensor.device}: sumflow handles CPU and CUDA tensors"
         )
-    host, produced, copied = _pinned_for(name, tensor)
-    # The tensor is produced on the caller's stream: copied once that work is done.
-    produced.record(torch.cuda.current_stream(tensor.device))
-    return host, ToHost(tensor, host, produced, copied)
+    return _pinned_for(name, tensor)[0], tensor
 
 
 def on_stream(stream: torch.cuda.Stream | None, run: Callable[[], T]) -> T:

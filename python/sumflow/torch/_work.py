@@ -46,7 +46,7 @@ class Work:
 class CoreWork(Work):
     """Sums in the core (their handles), then ``finish()``, whose value is the result.
     Sums of CUDA tensors are issued once their copies to host memory complete
-    (``copies``: ``_staging.Copy``)."""
+    (``copies``: ``_staging.Staged``)."""
 
     def __init__(
         self,
@@ -54,7 +54,7 @@ class CoreWork(Work):
         cores: list[int],
         finish: Callable[[], Any],
         tensors: list[int] | None = None,
-        copies: list[_staging.Copy] | None = None,
+        copies: list[_staging.Staged] | None = None,
     ) -> None:
         self.name = name
         self.cores = cores

@@ -420,7 +420,7 @@ def _scattered_sum(
     machine. The work's result is the list of this worker's slices."""
     size, rank = group.size, group.rank
     cores: list[int] = []
-    copies: list[_staging.Copy] = []
+    copies: list[_staging.Staged] = []
     declared: list[int] = []
     finishes = []
     for label, members in _by_dtype(name, tensors):

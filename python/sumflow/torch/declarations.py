@@ -117,6 +117,13 @@ def declare(
     that declare one size in different shapes."""
     check_dtype(tensor, name)
     layout = (tensor.dtype, tensor.numel(), compression)
+    if not replace:
+        # The common case, a gradient hook's every step: a pinned layout already known.
+        # Reading without the lock is safe: a dict read is atomic, and a pinned layout's
+        # id never changes.
+        tid = _declared.get(name, {}).get(layout)
+        if tid is not None and _replaceable.get(name) != layout:
+            return tid
     return declare_layouts(
         [(name, layout, members)],
         together=False,

@@ -84,6 +84,8 @@ class Span:
     flat: torch.Tensor
     #: The most urgent of its parameters' priorities.
     priority: int
+    #: ``id()`` of each of its parameters, the optimizer's keys.
+    keys: tuple[int, ...]
 
 
 class GradientPool:
@@ -105,7 +107,9 @@ class GradientPool:
         self._names = names
         self._priority = priority
         self._prefix = prefix
-        self._views: dict[torch.Tensor, torch.Tensor] = {}
+        #: By ``id(param)`` (a tensor's ``__hash__`` is a Python call, and backward's
+        #: hooks look parameters up): the parameter and its view of the pool.
+        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         #: Per dtype and device: its parameters, their offsets, and their pool.
         self._pools: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -117,7 +121,7 @@ class GradientPool:
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
             for p, start in zip(params, offsets):
-                self._views[p] = pool[start : start + p.numel()].view(p.shape)
+                self._views[id(p)] = (p, pool[start : start + p.numel()].view(p.shape))
             self._pools.append((params, offsets, pool))
         self.replan(threshold)
         for p in backward_order:
@@ -130,7 +134,8 @@ class GradientPool:
         with no span in flight)."""
         self.threshold = threshold
         self.spans: list[Span] = []
-        self.span_of: dict[torch.Tensor, Span] = {}
+        #: By ``id(param)``.
+        self.span_of: dict[int, Span] = {}
         for params, offsets, pool in self._pools:
             item = pool.element_size()
             for cut in plan_spans([p.numel() * item for p in params], threshold):
@@ -145,15 +150,16 @@ class GradientPool:
                     params=members,
                     flat=pool[offsets[cut.start] : offsets[cut.stop]],
                     priority=min(self._priority[p] for p in members),
+                    keys=tuple(id(p) for p in members),
                 )
                 self.spans.append(span)
-                self.span_of.update((p, span) for p in members)
+                self.span_of.update((id(p), span) for p in members)
 
     def adopt(self, p: torch.Tensor) -> None:
         """Makes ``p.grad`` its view of the pool: zeros if it has no gradient, its
         gradient's values (moved in once) if autograd or the user put another tensor
         there."""
-        view = self._views[p]
+        view = self._views[id(p)][1]
         grad = p.grad
         if grad is view:  # after `zero`: autograd added into the pool
             return
@@ -175,7 +181,7 @@ class GradientPool:
         a copy per gradient during backward)."""
         for _, _, pool in self._pools:
             pool.zero_()
-        for p, view in self._views.items():
+        for p, view in self._views.values():
             if p.grad is not view:
                 p.grad = view
 

@@ -143,7 +143,7 @@ def sum_work(
     wire, ctx = compressor.compress(output)
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)
-    host, transfer = _staging.to_host(name, wire)
+    host, source = _staging.to_host(name, wire)
     tid = declare(
         name,
         host,
@@ -155,26 +155,12 @@ def sum_work(
     )
     #: Whether the core divides the sum (floats); integers are divided here, truncated.
     float_average = op is Average and wire.is_floating_point()
-    nbytes = host.numel() * host.element_size()
-
-    def issue() -> list[int]:
-        core = rt.service.push_pull(
-            tid,
-            host,
-            host.data_ptr(),
-            nbytes,
-            priority,
-            float_average,
-            op=on_servers,
-            pulls=None if takes else [],
-        )
-        return [core]
-
-    if transfer is None:
-        cores, copies = issue(), []
+    job = _staging.Sum(tid, host, priority, float_average, on_servers, None if takes else [])
+    if source is None:
+        cores, copies = job.issue(rt.service), []
     else:
         # The sum is issued once the copy to host memory is complete: backward goes on.
-        cores, copies = [], [_staging.after_copy(name, output.device, transfer, issue)]
+        cores, copies = [], [_staging.after_copy(name, source, job)]
 
     def finish() -> torch.Tensor:
         if host is not wire:

@@ -52,13 +52,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _sf_param_names: dict[torch.Tensor, str]
     _sf_priority: dict[torch.Tensor, int]
     #: The push_pull handle of each parameter's gradient this step (shared by a span's).
-    _sf_handles: dict[torch.Tensor, int]
-    _sf_passes: dict[torch.Tensor, int]
+    #: This and the per-step maps below are keyed by ``id(param)`` (the optimizer holds
+    #: its parameters): a tensor's ``__hash__`` is a Python call, and the gradient hook
+    #: looks parameters up about ten times, during backward.
+    _sf_handles: dict[int, int]
+    _sf_passes: dict[int, int]
     #: With fusion: the gradient pool. With groups: each grouped parameter's bundle.
     _sf_pool: GradientPool | None
     _sf_bundle_of: dict[torch.Tensor, Bundle]
     #: Each unsent span's or bundle's parameters whose gradient is ready this step.
-    _sf_ready: dict[Span | Bundle, set[torch.Tensor]]
+    _sf_ready: dict[Span | Bundle, set[int]]
     _sf_backward_passes: int
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
@@ -232,17 +235,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
         self._sf_current()
-        if self._sf_pool is not None and p not in self._sf_handles:
-            self._sf_pool.adopt(p)
-        passes = self._sf_passes.get(p, 0) + 1
-        self._sf_passes[p] = passes
+        key = id(p)
+        pool = self._sf_pool
+        if pool is not None and key not in self._sf_handles:
+            pool.adopt(p)
+        passes = self._sf_passes.get(key, 0) + 1
+        self._sf_passes[key] = passes
         if passes < self._sf_backward_passes:
             return
         # What p is sent with, if anything: its span (fusion) or its bundle (groups).
         batch: Span | Bundle | None = (
-            self._sf_pool.span_of[p] if self._sf_pool is not None else self._sf_bundle_of.get(p)
+            pool.span_of[key] if pool is not None else self._sf_bundle_of.get(p)
         )
-        if p in self._sf_handles or (batch is not None and p in self._sf_ready.get(batch, ())):
+        if key in self._sf_handles or (batch is not None and key in self._sf_ready.get(batch, ())):
             raise RuntimeError(
                 f"the gradient of {self._sf_names[p]} was computed again before step() or "
                 "synchronize() used the previous one; with gradient accumulation pass "
@@ -252,11 +257,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sf_push(p)
             return
         ready = self._sf_ready.setdefault(batch, set())
-        ready.add(p)
+        ready.add(key)
         if len(ready) < len(batch.params):
             return
         if isinstance(batch, Span):
-            self._sf_push_span(batch)
+            # Every gradient of the span arrived through this hook, which adopted it.
+            self._sf_push_span(batch, adopted=True)
             return
         # Each gradient under its own name, as without groups: the same sums and
         # placement, and per-parameter handles for cross_barrier's updates.
@@ -268,9 +274,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         if p.grad.is_sparse:
-            self._sf_handles[p] = self._sf_issue_sparse(p)
+            self._sf_handles[id(p)] = self._sf_issue_sparse(p)
             return
-        self._sf_handles[p] = self._sf_issue(self._sf_names[p], p.grad, self._sf_priority[p])
+        self._sf_handles[id(p)] = self._sf_issue(self._sf_names[p], p.grad, self._sf_priority[p])
 
     def _sf_issue_sparse(self, p: torch.Tensor) -> int:
         """A sparse gradient (e.g. of ``nn.Embedding(sparse=True)``): gathered as indices
@@ -291,15 +297,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         return _work.register(_work.Chain(f"{name}.sparse", then, replace))
 
-    def _sf_push_span(self, span: Span) -> None:
+    def _sf_push_span(self, span: Span, adopted: bool = False) -> None:
         """Sends a span of the pool; gradients it has not seen this step (parameters
-        unused in the forward) go as they are, zeros if they have none."""
+        unused in the forward) go as they are, zeros if they have none. ``adopted``:
+        every gradient of it is in its place in the pool already."""
         assert self._sf_pool is not None
-        for q in span.params:
-            self._sf_pool.adopt(q)
+        if not adopted:
+            for q in span.params:
+                self._sf_pool.adopt(q)
         self._sf_ready.pop(span, None)
         handle = self._sf_issue(span.name, span.flat, span.priority)
-        self._sf_handles.update((q, handle) for q in span.params)
+        self._sf_handles.update(dict.fromkeys(span.keys, handle))
 
     def _sf_issue(self, name: str, grad: torch.Tensor, priority: int) -> int:
         prescale, postscale = 1.0, 1.0
@@ -348,11 +356,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             return
         if self._sf_pool is not None:
             for span in self._sf_pool.spans:
-                if span.params[0] not in self._sf_handles:
+                if id(span.params[0]) not in self._sf_handles:
                     self._sf_push_span(span)
             return
         for p in self._sf_trainable():
-            if p not in self._sf_handles:
+            if id(p) not in self._sf_handles:
                 self._sf_push(p)
         # Bundles that were still waiting have just been sent, with the rest.
         self._sf_ready.clear()
@@ -360,7 +368,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _sf_sent_as(self, p: torch.Tensor) -> str:
         """The name of the tensor `p`'s gradient is sent in."""
         if self._sf_pool is not None:
-            return self._sf_pool.span_of[p].name
+            return self._sf_pool.span_of[id(p)].name
         return self._sf_names[p]
 
     def _sf_trainable(self) -> Iterator[torch.Tensor]:
@@ -443,7 +451,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             # the sums arrive.
             hyper = per_parameter.hyperparameters(group)
             for index, p in enumerate(group["params"]):
-                handle = handles.get(p)
+                handle = handles.get(id(p))
                 if handle is None:
                     continue
                 updates.append(
@@ -493,7 +501,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._sf_pool.zero()
             for group in self.param_groups:
                 for p in group["params"]:
-                    if p not in self._sf_pool.span_of:
+                    if id(p) not in self._sf_pool.span_of:
                         zero_grad_of(p, set_to_none)
             return
         super(self.__class__, self).zero_grad(set_to_none=set_to_none)
