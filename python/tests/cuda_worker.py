@@ -1,4 +1,6 @@
-"""One worker of test_cuda.py's jobs: every collective on CUDA tensors, checked exactly.
+"""One worker of test_cuda.py's jobs: every collective on CUDA tensors, checked exactly;
+DistributedOptimizer (fused, per gradient, accumulating, crossing the barrier) and the
+DDP comm hook against one process on the whole batch.
 
 Workers share the machine's GPUs (local rank modulo the device count: two processes on
 one GPU are fine for correctness). Writes "ok" to <out>/rank<r>.txt when every check
@@ -170,12 +172,8 @@ def check_relays(rank: int, size: int, device: torch.device) -> None:
     assert torch.equal(mine, torch.full((2, 5), total, device=device))
 
 
-def check_optimizer(
-    rank: int, size: int, device: torch.device, passes: int, fusion: int | None = None
-) -> None:
-    """DistributedOptimizer on a CUDA model equals one process on the whole batch, also
-    accumulating `passes` backward passes per step; by default in fused spans (on by
-    default for CUDA parameters), or with `fusion` as the threshold (0: per gradient)."""
+def two_models(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A small model and a copy of it with the same parameters."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(
         torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
@@ -184,11 +182,31 @@ def check_optimizer(
         torch.nn.Linear(33, 64), torch.nn.ReLU(), torch.nn.Linear(64, 5)
     ).to(device)
     reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def check_optimizer(
+    rank: int,
+    size: int,
+    device: torch.device,
+    passes: int,
+    fusion: int | None = None,
+    cross_barrier: bool = False,
+) -> None:
+    """DistributedOptimizer on a CUDA model equals one process on the whole batch, also
+    accumulating `passes` backward passes per step; by default in fused spans (on by
+    default for CUDA parameters), or with `fusion` as the threshold (0: per gradient);
+    with `cross_barrier`, each parameter updated as its own sum arrives."""
+    model, reference = two_models(device)
     opt = hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-        named_parameters=[(f"p{passes}.{fusion}.{n}", p) for n, p in model.named_parameters()],
+        named_parameters=[
+            (f"p{passes}.{fusion}.{cross_barrier}.{n}", p) for n, p in model.named_parameters()
+        ],
         backward_passes_per_step=passes,
         fusion_threshold=fusion,
+        cross_barrier=cross_barrier,
+        model=model if cross_barrier else None,
     )
     pool = opt._sf_pool  # type: ignore[attr-defined]
     assert (pool is None) == (fusion == 0), f"fusion {fusion}: pool {pool}"
@@ -207,8 +225,49 @@ def check_optimizer(
         ref_opt.zero_grad()
         torch.nn.functional.mse_loss(reference(batch), target).backward()
         ref_opt.step()
+    if cross_barrier:
+        opt.synchronize()  # the last updates are done before the parameters are read
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"parameter {name}, {passes} passes"
+
+
+def check_ddp_hook(rank: int, size: int, device: torch.device) -> None:
+    """DistributedDataParallel with sumflow's comm hook on a CUDA model equals one process
+    on the whole batch (DDP's own process group, gloo, only broadcasts at the start)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        model, reference = two_models(device)
+        net = DistributedDataParallel(model)
+        buckets = [0]
+
+        # No annotations: DDP checks those it finds against its own types.
+        def counted(state, bucket):
+            buckets[0] += 1
+            return hvd.ddp_hook(state, bucket)
+
+        net.register_comm_hook(hvd.DDPHookState(net, name="cuda-ddp"), counted)
+        opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+        ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(5):
+            batch = torch.randn(size * 8, 33, generator=gen).to(device)
+            target = torch.randn(size * 8, 5, generator=gen).to(device)
+            mine = slice(rank * 8, rank * 8 + 8)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(net(batch[mine]), target[mine]).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            torch.nn.functional.mse_loss(reference(batch), target).backward()
+            ref_opt.step()
+        # DDP's own all-reduce would give the same parameters: the hook must have run.
+        assert buckets[0] >= 5, f"sumflow's hook ran for {buckets[0]} buckets in 5 steps"
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"DDP hook: parameter {name}"
+    finally:
+        dist.destroy_process_group()
 
 
 def main() -> int:
@@ -229,6 +288,9 @@ def main() -> int:
     check_optimizer(rank, size, device, passes=2)
     check_optimizer(rank, size, device, passes=1, fusion=0)
     check_optimizer(rank, size, device, passes=2, fusion=256)
+    check_optimizer(rank, size, device, passes=1, cross_barrier=True)
+    check_optimizer(rank, size, device, passes=1, fusion=0, cross_barrier=True)
+    check_ddp_hook(rank, size, device)
     hvd.shutdown()
     (out / f"rank{rank}.txt").write_text("ok")
     return 0
