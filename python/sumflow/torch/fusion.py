@@ -108,8 +108,10 @@ class GradientPool:
         self._priority = priority
         self._prefix = prefix
         #: By ``id(param)`` (a tensor's ``__hash__`` is a Python call, and backward's
-        #: hooks look parameters up): the parameter and its view of the pool.
-        self._views: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: hooks look parameters up): each parameter's view of the pool, and the
+        #: parameters.
+        self.view_of: dict[int, torch.Tensor] = {}
+        self._params: list[torch.Tensor] = []
         #: Per dtype and device: its parameters, their offsets, and their pool.
         self._pools: list[tuple[list[torch.Tensor], list[int], torch.Tensor]] = []
         groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -121,7 +123,8 @@ class GradientPool:
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
             for p, start in zip(params, offsets):
-                self._views[id(p)] = (p, pool[start : start + p.numel()].view(p.shape))
+                self.view_of[id(p)] = pool[start : start + p.numel()].view(p.shape)
+                self._params.append(p)
             self._pools.append((params, offsets, pool))
         self.replan(threshold)
         for p in backward_order:
@@ -159,7 +162,7 @@ class GradientPool:
         """Makes ``p.grad`` its view of the pool: zeros if it has no gradient, its
         gradient's values (moved in once) if autograd or the user put another tensor
         there."""
-        view = self._views[id(p)][1]
+        view = self.view_of[id(p)]
         grad = p.grad
         if grad is view:  # after `zero`: autograd added into the pool
             return
@@ -181,7 +184,8 @@ class GradientPool:
         a copy per gradient during backward)."""
         for _, _, pool in self._pools:
             pool.zero_()
-        for p, view in self._views.values():
+        for p in self._params:
+            view = self.view_of[id(p)]
             if p.grad is not view:
                 p.grad = view
 

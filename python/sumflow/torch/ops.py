@@ -138,8 +138,10 @@ def sum_work(
         raise ValueError(f"'{name}': {op!r} reduces uncompressed tensors only")
     rt = _runtime.current()
     compressor = bind(compression, name)
-    prescale_factor = applied_factor(prescale_factor, output.dtype, output.is_cuda)
-    postscale_factor = applied_factor(postscale_factor, output.dtype, output.is_cuda)
+    if prescale_factor != 1.0:
+        prescale_factor = applied_factor(prescale_factor, output.dtype, output.is_cuda)
+    if postscale_factor != 1.0:
+        postscale_factor = applied_factor(postscale_factor, output.dtype, output.is_cuda)
     wire, ctx = compressor.compress(output)
     if prescale_factor != 1.0:
         _scale(wire, prescale_factor)

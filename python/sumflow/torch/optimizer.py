@@ -56,6 +56,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     #: its parameters): a tensor's ``__hash__`` is a Python call, and the gradient hook
     #: looks parameters up about ten times, during backward.
     _sf_handles: dict[int, int]
+    #: Backward passes seen this step per parameter, counted with backward_passes_per_step
+    #: > 1 only.
     _sf_passes: dict[int, int]
     #: With fusion: the gradient pool. With groups: each grouped parameter's bundle.
     _sf_pool: GradientPool | None
@@ -234,20 +236,25 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_declare()
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
-        self._sf_current()
+        # Backward's thread runs this once per gradient, and on a GPU machine every
+        # microsecond of it lengthens backward: attribute reads and calls are kept few.
+        if self._sf_generation != _runtime.generation:
+            self._sf_renew()
         key = id(p)
+        sent = key in self._sf_handles
         pool = self._sf_pool
-        if pool is not None and key not in self._sf_handles:
+        if pool is not None and not sent and p.grad is not pool.view_of[key]:
             pool.adopt(p)
-        passes = self._sf_passes.get(key, 0) + 1
-        self._sf_passes[key] = passes
-        if passes < self._sf_backward_passes:
-            return
+        if self._sf_backward_passes > 1:
+            passes = self._sf_passes.get(key, 0) + 1
+            self._sf_passes[key] = passes
+            if passes < self._sf_backward_passes:
+                return
         # What p is sent with, if anything: its span (fusion) or its bundle (groups).
         batch: Span | Bundle | None = (
             pool.span_of[key] if pool is not None else self._sf_bundle_of.get(p)
         )
-        if key in self._sf_handles or (batch is not None and key in self._sf_ready.get(batch, ())):
+        if sent or (batch is not None and key in self._sf_ready.get(batch, ())):
             raise RuntimeError(
                 f"the gradient of {self._sf_names[p]} was computed again before step() or "
                 "synchronize() used the previous one; with gradient accumulation pass "
@@ -332,7 +339,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_current()
         if self._sf_overlap is not None:
             self._sf_overlap.wait_all("optimizer.synchronize()")
-            if not (self._sf_handles or self._sf_passes):
+            # No gradient sent, waiting for its span or bundle, or counted since the step.
+            if not (self._sf_handles or self._sf_ready or self._sf_passes):
                 return
         self._sf_push_missing()
         handles, self._sf_handles = self._sf_handles, {}
