@@ -11,6 +11,9 @@
 #   b128       one worker, 128 images
 #   np2        two workers sharing the GPU, 64 images each
 #   profile    one worker, 64 images, then where the hooks' time goes (cProfile)
+#   hooks      the same hooks on this host's CPU alone (sumflow_bench.hook_cost): how fast
+#              this host runs their Python, to compare with the machine the project's
+#              CI runs on
 #   horovod    Horovod's suite with CUDA tensors, given HOROVOD_SUITE (a copy of
 #              ../shared/conformance/horovod-torch); last, as it takes the longest
 # Results and logs go to the folder given, each as soon as its step ends (the suite's
@@ -21,7 +24,7 @@
 set -uo pipefail
 out=${1:?usage: bench/cuda_check.sh OUT_DIR [STEP...]}
 shift
-steps=${*:-tests b64 python gradient b128 np2 horovod}
+steps=${*:-tests hooks b64 python gradient b128 np2 horovod}
 mkdir -p "$out"
 export PYTHONPATH="$PWD/python:$PWD/bench" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -83,6 +86,11 @@ for step in $steps; do
     b128) resnet np1-b128 1 128 ;;
     np2) resnet np2-b64 2 64 ;;
     profile) resnet np1-b64-profile 1 64 -- --profile-hooks ;;
+    hooks)
+      echo "== the gradient hooks on the CPU (hook_cost)"
+      timeout -k 5 60 "$python" -m sumflow.launcher -np 1 --timeout 50 \
+        "$python" -m sumflow_bench.hook_cost --steps 30 > "$out/hook_cost.log" 2>&1 || status=1
+      grep -E "gradients|Error" "$out/hook_cost.log" ;;
     horovod) horovod ;;
     *) echo "cuda_check.sh: unknown step $step" >&2; exit 2 ;;
   esac
