@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 
 mod defaults;
 pub mod errors;
+mod owners;
 mod service;
 mod sim;
 mod staging;

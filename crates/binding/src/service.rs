@@ -5,9 +5,8 @@
 //! operation has been waited for, so the buffer cannot be freed while the pipeline threads
 //! write the sum into it. Every call that can block runs with the GIL released.
 
-use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::PyValueError;
@@ -22,6 +21,7 @@ use sumflow_comm::{
 use sumflow_wire::{timing, Dtype, ErrorCode, JobToken};
 
 use crate::errors::{to_py_err, ErrorKind};
+use crate::owners::Owners;
 use crate::staging::{self, StagedSum};
 use crate::trace;
 use sumflow_cuda::{DriverEngine, Stager};
@@ -182,8 +182,7 @@ fn exchange(pushes: Option<Vec<(u64, u64)>>, pulls: Option<Vec<(u64, u64)>>) -> 
 #[derive(Debug)]
 pub struct PyCommunicationService {
     svc: Arc<CommunicationService>,
-    /// The objects owning the buffers of operations not yet waited for, by handle.
-    owners: Arc<Mutex<HashMap<u64, Py<PyAny>>>>,
+    owners: Owners,
     /// The CUDA staging thread, started by the first CUDA tensor; or why it cannot be.
     stager: OnceLock<Result<Stager<DriverEngine>, String>>,
 }
@@ -283,7 +282,7 @@ impl PyCommunicationService {
             .map_err(|e| py_err(py, e))?;
         Ok(PyCommunicationService {
             svc: Arc::new(svc),
-            owners: Arc::new(Mutex::new(HashMap::new())),
+            owners: Owners::default(),
             stager: OnceLock::new(),
         })
     }
@@ -483,21 +482,24 @@ impl PyCommunicationService {
     ) -> PyResult<u64> {
         let op = reduce_op(op, average)?;
         let exchange = exchange(pushes, pulls);
-        // The owners lock is held across the enqueue so that a wait on another thread
-        // cannot find the handle finished before its owner is recorded.
-        let mut owners = self.owners.lock().expect("owners lock");
-        // SAFETY: `owner` owns `ptr..ptr+nbytes` (the documented contract of this method,
-        // upheld by sumflow.torch, which passes a contiguous tensor and its data_ptr) and
-        // stays referenced in `owners` until `wait` returns, so the memory outlives the
-        // operation; Python code touching it meanwhile is the caller's race, as with any
-        // asynchronous in-place collective.
-        let handle = unsafe {
-            self.svc
-                .push_exchange(tensor_id, (ptr as *mut u8, nbytes), priority, op, &exchange)
-        }
-        .map_err(|e| py_err(py, e))?;
-        owners.insert(handle, owner);
-        Ok(handle)
+        self.owners
+            .start(owner, || {
+                // SAFETY: `owner` owns `ptr..ptr+nbytes` (the documented contract of this
+                // method, upheld by sumflow.torch, which passes a contiguous tensor and its
+                // data_ptr) and stays referenced in `owners` until `wait` returns, so the
+                // memory outlives the operation; Python code touching it meanwhile is the
+                // caller's race, as with any asynchronous in-place collective.
+                unsafe {
+                    self.svc.push_exchange(
+                        tensor_id,
+                        (ptr as *mut u8, nbytes),
+                        priority,
+                        op,
+                        &exchange,
+                    )
+                }
+            })
+            .map_err(|e| py_err(py, e))
     }
 
     /// `push_pull` of a CUDA tensor through its pinned host buffer: marks the point of
@@ -578,22 +580,23 @@ impl PyCommunicationService {
         staleness: Option<u32>,
         priority: i64,
     ) -> PyResult<u64> {
-        let mut owners = self.owners.lock().expect("owners lock");
-        // SAFETY: `owner` and `initial_owner` own the two spans (the documented contract,
-        // upheld by sumflow.torch) and stay referenced in `owners` until `wait` returns.
-        let handle = unsafe {
-            self.svc.push_delta(
-                tensor_id,
-                (ptr as *mut u8, nbytes),
-                initial as *mut u8,
-                staleness,
-                priority,
-            )
-        }
-        .map_err(|e| py_err(py, e))?;
         let both = PyTuple::new(py, [owner, initial_owner])?;
-        owners.insert(handle, both.into_any().unbind());
-        Ok(handle)
+        self.owners
+            .start(both.into_any().unbind(), || {
+                // SAFETY: `owner` and `initial_owner` own the two spans (the documented
+                // contract, upheld by sumflow.torch) and stay referenced in `owners` until
+                // `wait` returns.
+                unsafe {
+                    self.svc.push_delta(
+                        tensor_id,
+                        (ptr as *mut u8, nbytes),
+                        initial as *mut u8,
+                        staleness,
+                        priority,
+                    )
+                }
+            })
+            .map_err(|e| py_err(py, e))
     }
 
     /// Retires tensor `tensor_id`: this worker will never push it again. Raises
@@ -624,8 +627,7 @@ impl PyCommunicationService {
         let result = py.detach(|| svc.wait(handle, timeout));
         // A timed-out operation may still write into the buffer: keep its owner.
         if !matches!(result, Err(CommError::Timeout { .. })) {
-            let owner = self.owners.lock().expect("owners lock").remove(&handle);
-            drop(owner);
+            self.owners.release(handle);
         }
         result.map_err(|e| py_err(py, e))
     }
@@ -744,8 +746,7 @@ impl PyCommunicationService {
         let svc = Arc::clone(&self.svc);
         let result = py.detach(|| svc.shutdown(reason));
         // Every operation has failed or finished by now: nothing writes into the buffers.
-        let owners = std::mem::take(&mut *self.owners.lock().expect("owners lock"));
-        drop(owners);
+        self.owners.release_all();
         result.map_err(|e| py_err(py, e))
     }
 

@@ -2,8 +2,7 @@
 //! `CommunicationService.push_pull_after_copy` issues once the copy is complete, and the
 //! `StagedSum` Python waits on for it.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
@@ -12,6 +11,7 @@ use sumflow_comm::{CommunicationService, Exchange, ReduceOp};
 use sumflow_cuda::{DriverEngine, DriverError, HostCopy, Stager, Ticket};
 
 use crate::errors::{to_py_err, ErrorKind};
+use crate::owners::Owners;
 use crate::service::{kind_of, seconds};
 
 /// A staged sum's outcome: its core handle, or the error to raise (kind, message).
@@ -48,7 +48,7 @@ pub fn stage(
     py: Python<'_>,
     stager: &Stager<DriverEngine>,
     svc: &Arc<CommunicationService>,
-    owners: &Arc<Mutex<HashMap<u64, Py<PyAny>>>>,
+    owners: &Owners,
     stream: usize,
     sum: Sum,
 ) -> PyResult<StagedSum> {
@@ -65,7 +65,7 @@ pub fn stage(
     let tracer = svc.tracer();
     let queued = tracer.active().then(|| tracer.now_ns());
     let svc = Arc::clone(svc);
-    let owners = Arc::clone(owners);
+    let owners = owners.clone();
     let (host_owner, ptr, nbytes) = sum.host;
     let copy = HostCopy {
         dst: ptr,
@@ -83,28 +83,22 @@ pub fn stage(
                     let name = format!("to host {}", sum.name);
                     tracer.span(Track::Python(TRACK.into()), name, start, end, &[]);
                 }
-                // Held across the enqueue, as in `push_pull`: a wait cannot find the handle
-                // finished before its owner is recorded.
-                let mut owners = owners.lock().expect("owners lock");
-                // SAFETY: `host_owner` owns `ptr..ptr+nbytes` (the contract of
-                // `push_pull_after_copy`, as of `push_pull`) and stays referenced in
-                // `owners` until `wait` returns.
-                let issued = unsafe {
-                    svc.push_exchange(
-                        sum.tensor_id,
-                        (ptr as *mut u8, nbytes),
-                        sum.priority,
-                        sum.op,
-                        &sum.exchange,
-                    )
-                };
-                match issued {
-                    Ok(handle) => {
-                        owners.insert(handle, host_owner);
-                        Ok(handle)
-                    }
-                    Err(e) => Err((kind_of(&e), e.to_string())),
-                }
+                owners
+                    .start(host_owner, || {
+                        // SAFETY: `host_owner` owns `ptr..ptr+nbytes` (the contract of
+                        // `push_pull_after_copy`, as of `push_pull`) and stays referenced in
+                        // `owners` until `wait` returns.
+                        unsafe {
+                            svc.push_exchange(
+                                sum.tensor_id,
+                                (ptr as *mut u8, nbytes),
+                                sum.priority,
+                                sum.op,
+                                &sum.exchange,
+                            )
+                        }
+                    })
+                    .map_err(|e| (kind_of(&e), e.to_string()))
             }
         };
         ticket.complete(outcome);

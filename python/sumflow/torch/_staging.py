@@ -251,12 +251,15 @@ def after_copy(name: str, tensor: torch.Tensor, job: Sum) -> Staged:
     return _python_after_copy(name, tensor.device, transfer, lambda: job.issue(service))
 
 
+#: torch's call for the current ``cudaStream_t`` of a device, where it has one.
+_CURRENT_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _raw_stream(device: int) -> int:
     """The caller's current stream on `device`, as a ``cudaStream_t``: one call into
     torch where it has one (``torch.cuda.current_stream`` makes a Stream object)."""
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    if raw is not None:
-        return int(raw(device))
+    if _CURRENT_RAW_STREAM is not None:
+        return int(_CURRENT_RAW_STREAM(device))
     return int(torch.cuda.current_stream(device).cuda_stream)
 
 
