@@ -14,6 +14,11 @@
 #   hooks      the same hooks on this host's CPU alone (sumflow_bench.hook_cost): how fast
 #              this host runs their Python, to compare with the machine the project's
 #              CI runs on
+#   ab         an A/B of this tree against another (BASELINE: that tree's python/ folder,
+#              with its extension built), 64 images, alternating three times; compared
+#              by sumflow_bench.cuda_compare into ab.txt and ab.png (not run by default)
+#   cudahooks  hook_cost on CUDA tensors, with the profile of the hooks, staged by the
+#              driver and then by the Python thread (not run by default)
 #   horovod    Horovod's suite with CUDA tensors, given HOROVOD_SUITE (a copy of
 #              ../shared/conformance/horovod-torch); last, as it takes the longest
 # Results and logs go to the folder given, each as soon as its step ends (the suite's
@@ -91,6 +96,29 @@ for step in $steps; do
       timeout -k 5 60 "$python" -m sumflow.launcher -np 1 --timeout 50 \
         "$python" -m sumflow_bench.hook_cost --steps 30 > "$out/hook_cost.log" 2>&1 || status=1
       grep -E "gradients|Error" "$out/hook_cost.log" ;;
+    ab)
+      if [ -z "${BASELINE:-}" ]; then
+        echo "== the A/B skipped: BASELINE (another tree's python/ folder) is not set"
+        continue
+      fi
+      this=() base=()
+      for i in 1 2 3; do
+        resnet ab-this-$i 1 64
+        PYTHONPATH="$BASELINE:$PWD/bench" resnet ab-baseline-$i 1 64
+        this+=("$out/resnet50-ab-this-$i.json") base+=("$out/resnet50-ab-baseline-$i.json")
+      done
+      "$python" -m sumflow_bench.cuda_compare --plot "$out/ab.png" \
+        "this=$(IFS=,; echo "${this[*]}")" "baseline=$(IFS=,; echo "${base[*]}")" \
+        > "$out/ab.txt" 2>&1 || status=1
+      tail -3 "$out/ab.txt" ;;
+    cudahooks)
+      for staging in driver python; do
+        echo "== the gradient hooks on CUDA tensors (hook_cost), staged by $staging"
+        timeout -k 5 90 "$python" -m sumflow.launcher -np 1 --timeout 80 \
+          -x SUMFLOW_CUDA_STAGING=$staging "$python" -m sumflow_bench.hook_cost --steps 30 \
+          --device cuda --profile 30 > "$out/hook_cost-cuda-$staging.log" 2>&1 || status=1
+        grep -E "gradients|Error" "$out/hook_cost-cuda-$staging.log"
+      done ;;
     horovod) horovod ;;
     *) echo "cuda_check.sh: unknown step $step" >&2; exit 2 ;;
   esac

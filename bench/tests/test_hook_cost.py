@@ -22,15 +22,19 @@ def test_the_benchmark_times_sending_hooks_and_the_others() -> None:
     env.update(OMP_NUM_THREADS="1", RUST_LOG="warn")
     proc = subprocess.run(
         [sys.executable, "-m", "sumflow.launcher", "-np", "1", "--timeout", "60",
-         sys.executable, "-m", "sumflow_bench.hook_cost", "--steps", "2", "--warmup", "1"],
+         sys.executable, "-m", "sumflow_bench.hook_cost", "--steps", "2", "--warmup", "1",
+         "--profile", "5"],
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    line = re.search(r"161 gradients, fusion 4194304 B: .* \((\d+) a step\)", proc.stdout)
+    line = re.search(r"161 CPU gradients, fusion 4194304 B: .* \((\d+) a step\)", proc.stdout)
     assert line, proc.stdout[-2000:]
     # 97.5 MiB of gradients in spans of at least 4 MiB, each closed as soon as it holds
     # that much (the last holds the rest).
     assert line.group(1) == "19"
+    # The profile of the timed steps' hooks, sumflow's among them.
+    assert "function calls" in proc.stdout, proc.stdout
+    assert "_sf_grad_ready" in proc.stdout, proc.stdout

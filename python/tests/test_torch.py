@@ -85,6 +85,22 @@ def test_distributed_optimizer_equals_one_process_on_the_whole_batch(
     assert BATCH % passes == 0
 
 
+@pytest.mark.parametrize(
+    ("env", "prepared"),
+    [({"FUSION": "256"}, [2, 0]), ({"FUSION": "256", "PREDIVIDE": "2"}, [0, 2])],
+    ids=["prepared", "predivided"],
+)
+def test_fused_spans_are_sent_by_prepared_sums_where_they_can_be(
+    tmp_path: Path, env: dict[str, str], prepared: list[int]
+) -> None:
+    # The model's gradients make two spans of at least 256 B. A span whose gradients are
+    # scaled before they are sent (a predivide factor) is sent by the general path, each
+    # step anew; either way the workers train as one process.
+    for got in results(tmp_path, trains_like_one_process(tmp_path, env)):
+        assert isinstance(got, dict)
+        assert got["prepared spans"].tolist() == prepared
+
+
 def test_an_lr_scheduler_created_before_wrapping_does_not_bypass_the_averaging(
     tmp_path: Path,
 ) -> None:

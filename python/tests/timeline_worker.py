@@ -18,8 +18,11 @@ from sumflow.torch import trace
 hvd.init()
 rank, size = hvd.rank(), hvd.size()
 model = torch.nn.Linear(4, 2)
+# Fused, one parameter a span (so each keeps its own name): spans are sent by prepared sums.
 optimizer = hvd.DistributedOptimizer(
-    torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters()
+    torch.optim.SGD(model.parameters(), lr=0.1),
+    named_parameters=model.named_parameters(),
+    fusion_threshold=1,
 )
 hvd.allreduce(torch.ones(10), name="before")
 hvd.start_timeline(Path(sys.argv[1]) / f"timeline-rank{rank}.json", mark_cycles=True)

@@ -48,10 +48,14 @@ def train(opt_name: str, passes: int) -> dict[str, torch.Tensor]:
     # created before wrapping, which patches base.step on the instance.
     lr_first = os.environ.get("LR_SCHEDULER_FIRST") == "1"
     schedule = torch.optim.lr_scheduler.LambdaLR(base, lambda _: 1.0) if lr_first else None
+    # FUSION: a fusion threshold in bytes; PREDIVIDE: gradient_predivide_factor.
+    fusion = {"fusion_threshold": int(os.environ["FUSION"])} if "FUSION" in os.environ else {}
     opt = hvd.DistributedOptimizer(
         base,
         named_parameters=m.named_parameters(),
         backward_passes_per_step=passes,
+        gradient_predivide_factor=float(os.environ.get("PREDIVIDE", "1")),
+        **fusion,
     )
     hvd.broadcast_parameters(m.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(opt, root_rank=0)
@@ -66,7 +70,11 @@ def train(opt_name: str, passes: int) -> dict[str, torch.Tensor]:
         opt.step()
         if schedule is not None:
             schedule.step()
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    out = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    # How many of the fused spans were sent by a prepared sum, and how many could not be.
+    prepared = list(getattr(opt, "_sf_prepared", {}).values())
+    out["prepared spans"] = torch.tensor([sum(map(bool, prepared)), prepared.count(False)])
+    return out
 
 
 def broadcasts() -> dict[str, object]:

@@ -218,37 +218,67 @@ class Sum(NamedTuple):
 def after_copy(name: str, tensor: torch.Tensor, job: Sum) -> Staged:
     """Issues `job` once `tensor` (CUDA, produced by the work queued so far on the
     caller's stream) is copied into ``job.host``; returns at once."""
-    rt = _runtime.current()
-    service = rt.service
-    if rt.driver_staging is None:
-        rt.driver_staging = _driver_staging(service)
-    if rt.driver_staging:
-        host = job.host
-        nbytes = host.numel() * host.element_size()
-        # The driver copies bytes as they lie: a strided tensor is packed first, on the
-        # caller's stream (torch's own copy does that inside the Python thread's).
-        source = tensor if tensor.is_contiguous() else tensor.contiguous()
-        device = tensor.get_device()
-        return service.push_pull_after_copy(
-            name,
-            source,
-            source.data_ptr(),
-            device,
-            _raw_stream(device),
-            job.tensor_id,
-            host,
-            host.data_ptr(),
-            nbytes,
-            job.priority,
-            job.average,
-            op=job.op,
-            pulls=job.pulls,
-        )
-    _, produced, copied = _pinned_for(name, tensor)
-    # The tensor is produced on the caller's stream: copied once that work is done.
-    produced.record(torch.cuda.current_stream(tensor.device))
-    transfer = ToHost(tensor, job.host, produced, copied)
-    return _python_after_copy(name, tensor.device, transfer, lambda: job.issue(service))
+    return CopyThenSum(name, tensor, job).start()
+
+
+#: push_pull_after_copy's arguments before the caller's stream, and after it.
+_DriverArgs = tuple[
+    tuple[str, torch.Tensor, int, int], tuple[int, torch.Tensor, int, int, int, bool]
+]
+
+
+class CopyThenSum:
+    """A CUDA tensor's copy into its host buffer, then `job`, with the arguments worked out
+    once: a tensor staged every step from the same memory (a span of the gradient pool,
+    contiguous) is started each step by one call, ``start``, the one call of a gradient
+    hook's send that has to run on backward's thread."""
+
+    __slots__ = ("_args", "_device", "_job", "_name", "_service", "_tensor")
+
+    def __init__(self, name: str, tensor: torch.Tensor, job: Sum) -> None:
+        rt = _runtime.current()
+        if rt.driver_staging is None:
+            rt.driver_staging = _driver_staging(rt.service)
+        self._service = rt.service
+        self._name = name
+        self._job = job
+        self._device = tensor.get_device()
+        self._tensor = tensor
+        #: push_pull_after_copy's arguments before and after the caller's stream (None:
+        #: staged by the Python thread).
+        self._args: _DriverArgs | None = None
+        if rt.driver_staging:
+            host = job.host
+            # The driver copies bytes as they lie: a strided tensor is packed first, on the
+            # caller's stream (torch's own copy does that inside the Python thread's).
+            source = tensor if tensor.is_contiguous() else tensor.contiguous()
+            nbytes = host.numel() * host.element_size()
+            self._args = (
+                (name, source, source.data_ptr(), self._device),
+                (job.tensor_id, host, host.data_ptr(), nbytes, job.priority, job.average),
+            )
+
+    def start(self) -> Staged:
+        """Marks the point of the caller's current stream where the tensor is complete
+        (it must be complete there, and unwritten until the sum is finished), and returns:
+        the copy and the sum follow on a staging thread."""
+        job = self._job
+        if self._args is not None:
+            (name, source, source_ptr, device), (tid, host, ptr, nbytes, priority, average) = (
+                self._args
+            )
+            stream = _raw_stream(device)
+            return self._service.push_pull_after_copy(
+                name, source, source_ptr, device, stream, tid, host, ptr, nbytes, priority,
+                average, op=job.op, pulls=job.pulls,
+            )  # fmt: skip
+        tensor = self._tensor
+        _, produced, copied = _pinned_for(self._name, tensor)
+        # The tensor is produced on the caller's stream: copied once that work is done.
+        produced.record(torch.cuda.current_stream(tensor.device))
+        transfer = ToHost(tensor, job.host, produced, copied)
+        service = self._service
+        return _python_after_copy(self._name, tensor.device, transfer, lambda: job.issue(service))
 
 
 #: torch's call for the current ``cudaStream_t`` of a device, where it has one.

@@ -218,12 +218,9 @@ def issue_declared(
     declared model's gradients): no negotiation, the fast path. Returns a handle."""
     if op not in (Average, Sum):
         raise NotImplementedError(f"op={op!r}: gradients are summed or averaged")
-    # Agreed in advance, a declared sum's one timeline phase is its data stage.
-    traced = timeline.running()
-    if traced:
-        timeline.phase(name, "ALLREDUCE")
-    try:
-        work = sum_work(
+    return _register_declared(
+        name,
+        lambda: sum_work(
             name,
             output,
             op,
@@ -232,7 +229,18 @@ def issue_declared(
             prescale_factor,
             postscale_factor,
             group if group is not None else process_sets.group_of(None, name),
-        )
+        ),
+    )
+
+
+def _register_declared(name: str, make: Callable[[], _work.CoreWork]) -> int:
+    """A handle for the work `make` issues, a declared sum, whose one timeline phase is
+    its data stage (agreed in advance, it has no negotiation)."""
+    traced = timeline.running()
+    if traced:
+        timeline.phase(name, "ALLREDUCE")
+    try:
+        work = make()
     except BaseException:
         if traced:
             timeline.phase(name, None)
@@ -240,6 +248,84 @@ def issue_declared(
     if traced:
         _ends_phase(name, work)
     return _work.register(work)
+
+
+class PreparedSum:
+    """A declared sum of the same memory every step (a span of DistributedOptimizer's
+    gradient pool), sent uncompressed and unscaled: what ``issue_declared`` works out on
+    every call (checks, host buffer, declaration, the staging's arguments) worked out
+    once, so that a gradient hook that sends makes one call into the core and registers
+    the work (``issue``). Valid in the runtime generation it was prepared in."""
+
+    __slots__ = ("_copy", "_job", "_service", "host", "name", "output", "post", "tensor_id")
+
+    def __init__(
+        self,
+        name: str,
+        output: torch.Tensor,
+        op: ReduceOp,
+        priority: int,
+        postscale_factor: float,
+        group: Group,
+    ) -> None:
+        check_dtype(output, name)
+        if output.requires_grad and output.is_leaf:
+            raise ValueError(f"tensor '{name}' is a leaf that requires grad; pass tensor.data")
+        self.name = name
+        self.output = output
+        host, source = _staging.to_host(name, output)
+        self.host = host
+        self.tensor_id = declare(name, host, None, group.members, shape=output.shape)
+        float_average = op is Average and output.is_floating_point()
+        post = applied_factor(postscale_factor, output.dtype, output.is_cuda)
+        #: What the result is scaled by once summed (integers are averaged here).
+        self.post = post / group.size if op is Average and not float_average else post
+        self._job = _staging.Sum(self.tensor_id, host, priority, float_average, None, None)
+        self._copy = None if source is None else _staging.CopyThenSum(name, source, self._job)
+        self._service = _runtime.current().service
+
+    def issue(self) -> int:
+        """Starts this step's sum of the tensor's current values; returns its handle."""
+        if timeline.running():
+            return _register_declared(self.name, self._start)
+        return _work.register(self._start())
+
+    def _start(self) -> _work.CoreWork:
+        if self._copy is None:
+            cores, copies = self._job.issue(self._service), []
+        else:
+            cores, copies = [], [self._copy.start()]
+        return _work.CoreWork(self.name, cores, self._finish, [self.tensor_id], copies)
+
+    def _finish(self) -> torch.Tensor:
+        output = self.output
+        if self.host is not output:
+            _staging.copy_back(self.host, output)
+        if self.post != 1.0:
+            _scale(output, self.post)
+        return output
+
+
+def prepare_declared(
+    name: str,
+    output: torch.Tensor,
+    op: ReduceOp,
+    priority: int,
+    compression: type[Compressor] | Compressor,
+    prescale_factor: float,
+    postscale_factor: float,
+    group: Group,
+) -> PreparedSum | None:
+    """``issue_declared``'s sum of `output` prepared for every step (``PreparedSum``);
+    None where it cannot be: compressed or scaled before it is sent (the wire tensor is
+    new every step), or not contiguous (summed through a copy made every step)."""
+    if op not in (Average, Sum):
+        raise NotImplementedError(f"op={op!r}: gradients are summed or averaged")
+    if compression is not Compression.none or prescale_factor != 1.0:
+        return None
+    if not output.is_contiguous():
+        return None
+    return PreparedSum(name, output, op, priority, postscale_factor, group)
 
 
 def _ends_phase(name: str, work: _work.Work) -> None:

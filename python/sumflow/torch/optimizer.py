@@ -23,7 +23,7 @@ import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 
@@ -64,6 +64,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     _sf_bundle_of: dict[torch.Tensor, Bundle]
     #: Each unsent span's or bundle's parameters whose gradient is ready this step.
     _sf_ready: dict[Span | Bundle, set[int]]
+    #: Each span's sum, prepared at its first send (False: it cannot be, as compressed).
+    _sf_prepared: dict[Span, ops.PreparedSum | Literal[False]]
     _sf_backward_passes: int
     _sf_compression: type[Compressor] | Compressor
     _sf_op: ops.ReduceOp
@@ -155,6 +157,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             )
         self._sf_pool = None
         self._sf_ready = {}
+        self._sf_prepared = {}
         self._sf_bundle_of = {p: b for b in bundles for p in b.params}
         if fusion_threshold > 0:
             # Backward produces the last layers' gradients first.
@@ -187,6 +190,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sf_handles = {}
         self._sf_passes = {}
         self._sf_ready = {}
+        self._sf_prepared = {}
         self._sf_synchronized = False
         if self._sf_group is not None:
             self._sf_group = process_sets.group_of(self._sf_process_set, "DistributedOptimizer")
@@ -233,6 +237,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if self._sf_handles or self._sf_ready:
             raise RuntimeError("the fusion threshold can only change between steps")
         self._sf_pool.replan(fusion.check_threshold(threshold))
+        self._sf_prepared = {}
         self._sf_declare()
 
     def _sf_grad_ready(self, p: torch.Tensor) -> None:
@@ -313,19 +318,42 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for q in span.params:
                 self._sf_pool.adopt(q)
         self._sf_ready.pop(span, None)
-        handle = self._sf_issue(span.name, span.flat, span.priority)
+        prepared = self._sf_prepared.get(span)
+        if prepared is None and self._sf_group is not None:
+            op, prescale, postscale = self._sf_scaling()
+            # False: not preparable (compressed or scaled before sending), not tried again.
+            prepared = self._sf_prepared[span] = (
+                ops.prepare_declared(
+                    span.name,
+                    span.flat,
+                    op,
+                    span.priority,
+                    self._sf_compression,
+                    prescale,
+                    postscale,
+                    self._sf_group,
+                )
+                or False
+            )
+        if prepared:
+            handle = prepared.issue()
+        else:
+            handle = self._sf_issue(span.name, span.flat, span.priority)
         self._sf_handles.update(dict.fromkeys(span.keys, handle))
 
     def _sf_issue(self, name: str, grad: torch.Tensor, priority: int) -> int:
-        prescale, postscale = 1.0, 1.0
-        op = self._sf_op
-        if self._sf_predivide != 1.0:
-            assert self._sf_group is not None, "a worker outside the set sends nothing"
-            size = self._sf_group.size
-            prescale, postscale, op = 1.0 / self._sf_predivide, self._sf_predivide / size, ops.Sum
+        op, prescale, postscale = self._sf_scaling()
         return ops.issue_declared(
             name, grad, op, priority, self._sf_compression, prescale, postscale, self._sf_group
         )
+
+    def _sf_scaling(self) -> tuple[ops.ReduceOp, float, float]:
+        """The reduction and the factors a gradient is scaled by before and after it."""
+        if self._sf_predivide == 1.0:
+            return self._sf_op, 1.0, 1.0
+        assert self._sf_group is not None, "a worker outside the set sends nothing"
+        size = self._sf_group.size
+        return ops.Sum, 1.0 / self._sf_predivide, self._sf_predivide / size
 
     def synchronize(self) -> None:
         """Waits until every gradient has been averaged across workers. Parameters whose
