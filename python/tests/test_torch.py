@@ -5,6 +5,7 @@ failures (declaration mismatch, a killed worker)."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -99,6 +100,19 @@ def test_fused_spans_are_sent_by_prepared_sums_where_they_can_be(
     for got in results(tmp_path, trains_like_one_process(tmp_path, env)):
         assert isinstance(got, dict)
         assert got["prepared spans"].tolist() == prepared
+
+
+def test_a_gradient_computed_twice_before_step_is_refused_naming_it(tmp_path: Path) -> None:
+    (got,) = results(tmp_path, run(tmp_path, 1, "computed-twice", cpu_servers=0))
+    assert isinstance(got, dict)
+    # The first layer's bias or weight, whichever autograd computes first.
+    again = (
+        r"the gradient of DistributedOptimizer\.grad\.0\.(bias|weight) was computed again "
+        r"before step\(\) or synchronize\(\) used the previous one; with gradient "
+        r"accumulation pass backward_passes_per_step"
+    )
+    for variant in ("sent", "fused"):
+        assert re.match(again, got[variant]), (variant, got[variant])
 
 
 def test_an_lr_scheduler_created_before_wrapping_does_not_bypass_the_averaging(

@@ -234,6 +234,30 @@ def sync_batch_norm() -> dict[str, object]:
     }
 
 
+def computed_twice() -> dict[str, str]:
+    """A gradient computed a second time before step(), without gradient accumulation:
+    what each optimizer raised, by variant. "sent": every gradient alone, sent by the
+    first backward; "fused": one span of every gradient, of which the first backward
+    (through the first layer only) made half."""
+    out = {}
+    for variant, fusion in (("sent", 0), ("fused", 1 << 20)):
+        m = model()
+        opt = hvd.DistributedOptimizer(
+            torch.optim.SGD(m.parameters(), lr=0.1),
+            named_parameters=m.named_parameters(),
+            fusion_threshold=fusion,
+        )
+        x, _ = batch(0, hvd.rank(), hvd.size())
+        m[0](x).sum().backward()
+        try:
+            m[0](x).sum().backward()
+            out[variant] = "nothing raised"
+        except RuntimeError as e:
+            out[variant] = str(e)
+        opt.synchronize()
+    return out
+
+
 def main() -> None:
     mode, outdir = sys.argv[1], Path(sys.argv[2])
     hvd.init()
@@ -254,6 +278,8 @@ def main() -> None:
         result = shape_mismatch()
     elif mode == "crash":
         result = crash()
+    elif mode == "computed-twice":
+        result = computed_twice()
     else:
         raise SystemExit(f"unknown mode {mode}")
     torch.save(result, outdir / f"rank{hvd.rank()}.pt")

@@ -259,17 +259,19 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         batch: Span | Bundle | None = (
             pool.span_of[key] if pool is not None else self._sf_bundle_of.get(p)
         )
-        if sent or (batch is not None and key in self._sf_ready.get(batch, ())):
-            raise RuntimeError(
-                f"the gradient of {self._sf_names[p]} was computed again before step() or "
-                "synchronize() used the previous one; with gradient accumulation pass "
-                "backward_passes_per_step to DistributedOptimizer"
-            )
+        if sent:
+            self._sf_computed_again(p)
         if batch is None:
             self._sf_push(p)
             return
-        ready = self._sf_ready.setdefault(batch, set())
-        ready.add(key)
+        readies = self._sf_ready
+        ready = readies.get(batch)
+        if ready is None:
+            ready = readies[batch] = {key}
+        elif key in ready:
+            self._sf_computed_again(p)
+        else:
+            ready.add(key)
         if len(ready) < len(batch.params):
             return
         if isinstance(batch, Span):
@@ -281,6 +283,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         del self._sf_ready[batch]
         for q in batch.params:
             self._sf_push(q)
+
+    def _sf_computed_again(self, p: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"the gradient of {self._sf_names[p]} was computed again before step() or "
+            "synchronize() used the previous one; with gradient accumulation pass "
+            "backward_passes_per_step to DistributedOptimizer"
+        )
 
     def _sf_push(self, p: torch.Tensor) -> None:
         if p.grad is None:
