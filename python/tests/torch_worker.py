@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 import sumflow.torch as hvd
+from sumflow.torch import ops
 
 STEPS = 20
 BATCH = 8  # per worker
@@ -156,9 +157,12 @@ def ddp(use_hook: bool) -> dict[str, torch.Tensor]:
 
     dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
     m = model()
-    net = DistributedDataParallel(m)
+    # Buckets of at most 500 bytes: DDP starts with one bucket of every gradient and
+    # rebuilds them after the first step into two, in the order backward made them.
+    net = DistributedDataParallel(m, bucket_cap_mb=0.0005)
+    state = hvd.DDPHookState(net)
     if use_hook:
-        net.register_comm_hook(hvd.DDPHookState(net), hvd.ddp_hook)
+        net.register_comm_hook(state, hvd.ddp_hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
         opt.zero_grad()
@@ -166,7 +170,14 @@ def ddp(use_hook: bool) -> dict[str, torch.Tensor]:
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
     dist.destroy_process_group()
-    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+    out = {k: v.detach().clone() for k, v in m.state_dict().items()}
+    # The buckets of the last step whose sums were prepared: (size, parameters).
+    out["prepared buckets"] = sorted(
+        (key[2], key[6])
+        for key, sent in state._prepared.values()
+        if isinstance(sent, ops.PreparedSum)
+    )
+    return out
 
 
 def mismatch() -> None:

@@ -4,20 +4,23 @@
     model.register_comm_hook(sumflow.torch.DDPHookState(model), sumflow.torch.ddp_hook)
 
 DDP still needs its process group (gloo or nccl) for its start-up broadcast; the hook only
-replaces the gradient all-reduce. Gradients are pushed per parameter, named after the
-parameter, not per bucket: DDP rebuilds its buckets after the first iteration, and bucket
-indices would then name different tensors. Each parameter keeps its own declaration and
-its model position as priority however the buckets are cut.
+replaces the gradient all-reduce. Each bucket is summed as one tensor, in place in DDP's
+bucket buffer, named after the parameters it holds (``ddp.grad[<first>..<last>]x<count>``,
+or ``ddp.grad.<parameter>`` for a bucket of one), never after its index: DDP rebuilds its
+buckets after the first iteration, the same way on every worker, and an index would then
+name other parameters. Its priority is its most urgent parameter's model position. A
+bucket's buffer is the same memory step after step, so its sum is prepared at its first
+step (``ops.PreparedSum``) and a later step's hook makes one call into the core.
 """
 
 import queue
 import threading
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
 
-from sumflow.torch import ops
+from sumflow.torch import _runtime, ops, process_sets
 from sumflow.torch.compression import AnyCompressor, Compression
 
 
@@ -25,8 +28,8 @@ class DDPHookState:
     """What ``ddp_hook`` needs: parameter names (``state=None`` names them by first
     appearance, which is the same on every worker but less readable in error messages),
     the ``compression`` of the gradients (default ``SUMFLOW_COMPRESSION``, else none), and
-    a ``name`` prefixing the declared tensors (``ddp.grad.<parameter>``), so two hooked
-    models of one job keep apart."""
+    a ``name`` prefixing the declared tensors (``ddp.grad[<first>..<last>]x<count>``), so
+    two hooked models of one job keep apart."""
 
     def __init__(
         self,
@@ -46,6 +49,14 @@ class DDPHookState:
                 self._names[id(p)] = name
                 self._priority[id(p)] = i
 
+        #: By bucket index: what its sum was prepared for (the runtime's generation, the
+        #: buffer's address, size and dtype, its parameters' run) and the sum, or where it
+        #: cannot be prepared (compressed) its name and priority for ``issue_declared``.
+        #: One per index, so a rebuilt bucket's replaces it and frees the old buffer.
+        self._prepared: dict[
+            int, tuple[tuple[object, ...], Union[ops.PreparedSum, tuple[str, int]]]
+        ] = {}
+
     def name_of(self, p: torch.Tensor) -> tuple[str, int]:
         key = id(p)
         if key not in self._names:
@@ -53,6 +64,51 @@ class DDPHookState:
             self._names[key] = f"param.{n}"
             self._priority[key] = n
         return f"{self.prefix}.grad.{self._names[key]}", self._priority[key]
+
+    def bucket_of(self, params: list[torch.Tensor]) -> tuple[str, int]:
+        """The tensor name and priority of a bucket of `params`, in the bucket's order."""
+        first, priority = self.name_of(params[0])
+        if len(params) == 1:
+            return first, priority
+        last, _ = self.name_of(params[-1])
+        priority = min(self.name_of(p)[1] for p in params)
+        first = first[len(self.prefix) + len(".grad.") :]
+        last = last[len(self.prefix) + len(".grad.") :]
+        return f"{self.prefix}.grad[{first}..{last}]x{len(params)}", priority
+
+    def issue(
+        self, bucket: dist.GradBucket, buffer: torch.Tensor, params: list[torch.Tensor]
+    ) -> int:
+        """Starts averaging `bucket`'s `buffer` (its `params`' gradients back to back) in
+        place; returns the handle."""
+        # A bucket is the same while its buffer and its parameters' run are.
+        key = (
+            _runtime.generation,
+            buffer.data_ptr(),
+            buffer.numel(),
+            buffer.dtype,
+            id(params[0]),
+            id(params[-1]),
+            len(params),
+        )
+        index = bucket.index()
+        found = self._prepared.get(index)
+        if found is None or found[0] != key:
+            name, priority = self.bucket_of(params)
+            group = process_sets.group_of(None, name)
+            made = ops.prepare_declared(
+                name, buffer, ops.Average, priority, self.compression, 1.0, 1.0, group
+            )
+            found = self._prepared[index] = (key, made or (name, priority))
+        if bucket.is_last():
+            # Indices past the last bucket belong to buckets DDP has rebuilt away.
+            for stale in [i for i in self._prepared if i > index]:
+                del self._prepared[stale]
+        sent = found[1]
+        if isinstance(sent, ops.PreparedSum):
+            return sent.issue()
+        name, priority = sent
+        return ops.issue_declared(name, buffer, ops.Average, priority, self.compression, 1.0, 1.0)
 
 
 _default_state = DDPHookState()
@@ -99,17 +155,7 @@ def ddp_hook(
             f"DDP bucket {bucket.index()} holds {buffer.numel()} elements but its parameters "
             f"{total}: this DDP lays out buckets in a way ddp_hook does not know"
         )
-    handles = []
-    offset = 0
-    for p in params:
-        name, priority = state.name_of(p)
-        # The bucket buffer is the parameters' gradients back to back: each is summed in
-        # place in its own span.
-        span = buffer.narrow(0, offset, p.numel())
-        offset += p.numel()
-        handles.append(
-            ops.issue_declared(name, span, ops.Average, priority, state.compression, 1.0, 1.0)
-        )
+    handles = [state.issue(bucket, buffer, params)]
     # A CUDA-aware future: set_result records the completer's stream (which waits for the
     # copies of the sums back to the GPU), and DDP's wait makes its own stream wait for it.
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future(
