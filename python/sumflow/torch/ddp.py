@@ -57,24 +57,23 @@ class DDPHookState:
             int, tuple[tuple[object, ...], Union[ops.PreparedSum, tuple[str, int]]]
         ] = {}
 
-    def name_of(self, p: torch.Tensor) -> tuple[str, int]:
+    def _parameter(self, p: torch.Tensor) -> tuple[str, int]:
+        """`p`'s name and model position (by first appearance if the model gave none)."""
         key = id(p)
         if key not in self._names:
             n = len(self._names)
             self._names[key] = f"param.{n}"
             self._priority[key] = n
-        return f"{self.prefix}.grad.{self._names[key]}", self._priority[key]
+        return self._names[key], self._priority[key]
 
     def bucket_of(self, params: list[torch.Tensor]) -> tuple[str, int]:
         """The tensor name and priority of a bucket of `params`, in the bucket's order."""
-        first, priority = self.name_of(params[0])
-        if len(params) == 1:
-            return first, priority
-        last, _ = self.name_of(params[-1])
-        priority = min(self.name_of(p)[1] for p in params)
-        first = first[len(self.prefix) + len(".grad.") :]
-        last = last[len(self.prefix) + len(".grad.") :]
-        return f"{self.prefix}.grad[{first}..{last}]x{len(params)}", priority
+        named = [self._parameter(p) for p in params]
+        priority = min(position for _, position in named)
+        if len(named) == 1:
+            return f"{self.prefix}.grad.{named[0][0]}", priority
+        first, last = named[0][0], named[-1][0]
+        return f"{self.prefix}.grad[{first}..{last}]x{len(named)}", priority
 
     def issue(
         self, bucket: dist.GradBucket, buffer: torch.Tensor, params: list[torch.Tensor]
