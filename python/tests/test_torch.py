@@ -102,6 +102,18 @@ def test_fused_spans_are_sent_by_prepared_sums_where_they_can_be(
         assert got["prepared spans"].tolist() == prepared
 
 
+def test_prepared_sums_on_machines_of_two_workers_train_as_one_process(tmp_path: Path) -> None:
+    # Two machines of two workers (local ranks 0 and 1): the spans' prepared sums go
+    # through each machine's shared memory first, then the servers.
+    want = reference("sgd", 4)
+    outcomes = run(tmp_path, 4, "train-sgd-1", machines=2, env={"FUSION": "256"})
+    for got in results(tmp_path, outcomes):
+        assert isinstance(got, dict)
+        for k, v in want.items():
+            assert torch.allclose(got[k], v, rtol=0, atol=ATOL), (k, (got[k] - v).abs().max())
+        assert got["prepared spans"].tolist() == [2, 0]
+
+
 def test_a_gradient_computed_twice_before_step_is_refused_naming_it(tmp_path: Path) -> None:
     (got,) = results(tmp_path, run(tmp_path, 1, "computed-twice", cpu_servers=0))
     assert isinstance(got, dict)
