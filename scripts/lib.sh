@@ -76,6 +76,32 @@ ensure_python_env() {
   echo "built and installed sumflow and sumflow-bench in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
 }
 
+# A second environment, .venv-torch-oldest, with the oldest torch release sumflow.torch
+# supports (requirements-torch-oldest.txt; reinstalled only when that file changes) and
+# the sumflow wheel built from this tree for the newest, installed unchanged: what a user
+# with an older torch gets from the one wheel. Needs ensure_python_env first (maturin).
+# Prints the environment's python.
+ensure_oldest_torch_env() {
+  local venv=.venv-torch-oldest wheels=$1 started=$SECONDS
+  if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+    rm -rf "$venv"
+    python3 -m venv "$venv" >&2
+  fi
+  local stamp="$venv/.requirements.sha256" want
+  want=$({ sha256sum requirements-torch-oldest.txt; "$venv/bin/python" --version; } | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q --upgrade pip >&2
+    "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
+      -r requirements-torch-oldest.txt >&2
+    echo "$want" >"$stamp"
+  fi
+  maturin build --release --locked --out "$wheels" >&2
+  "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
+    --no-deps --force-reinstall "$wheels"/sumflow-*.whl >&2
+  echo "$venv: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'), set up in $((SECONDS - started))s" >&2
+  echo "$PWD/$venv/bin/python"
+}
+
 # What the emulated-cluster benchmark (python -m sumflow_bench.cluster) needs besides root:
 # ip and tc from iproute2 for the namespaces and shaping, iperf3 for its link check.
 ensure_cluster_tools() {

@@ -11,24 +11,29 @@ tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 test_log=$tmp/cargo-test.log
 junit=$tmp/pytest.xml
+junit_oldest=$tmp/pytest-oldest-torch.xml
 
-# One closing line with the totals over every Rust test binary and pytest.
+# One closing line with the totals over every Rust test binary and both pytest runs.
 summary() {
   local rust py
   rust=$(awk '/^test result:/ { p += $4; f += $6 } END { printf "%d %d", p, f }' "$test_log")
   py="0 0"
   if [ -s "$junit" ]; then
-    py=$(python - "$junit" <<'PY'
+    py=$(python - "$junit" "$junit_oldest" <<'PY'
+import os
 import sys
 import xml.etree.ElementTree as ET
 
-root = ET.parse(sys.argv[1]).getroot()
-suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
 passed = failed = 0
-for s in suites:
-    n, fail, err, skip = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
-    passed += n - fail - err - skip
-    failed += fail + err
+for path in sys.argv[1:]:
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        continue  # a step that did not run
+    root = ET.parse(path).getroot()
+    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
+    for s in suites:
+        n, fail, err, skip = (int(s.get(k, 0)) for k in ("tests", "failures", "errors", "skipped"))
+        passed += n - fail - err - skip
+        failed += fail + err
 print(passed, failed)
 PY
 )
@@ -72,6 +77,22 @@ if [ "$pytest_status" -ne 0 ]; then
   summary
   echo "pytest failed (exit $pytest_status)"
   exit "$pytest_status"
+fi
+
+step "the same wheel under the oldest torch supported (requirements-torch-oldest.txt): the torch API's tests"
+oldest=$(ensure_oldest_torch_env "$tmp/wheels")
+oldest_status=0
+# The plugin's API, Horovod's and DDP's: DistributedOptimizer (fused, grouped, crossing the
+# barrier, asynchronous), the collectives, process sets, join, compression and CSC.
+"$oldest" -m pytest -q -p no:cacheprovider --junitxml="$junit_oldest" \
+  python/tests/test_torch.py python/tests/test_collectives.py python/tests/test_cross_barrier.py \
+  python/tests/test_fusion.py python/tests/test_groups.py python/tests/test_join.py \
+  python/tests/test_compression.py python/tests/test_csc.py python/tests/test_async.py \
+  || oldest_status=$?
+if [ "$oldest_status" -ne 0 ]; then
+  summary
+  echo "pytest under the oldest torch failed (exit $oldest_status)"
+  exit "$oldest_status"
 fi
 
 step "end-to-end smoke run: sumflow-run, 2 workers + 1 CPU server, the digits example"

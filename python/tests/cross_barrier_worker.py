@@ -336,11 +336,13 @@ def refusals() -> dict[str, str]:
             )
         ),
         "no_model": _error(
-            lambda: hvd.DistributedOptimizer(torch.optim.SGD(m.parameters()), cross_barrier=True)
+            lambda: hvd.DistributedOptimizer(
+                torch.optim.SGD(m.parameters(), lr=0.1), cross_barrier=True
+            )
         ),
         "orphan": _error(
             lambda: hvd.DistributedOptimizer(
-                torch.optim.SGD([*m.parameters(), torch.nn.Parameter(torch.zeros(2))]),
+                torch.optim.SGD([*m.parameters(), torch.nn.Parameter(torch.zeros(2))], lr=0.1),
                 cross_barrier=True,
                 model=m,
             )
@@ -422,7 +424,7 @@ def main() -> None:
     # torch imports its compiler stack (seconds) when the first optimizer is built: done
     # before joining, so the workers start their first sums together (the test gives the
     # job a short timeout).
-    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))])
+    torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     hvd.init()
     result = {"equivalence": equivalence(), "behaviour": behaviour()}
     torch.save(result, outdir / f"rank{hvd.rank()}.pt")

@@ -208,12 +208,20 @@ def test_ddp_hook_matches_ddp_with_gloo(tmp_path: Path) -> None:
         assert isinstance(g, dict)
         assert isinstance(h, dict)
         for k in g:
-            if k != "prepared buckets":
+            if isinstance(g[k], torch.Tensor):
                 assert torch.allclose(g[k], h[k], rtol=0, atol=ATOL), k
-        # After DDP's rebuild, two buckets, each summed whole by a prepared sum: the
-        # second layer's gradients with the first layer's bias (67 elements), and the first
-        # layer's weight (160); the one bucket of the first step was let go.
-        assert h["prepared buckets"] == [(67, 3), (160, 1)]
+        # Every bucket of the last step was summed whole by a prepared sum, and none other
+        # is kept: the buckets cover the model's 227 elements in 4 parameters.
+        assert h["prepared buckets"] == h["last buckets"], h
+        assert sum(n for n, _ in h["last buckets"]) == 227
+        assert sum(p for _, p in h["last buckets"]) == 4
+        if h["first buckets"] != h["last buckets"]:
+            # DDP rebuilt its buckets after the first step (torch 2.15: the second layer's
+            # gradients with the first layer's bias, 67 elements, and the first layer's
+            # weight, 160): the first step's one bucket was let go.
+            assert h["last buckets"] == [(67, 3), (160, 1)], h
+        else:
+            assert torch.__version__ < "2.15", "torch 2.15 rebuilds the buckets"
 
 
 def test_sync_batch_norm_equals_batch_norm_over_the_whole_batch(tmp_path: Path) -> None:
@@ -312,3 +320,11 @@ def test_workers_started_by_torchrun(tmp_path: Path) -> None:
         got = torch.load(tmp_path / f"rank{r}.pt", weights_only=False)
         assert torch.equal(got["sum"], torch.full((5,), 3.0))
         assert torch.equal(got["avg"], torch.full((5,), 1.5))
+
+
+def test_a_torch_release_without_what_the_plugin_calls_is_refused_on_import() -> None:
+    from sumflow.torch import _requires
+
+    _requires.check()  # this torch has it
+    with pytest.raises(ImportError, match=r"needs torch 2\.1 or later .*this is torch "):
+        _requires.check(object)

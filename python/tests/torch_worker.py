@@ -11,6 +11,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -151,32 +152,44 @@ def collectives() -> dict[str, object]:
     return out
 
 
-def ddp(use_hook: bool) -> dict[str, torch.Tensor]:
+def ddp(use_hook: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
     dist.init_process_group("gloo", rank=hvd.rank(), world_size=hvd.size())
     m = model()
-    # Buckets of at most 500 bytes: DDP starts with one bucket of every gradient and
-    # rebuilds them after the first step into two, in the order backward made them.
+    # Buckets of at most 500 bytes: DDP starts with one bucket of every gradient, and
+    # torch 2.15 rebuilds them after the first step into two, in the order backward made
+    # them (torch 2.1 keeps the one).
     net = DistributedDataParallel(m, bucket_cap_mb=0.0005)
     state = hvd.DDPHookState(net)
+    # The buckets DDP hands the hook, per step: (size, parameters).
+    handed: list[list[tuple[int, int]]] = []
+
+    # Unannotated: DDP refuses a hook whose annotations are not its own types.
+    def hook(s, bucket):  # type: ignore[no-untyped-def]
+        handed[-1].append((bucket.buffer().numel(), len(bucket.parameters())))
+        return hvd.ddp_hook(s, bucket)
+
     if use_hook:
-        net.register_comm_hook(state, hvd.ddp_hook)
+        net.register_comm_hook(state, hook)
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     for step in range(STEPS):
+        handed.append([])
         opt.zero_grad()
         x, y = batch(step, hvd.rank(), hvd.size())
         torch.nn.functional.cross_entropy(net(x), y).backward()
         opt.step()
     dist.destroy_process_group()
     out = {k: v.detach().clone() for k, v in m.state_dict().items()}
-    # The buckets of the last step whose sums were prepared: (size, parameters).
+    # The buckets whose sums are prepared, and those of the first and last steps.
     out["prepared buckets"] = sorted(
         (key[2], key[6])
         for key, sent in state._prepared.values()
         if isinstance(sent, ops.PreparedSum)
     )
+    out["first buckets"] = sorted(handed[0]) if use_hook else []
+    out["last buckets"] = sorted(handed[-1]) if use_hook else []
     return out
 
 

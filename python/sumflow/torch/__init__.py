@@ -23,6 +23,9 @@ from sumflow import (
     SumflowError,
     SumflowTimeoutError,
 )
+
+# First: a torch release the plugin cannot run on is refused here, naming what it lacks.
+from sumflow.torch import _requires as _requires
 from sumflow.torch import _runtime, _staging, elastic, ops, process_sets
 from sumflow.torch.asynchronous import AsyncOptimizer
 from sumflow.torch.autograd import allreduce, broadcast
