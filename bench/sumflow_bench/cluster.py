@@ -34,6 +34,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sumflow import settings
 from sumflow.tune.space import SearchSpace
 from sumflow_bench import grid, matrix, report, schedreport, theory
 from sumflow_bench.cpu import CpuSampler
@@ -224,6 +225,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--grid and --schedulers are separate runs: give one")
     if args.grid_partitions < 1 or args.grid_credits < 1:
         p.error("--grid-partitions and --grid-credits must be at least 1")
+    # A host's NIC here is a veth, which reports 10 Gbit/s whatever tc shapes it to: the
+    # workers are told the shaped rate, as a real NIC of that speed would tell them (the
+    # derived partition size's link floor and its log line read it). -x overrides it.
+    link = settings.LINK_GBITS.name
+    if not any(item.startswith(f"{link}=") for item in args.worker_env):
+        args.worker_env.append(f"{link}={args.rate_mbit / 1000:g}")
     return args
 
 

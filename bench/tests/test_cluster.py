@@ -239,6 +239,11 @@ def test_arguments() -> None:
     assert args.ks == [0, 2, 4]
     assert args.models == ["vgg16", "resnet50"]
     assert cluster.parse_args(["--models", ""]).models == []
+    # The workers are told the shaped link rate (the veths report 10 Gbit/s), unless -x does.
+    assert args.worker_env == ["SUMFLOW_LINK_GBITS=0.25"]
+    assert cluster.parse_args(["--rate-mbit", "1000"]).worker_env == ["SUMFLOW_LINK_GBITS=1"]
+    told = cluster.parse_args(["-x", "SUMFLOW_LINK_GBITS=5", "-x", "A=1"]).worker_env
+    assert told == ["SUMFLOW_LINK_GBITS=5", "A=1"]
     for bad in (["--cpu-servers", "x"], ["--workers", "1"], ["--cpu-servers", "-1"]):
         with pytest.raises(SystemExit):
             cluster.parse_args(bad)
@@ -633,7 +638,8 @@ def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
     store, log = training.tuner_files(args, step)
     # 64 KiB and 32 MiB scaled by 0.1, in whole pages: 6553.6 -> 8192, 3355443 -> 3354624.
     assert training.sumflow_env(args, step, cell) == [
-        "-x", "SUMFLOW_X=1", "-x", "SUMFLOW_SCHEDULER=bytescheduler",
+        "-x", "SUMFLOW_X=1", "-x", "SUMFLOW_LINK_GBITS=0.25",
+        "-x", "SUMFLOW_SCHEDULER=bytescheduler",
         "-x", "SUMFLOW_AUTOTUNE=1", "-x", f"SUMFLOW_AUTOTUNE_FILE={store}",
         "-x", f"SUMFLOW_AUTOTUNE_LOG={log}",
         "-x", "SUMFLOW_AUTOTUNE_PARTITION_BYTES=8192:3354624",
