@@ -83,11 +83,13 @@ step "the same wheel under the oldest torch supported (requirements-torch-oldest
 oldest=$(ensure_oldest_torch_env "$tmp/wheels")
 oldest_status=0
 # The plugin's API, Horovod's and DDP's: DistributedOptimizer (fused, grouped, crossing the
-# barrier, asynchronous), the collectives, process sets, join, compression and CSC.
+# barrier, asynchronous), the collectives, process sets, join, compression and CSC; and
+# Horovod's own suite on one machine of two workers.
 "$oldest" -m pytest -q -p no:cacheprovider --junitxml="$junit_oldest" \
   python/tests/test_torch.py python/tests/test_collectives.py python/tests/test_cross_barrier.py \
   python/tests/test_fusion.py python/tests/test_groups.py python/tests/test_join.py \
   python/tests/test_compression.py python/tests/test_csc.py python/tests/test_async.py \
+  "python/tests/test_horovod_conformance.py::test_no_horovod_test_that_passed_fails_now[1x2]" \
   || oldest_status=$?
 if [ "$oldest_status" -ne 0 ]; then
   summary

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,10 @@ PASSING = Path(__file__).with_name("horovod_conformance_passing.txt")
     ids=["1x2", "2x2"],
 )
 def test_no_horovod_test_that_passed_fails_now(shape: list[str]) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "python"), str(REPO / "bench")])}
+    # run.sh takes python and sumflow-run from PATH: this interpreter's own, so the suite runs
+    # under the torch and the sumflow of whichever environment runs this test.
+    here = str(Path(sys.executable).parent)
+    env = {**os.environ, "PATH": os.pathsep.join([here, os.environ.get("PATH", "")])}
     done = subprocess.run(
         ["bash", str(RUN), *shape],
         capture_output=True,
