@@ -6,7 +6,8 @@ Run on every worker by the cluster harness (or by hand under ``sumflow-run``/``t
 
 Every worker holds ``--tensors`` float32 tensors of ``--megabytes`` in all (or, with
 ``--model``, the parameter tensors of a layer profile: ``resnet50`` is 161 tensors, 102 MB),
-filled with its rank + 1 before each round, and sums them across the workers:
+filled with its rank + 1 for the first round (whose sums are checked) and with zeros for
+every later one, and sums them across the workers:
 
 - ``sumflow``: ``push_pull_async`` on every tensor, then ``synchronize`` on every handle;
 - ``gloo``: ``torch.distributed.all_reduce`` on every tensor with ``async_op``, then a wait
@@ -181,9 +182,9 @@ def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, o
     times: list[float] = []
     window: list[float] = []
     total = args.warmup + args.rounds
+    for t in tensors:
+        t.fill_(coll.rank + 1)
     for r in range(total):
-        for t in tensors:
-            t.fill_(coll.rank + 1)
         coll.barrier()
         if r == args.warmup:
             window.append(time.time())
@@ -199,6 +200,10 @@ def run(args: argparse.Namespace, make: Callable[[], Collective]) -> dict[str, o
                     raise SystemExit(
                         f"rank {coll.rank}: tensor {i} does not hold the sum {expected}"
                     )
+                # Every later round sums zeros, which stay zeros: nothing refills the
+                # tensors inside the measured window, whose CPU time is then the
+                # systems' own (a refill per round was 5-10% of it, alike for both).
+                t.zero_()
         slowest = max(coll.gather_floats(elapsed))
         if r >= args.warmup:
             times.append(slowest)
