@@ -21,6 +21,23 @@ apt_install() {
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@"
 }
 
+# Installs the pins of requirements file $2 into virtual environment $1, after upgrading
+# pip; skipped when the environment already holds exactly that file's pins (a stamp of
+# the file and the interpreter's version).
+install_pinned() {
+  local venv=$1 requirements=$2 want t=$SECONDS
+  local stamp="$venv/.$requirements.sha256"
+  want=$({ sha256sum "$requirements"; "$venv/bin/python" --version; } | sha256sum | cut -d' ' -f1)
+  if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    echo "$requirements already installed in $venv"
+    return 0
+  fi
+  "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q --upgrade pip
+  "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -r "$requirements"
+  echo "installed $requirements in $venv in $((SECONDS - t))s"
+  echo "$want" >"$stamp"
+}
+
 # The Python environment, in .venv at the repository root, activated for the rest of the
 # calling script:
 #   1. a virtual environment of python3 (CPython >= 3.9; Debian's python3-venv is installed
@@ -54,17 +71,7 @@ ensure_python_env() {
   unset PYTHONHOME
   python --version
 
-  local stamp="$venv/.requirements-dev.sha256" want
-  want=$({ sha256sum requirements-dev.txt; python --version; } | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    python -m pip install --disable-pip-version-check --progress-bar off -q --upgrade pip
-    local t=$SECONDS
-    python -m pip install --disable-pip-version-check --progress-bar off -r requirements-dev.txt
-    echo "installed requirements-dev.txt in $((SECONDS - t))s"
-    echo "$want" >"$stamp"
-  else
-    echo "requirements-dev.txt already installed in $venv"
-  fi
+  install_pinned "$venv" requirements-dev.txt
 
   local t=$SECONDS
   maturin develop --release --locked
@@ -87,14 +94,7 @@ ensure_oldest_torch_env() {
     rm -rf "$venv"
     python3 -m venv "$venv" >&2
   fi
-  local stamp="$venv/.requirements.sha256" want
-  want=$({ sha256sum requirements-torch-oldest.txt; "$venv/bin/python" --version; } | sha256sum | cut -d' ' -f1)
-  if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q --upgrade pip >&2
-    "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
-      -r requirements-torch-oldest.txt >&2
-    echo "$want" >"$stamp"
-  fi
+  install_pinned "$venv" requirements-torch-oldest.txt >&2
   maturin build --release --locked --out "$wheels" >&2
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
     --no-deps --force-reinstall "$wheels"/sumflow-*.whl >&2

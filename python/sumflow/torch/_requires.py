@@ -14,10 +14,10 @@ import torch
 OLDEST = "2.1"
 
 
-def check(module: type = torch.Tensor) -> None:
-    """Raises ImportError unless `module` (torch's Tensor) has what the plugin calls."""
+def check(tensor_type: type = torch.Tensor) -> None:
+    """Raises ImportError unless `tensor_type` (torch's Tensor) has what the plugin calls."""
     # DistributedOptimizer sends a gradient once it is accumulated into .grad (torch 2.1).
-    if not hasattr(module, "register_post_accumulate_grad_hook"):
+    if not hasattr(tensor_type, "register_post_accumulate_grad_hook"):
         raise ImportError(
             f"sumflow.torch needs torch {OLDEST} or later (Tensor."
             f"register_post_accumulate_grad_hook); this is torch {torch.__version__}: "
