@@ -40,8 +40,8 @@ install_pinned() {
 
 # The Python environment, in .venv at the repository root, activated for the rest of the
 # calling script:
-#   1. a virtual environment of python3 (CPython >= 3.9; Debian's python3-venv is installed
-#      if venv is missing);
+#   1. a virtual environment of python3 (CPython >= 3.10, pyproject.toml's requires-python;
+#      Debian's python3-venv is installed if venv is missing);
 #   2. the pinned tools of requirements-dev.txt (maturin, setuptools, pytest, ruff, numpy,
 #      torch), after upgrading pip; skipped when .venv already holds exactly that file's
 #      pins;
@@ -56,6 +56,11 @@ ensure_python_env() {
   if ! command -v python3 >/dev/null 2>&1; then
     echo "python3 not found; installing it from Debian's packages"
     apt_install python3 python3-venv
+  fi
+  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
+    echo "$(python3 --version) is older than sumflow supports (CPython 3.10 or newer);" \
+      "put a newer python3 first on PATH" >&2
+    return 1
   fi
   if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
     rm -rf "$venv"
@@ -83,22 +88,42 @@ ensure_python_env() {
   echo "built and installed sumflow and sumflow-bench in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
 }
 
-# A second environment, .venv-torch-oldest, with the oldest torch release sumflow.torch
-# supports (requirements-torch-oldest.txt; reinstalled only when that file changes) and
-# the sumflow wheel built from this tree for the newest, installed unchanged: what a user
-# with an older torch gets from the one wheel. Needs ensure_python_env first (maturin).
-# Prints the environment's python.
+# The oldest CPython the package supports (requires-python in pyproject.toml): python3.10
+# on PATH, else one of pyenv's. Prints its path, or nothing where there is none.
+oldest_python() {
+  local p
+  for p in "$(command -v python3.10 || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10.*/bin/python3.10; do
+    if [ -x "$p" ] && "$p" -c 'import ensurepip, venv' 2>/dev/null; then
+      echo "$p"
+      return 0
+    fi
+  done
+}
+
+# A second environment, .venv-torch-oldest, of the oldest Python and the oldest torch
+# release sumflow supports (oldest_python; requirements-torch-oldest.txt, reinstalled only
+# when that file or the interpreter changes) with the sumflow wheel built from this tree,
+# installed unchanged: what a user with an older Python and torch gets from the one wheel.
+# Needs ensure_python_env first (maturin). Prints the environment's python.
 ensure_oldest_torch_env() {
-  local venv=.venv-torch-oldest wheels=$1 started=$SECONDS
-  if ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
+  local venv=.venv-torch-oldest wheels=$1 started=$SECONDS python version
+  python=$(oldest_python)
+  if [ -z "$python" ]; then
+    python=python3
+    echo "warning: no CPython 3.10 (the oldest pyproject.toml allows) on PATH or under pyenv;" \
+      "this environment uses $(python3 --version), and Python 3.10 goes untested" >&2
+  fi
+  version=$("$python" -c 'import sys; print(sys.version.split()[0])')
+  if [ "$("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)" != "$version" ] \
+    || ! "$venv/bin/python" -m pip --version >/dev/null 2>&1; then
     rm -rf "$venv"
-    python3 -m venv "$venv" >&2
+    "$python" -m venv "$venv" >&2
   fi
   install_pinned "$venv" requirements-torch-oldest.txt >&2
   maturin build --release --locked --out "$wheels" >&2
   "$venv/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q \
     --no-deps --force-reinstall "$wheels"/sumflow-*.whl >&2
-  echo "$venv: $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'), set up in $((SECONDS - started))s" >&2
+  echo "$venv: Python $version, $("$venv/bin/python" -c 'import torch; print("torch", torch.__version__)'), set up in $((SECONDS - started))s" >&2
   echo "$PWD/$venv/bin/python"
 }
 

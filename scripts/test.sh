@@ -79,21 +79,24 @@ if [ "$pytest_status" -ne 0 ]; then
   exit "$pytest_status"
 fi
 
-step "the same wheel under the oldest torch supported (requirements-torch-oldest.txt): the torch API's tests"
+step "the same wheel under the oldest Python and torch supported (3.10, requirements-torch-oldest.txt): the torch API's tests"
 oldest=$(ensure_oldest_torch_env "$tmp/wheels")
 oldest_status=0
-# The plugin's API, Horovod's and DDP's: DistributedOptimizer (fused, grouped, crossing the
-# barrier, asynchronous), the collectives, process sets, join, compression and CSC; and
-# Horovod's own suite on one machine of two workers.
-"$oldest" -m pytest -q -p no:cacheprovider --junitxml="$junit_oldest" \
+# Every module of the package imports; the plugin's API, Horovod's and DDP's:
+# DistributedOptimizer (fused, grouped, crossing the barrier, asynchronous), the
+# collectives, process sets, join, compression and CSC; the launchers' environments and
+# the elastic membership and sampler (pure Python); and Horovod's own suite on one machine
+# of two workers.
+"$oldest" -m pytest -q -p no:cacheprovider --junitxml="$junit_oldest" python/tests/test_imports.py \
   python/tests/test_torch.py python/tests/test_collectives.py python/tests/test_cross_barrier.py \
   python/tests/test_fusion.py python/tests/test_groups.py python/tests/test_join.py \
   python/tests/test_compression.py python/tests/test_csc.py python/tests/test_async.py \
+  python/tests/test_jobenv.py python/tests/test_membership.py python/tests/test_elastic_sampler.py \
   "python/tests/test_horovod_conformance.py::test_no_horovod_test_that_passed_fails_now[1x2]" \
   || oldest_status=$?
 if [ "$oldest_status" -ne 0 ]; then
   summary
-  echo "pytest under the oldest torch failed (exit $oldest_status)"
+  echo "pytest under the oldest Python and torch failed (exit $oldest_status)"
   exit "$oldest_status"
 fi
 

@@ -4,7 +4,7 @@ Workers push gradient partitions to a summation service that runs on spare CPU m
 on the GPU machines themselves, and pull back the sum, as in BytePS; the optimizer stays on
 the workers. The core (wire protocol, summation server, coordinator, communication service)
 is Rust, in the extension module ``sumflow._core``; it sees host buffers only and is not
-built against torch, so one wheel serves every CPython >= 3.9 and every PyTorch release.
+built against torch, so one wheel serves every CPython >= 3.10 and every PyTorch release.
 
 This package re-exports what is public in the core:
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import signal
 import sys
-from typing import Callable, NoReturn
+from collections.abc import Callable
+from typing import NoReturn
 
 from sumflow import _core
 

@@ -43,7 +43,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 def test_import_exposes_the_core() -> None:
     for name in sumflow.__all__:
         assert getattr(sumflow, name) is getattr(_core, name), name
-    # One abi3 wheel for every CPython >= 3.9: the module is built for the stable ABI.
+    # One abi3 wheel for every CPython >= 3.10: the module is built for the stable ABI.
     assert Path(_core.__file__).name.startswith("_core.abi3."), _core.__file__
 
 

@@ -9,8 +9,7 @@ ValueError, naming the variables, when it did but its variables do not make a jo
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Callable, Optional
+from collections.abc import Callable, Mapping
 
 from sumflow.jobenv.environment import (
     LaunchEnvironment,
@@ -21,7 +20,7 @@ from sumflow.jobenv.environment import (
 )
 from sumflow.jobenv.hostlist import expand_hostlist, expand_tasks_per_node
 
-Parser = Callable[[Mapping[str, str]], Optional[LaunchEnvironment]]
+Parser = Callable[[Mapping[str, str]], LaunchEnvironment | None]
 
 
 def _first_set(env: Mapping[str, str], names: tuple[str, ...]) -> tuple[str, str] | None:

@@ -27,8 +27,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from sumflow import _core
 from sumflow.sim.config import ARCHITECTURES, SCHEDULERS, Cluster, Config, Network, Scheduling

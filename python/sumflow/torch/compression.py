@@ -25,7 +25,8 @@ Three kinds of compressor:
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -191,7 +192,7 @@ class _TensorErrorFeedback(Compressor):
         return self.inner.decompress(tensor, ctx)
 
 
-AnyCompressor = Union[Compressor, type[Compressor]]
+AnyCompressor = Compressor | type[Compressor]
 _registry: dict[str, Callable[..., AnyCompressor]] = {}
 
 

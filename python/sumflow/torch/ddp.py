@@ -15,7 +15,6 @@ step (``ops.PreparedSum``) and a later step's hook makes one call into the core.
 
 import queue
 import threading
-from typing import Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -33,8 +32,8 @@ class DDPHookState:
 
     def __init__(
         self,
-        model: Optional[torch.nn.Module] = None,
-        compression: Optional[AnyCompressor] = None,
+        model: torch.nn.Module | None = None,
+        compression: AnyCompressor | None = None,
         name: str = "ddp",
     ) -> None:
         if not isinstance(name, str) or not name:
@@ -53,9 +52,7 @@ class DDPHookState:
         #: buffer's address, size and dtype, its parameters' run) and the sum, or where it
         #: cannot be prepared (compressed) its name and priority for ``issue_declared``.
         #: One per index, so a rebuilt bucket's replaces it and frees the old buffer.
-        self._prepared: dict[
-            int, tuple[tuple[object, ...], Union[ops.PreparedSum, tuple[str, int]]]
-        ] = {}
+        self._prepared: dict[int, tuple[tuple[object, ...], ops.PreparedSum | tuple[str, int]]] = {}
 
     def _parameter(self, p: torch.Tensor) -> tuple[str, int]:
         """`p`'s name and model position (by first appearance if the model gave none)."""
@@ -114,7 +111,7 @@ _default_state = DDPHookState()
 _completions: queue.Queue[tuple[list[int], torch.futures.Future[torch.Tensor], torch.Tensor]] = (
     queue.Queue()
 )
-_completer: Optional[threading.Thread] = None
+_completer: threading.Thread | None = None
 _completer_lock = threading.Lock()
 
 
@@ -141,7 +138,7 @@ def _start_completer() -> None:
 
 # Evaluated annotations (no `from __future__ import annotations`): DDP inspects them.
 def ddp_hook(
-    state: Optional[DDPHookState], bucket: dist.GradBucket
+    state: DDPHookState | None, bucket: dist.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """Averages a DDP gradient bucket across sumflow workers; register with
     ``model.register_comm_hook(state, ddp_hook)``."""

@@ -23,10 +23,10 @@ import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 

@@ -22,13 +22,12 @@ a call stack): give concurrent activities tracks of their own.
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Union
 
 from sumflow import _core
 from sumflow.torch import _runtime
 
 #: Argument values shown with an event; other types are shown as their ``str()``.
-ArgValue = Union[int, float, str]
+ArgValue = int | float | str
 
 
 class _Span:

@@ -17,7 +17,8 @@ tuner does nothing but count, and ``after_step`` costs one comparison.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from sumflow.tune.session import Decision, TuningSession
 

@@ -11,8 +11,9 @@ budget (trials, seconds) is spent or the driver has nothing left to try.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from sumflow.tune.score import STATISTIC, trimmed_mean
 from sumflow.tune.search import Proposal, Searcher
