@@ -67,7 +67,7 @@ class ResNet(nn.Module):
         )
         layers: list[nn.Module] = []
         cin = widths[0]
-        for stage, (width, count) in enumerate(zip(widths, blocks)):
+        for stage, (width, count) in enumerate(zip(widths, blocks, strict=True)):
             for b in range(count):
                 stride = 2 if stage > 0 and b == 0 else 1
                 layers.append(BasicBlock(cin, width, stride))

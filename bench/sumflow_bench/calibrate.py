@@ -476,8 +476,8 @@ def plot(rows: Sequence[Comparison], path: str | Path) -> Path:
 
     fig, ax = plt.subplots(figsize=(6.4, 6.0))
     systems = sorted({c.measurement.system for c in rows})
-    markers = dict(zip(systems, "os^vDPX*"))
-    colours = dict(zip(systems, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    markers = dict(zip(systems, "os^vDPX*", strict=False))
+    colours = dict(zip(systems, plt.rcParams["axes.prop_cycle"].by_key()["color"], strict=False))
     for s in systems:
         for flagged in (False, True):
             pts = [

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     mine = [t[rank * part : (rank + 1) * part].clone() for t in full]
 
     def expect(got: list[torch.Tensor], want: list[torch.Tensor], what: str) -> None:
-        for g, w in zip(got, want):
+        for g, w in zip(got, want, strict=True):
             if not torch.equal(g, w):
                 raise AssertionError(f"{what}: wrong result")
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def gloo_allgather() -> list[torch.Tensor]:
         outs = [[torch.empty_like(m) for _ in range(size)] for m in mine]
-        works = [dist.all_gather(o, m, async_op=True) for o, m in zip(outs, mine)]
+        works = [dist.all_gather(o, m, async_op=True) for o, m in zip(outs, mine, strict=True)]
         for w in works:
             w.wait()
         return [torch.cat(o) for o in outs]
@@ -126,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def gloo_alltoall() -> list[torch.Tensor]:
         outs = [torch.empty_like(t) for t in full]
-        works = [dist.all_to_all_single(o, t, async_op=True) for o, t in zip(outs, full)]
+        works = [
+            dist.all_to_all_single(o, t, async_op=True) for o, t in zip(outs, full, strict=True)
+        ]
         for w in works:
             assert w is not None  # async_op=True gives a work to wait for
             w.wait()

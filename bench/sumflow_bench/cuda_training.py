@@ -95,10 +95,10 @@ def check_average(
     for r in range(hvd.size()):
         reference.zero_grad()
         loss_of(reference, batch_of(r, args.batch, 0, device)).backward()
-        for s, p in zip(sums, reference.parameters()):
+        for s, p in zip(sums, reference.parameters(), strict=True):
             s += grad_of(p)
     worst = 0.0
-    for (name, p), s in zip(model.named_parameters(), sums):
+    for (name, p), s in zip(model.named_parameters(), sums, strict=True):
         want = s / hvd.size()
         scale = float(want.abs().max()) or 1.0
         error = float((grad_of(p) - want).abs().max()) / scale

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     state = hvd.elastic.ObjectState(round=0)
 
     def declare() -> None:
-        hvd.declare_tensors(list(zip(names, tensors)), api="push_pull")
+        hvd.declare_tensors(list(zip(names, tensors, strict=True)), api="push_pull")
 
     state.register_reset_callbacks([declare])
     declare()
@@ -51,13 +51,13 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             handles = [
                 hvd.push_pull_async(t, average=False, name=n, priority=i)
-                for i, (n, t) in enumerate(zip(names, tensors))
+                for i, (n, t) in enumerate(zip(names, tensors, strict=True))
             ]
             for h in handles:
                 hvd.synchronize(h)
             seconds = time.perf_counter() - start
             expected = hvd.size() * (hvd.size() + 1) / 2
-            for n, t in zip(names, tensors):
+            for n, t in zip(names, tensors, strict=True):
                 if not bool((t == expected).all()):
                     raise SystemExit(f"rank {hvd.rank()}: {n} does not hold the sum {expected}")
             slowest = hvd.allreduce(

@@ -98,7 +98,7 @@ class GradientSet:
         flat = torch.zeros(sum(sizes), dtype=torch.float32)
         tensors = []
         offset = 0
-        for shape, n in zip(shapes, sizes):
+        for shape, n in zip(shapes, sizes, strict=True):
             tensors.append(flat[offset : offset + n].view(shape))
             offset += n
         return cls(flat, tensors)
@@ -180,14 +180,14 @@ def gloo_bucketed_round(grads: GradientSet, buckets: Buckets) -> None:
     """Copy each bucket's tensors into its buffer and all_reduce it as soon as it is
     full, as DDP does; after all are done, copy the sums back."""
     works = []
-    for members, buffer in zip(buckets.members, buckets.buffers):
+    for members, buffer in zip(buckets.members, buckets.buffers, strict=True):
         offset = 0
         for i in members:
             n = grads.tensors[i].numel()
             buffer[offset : offset + n].copy_(grads.tensors[i].view(-1))
             offset += n
         works.append(dist.all_reduce(buffer, async_op=True))
-    for members, buffer, work in zip(buckets.members, buckets.buffers, works):
+    for members, buffer, work in zip(buckets.members, buckets.buffers, works, strict=True):
         assert work is not None
         work.wait()
         offset = 0
@@ -342,7 +342,7 @@ class CpuProfile:
         for key, (role, group, now) in after.items():
             then = before.get(key, (role, group, [0.0] * len(COUNTERS)))[2]
             row = totals.setdefault((role, group), [0.0] * len(COUNTERS))
-            for i, (a, b) in enumerate(zip(now, then)):
+            for i, (a, b) in enumerate(zip(now, then, strict=True)):
                 row[i] += a - b
         self.walls[method] = self.walls.get(method, 0.0) + wall
         self.rounds[method] = self.rounds.get(method, 0) + 1
@@ -559,7 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         times = slowest(local, "bench.times")
         log(
             f"warm-up {w + 1}/{args.warmup}: "
-            + ", ".join(f"{m[0]} {t:.3f} s" for m, t in zip(methods, times))
+            + ", ".join(f"{m[0]} {t:.3f} s" for m, t in zip(methods, times, strict=True))
             + ("; every sum checked exactly" if w == 0 else "")
         )
 
@@ -568,12 +568,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in range(args.reps):
         local = [timed(label, run, grads) for label, run, grads in methods]
         times = slowest(local, "bench.times")
-        for (label, _, _), t in zip(methods, times):
+        for (label, _, _), t in zip(methods, times, strict=True):
             results[label].append(t)
         log(
             f"round {r + 1}/{args.reps}: "
             + " | ".join(
-                f"{m[0]} {t:.3f} s ({nbytes / t / MB:.0f} MB/s)" for m, t in zip(methods, times)
+                f"{m[0]} {t:.3f} s ({nbytes / t / MB:.0f} MB/s)"
+                for m, t in zip(methods, times, strict=True)
             )
         )
 
@@ -621,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["cpu_profile"] = {
                 method: {
                     " / ".join(k): (
-                        dict(zip(COUNTERS, row))
+                        dict(zip(COUNTERS, row, strict=True))
                         if k != ("machine", "all")
                         else {"busy s": row[0], "steal s": row[1]}
                     )

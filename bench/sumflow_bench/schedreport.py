@@ -236,7 +236,7 @@ def plot_rates(results: dict[str, Any], path: Path) -> None:
     models, gbits, systems = _axes(cells)
     by_key = {(c["model"], c["reference_gbit"]): c for c in cells}
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes[0], models, strict=True):
         for name in systems:
             xs, ys, label = [], [], name
             for g in gbits:
@@ -276,7 +276,7 @@ def plot_idle(results: dict[str, Any], path: Path) -> None:
     by_key = {(c["model"], c["reference_gbit"]): c for c in cells}
     width = 0.8 / max(1, len(systems))
     fig, axes = plt.subplots(1, len(models), figsize=(4.2 * len(models), 3.8), squeeze=False)
-    for ax, model in zip(axes[0], models):
+    for ax, model in zip(axes[0], models, strict=True):
         for j, name in enumerate(systems):
             xs, ys, label = [], [], name
             for i, g in enumerate(gbits):

@@ -451,7 +451,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
     system.drain()
     wall = time.perf_counter() - started
     window.append(time.time())
-    idles = [t - c for t, c in zip(times, computes)]
+    idles = [t - c for t, c in zip(times, computes, strict=True)]
     all_times = gather(system, times, "iteration_seconds")
     all_computes = gather(system, computes, "compute_seconds")
     system.close()
@@ -463,7 +463,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
             "iteration_median_s": statistics.median(all_times[r]),
             "compute_median_s": statistics.median(all_computes[r]),
             "idle_median_s": statistics.median(
-                [t - c for t, c in zip(all_times[r], all_computes[r])]
+                [t - c for t, c in zip(all_times[r], all_computes[r], strict=True)]
             ),
         }
         for r in range(system.size)

@@ -68,7 +68,7 @@ def training_runs(
     scales, estimates = step_estimates(args, steps)
     current: dict[str, Any] | None = None
     try:
-        for step, estimate in zip(steps, estimates):
+        for step, estimate in zip(steps, estimates, strict=True):
             if current is None or current["cell"] != step.cell:
                 if current is not None:
                     cells.append(finish_cell(current))

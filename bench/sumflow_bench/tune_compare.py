@@ -225,7 +225,9 @@ class MethodSummary:
                 statistics.mean(finite) if finite else None
             ),
             "never_reached": len(reach) - len(finite),
-            "median_ratio_by_trial": [statistics.median(col) for col in zip(*self.curves)],
+            "median_ratio_by_trial": [
+                statistics.median(col) for col in zip(*self.curves, strict=True)
+            ],
             "curves": self.curves,
         }
 
@@ -290,7 +292,7 @@ def plot(summaries: Sequence[MethodSummary], path: str | Path, title: str) -> No
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for s in summaries:
-        columns = list(zip(*s.curves))
+        columns = list(zip(*s.curves, strict=True))
         x = list(range(1, len(columns) + 1))
         mid = [statistics.median(c) for c in columns]
         (line,) = ax.plot(

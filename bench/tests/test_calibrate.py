@@ -180,7 +180,7 @@ def test_a_runs_backward_wall_time_spreads_its_framework_work_over_the_layers() 
     timed = cal._scaled({**run, "backward_s": [(computing + 20) / 1e3, (computing + 40) / 1e3]})
     handing = [layer for layer in plain.layers if layer.params]
     assert sum(layer.backward_ms for layer in timed.layers) == pytest.approx(computing + 30)
-    for before, after in zip(plain.layers, timed.layers):
+    for before, after in zip(plain.layers, timed.layers, strict=True):
         extra = 30 / len(handing) if before.params else 0.0
         assert after.backward_ms == pytest.approx(before.backward_ms + extra)
         assert after.forward_ms == before.forward_ms

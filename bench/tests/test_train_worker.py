@@ -36,7 +36,7 @@ def test_sleeping_model_backprops_in_reverse_with_every_gradient() -> None:
         m.zero_grad()
         m().sum().backward()
         assert m.trace == [layer.name for layer in reversed(p.layers)] * (step + 1)
-        for spec, param in zip(p.params(), m.parameters()):
+        for spec, param in zip(p.params(), m.parameters(), strict=True):
             assert param.shape == spec.shape
             assert param.grad is not None
             assert param.grad.shape == param.shape
@@ -150,14 +150,14 @@ def test_train_worker_runs_both_systems_under_sumflow_run(tmp_path: Path) -> Non
         assert r["profile_compute_ms"] == pytest.approx(profile.compute_ms)
         assert r["iterations_per_s"] == pytest.approx(3 / r["wall_s"])
         assert len(r["iteration_s"]) == len(r["compute_s"]) == len(r["idle_s"]) == 3
-        for t, c, i in zip(r["iteration_s"], r["compute_s"], r["idle_s"]):
+        for t, c, i in zip(r["iteration_s"], r["compute_s"], r["idle_s"], strict=True):
             assert 0 < c <= t
             assert i == pytest.approx(t - c)
         # The backward pass's wall time holds its share of the compute (and the hooks),
         # never more than the iteration.
         share = sum(layer.backward_ms for layer in profile.layers) / profile.compute_ms
         assert len(r["backward_s"]) == 3
-        for t, c, b in zip(r["iteration_s"], r["compute_s"], r["backward_s"]):
+        for t, c, b in zip(r["iteration_s"], r["compute_s"], r["backward_s"], strict=True):
             assert 0.9 * share * c <= b < t
         assert r["iteration_median_s"] <= r["iteration_p90_s"]
         assert [x["rank"] for x in r["per_rank"]] == [0, 1]

@@ -152,10 +152,12 @@ class Checks:
         shapes = [((4,), torch.float32), ((2, 3), torch.int64), ((1,), torch.float64)]
         ts = [data(self.rank, s, dt) for s, dt in shapes]
         want = [expected_sum([data(q, s, dt) for q in self.everyone], dt) for s, dt in shapes]
-        for i, (g, w) in enumerate(zip(hvd.grouped_allreduce(ts, op=hvd.Sum, name="g"), want)):
+        for i, (g, w) in enumerate(
+            zip(hvd.grouped_allreduce(ts, op=hvd.Sum, name="g"), want, strict=True)
+        ):
             self.expect(f"grouped_allreduce.{i}", g, w)
         hvd.grouped_allreduce_(ts, op=hvd.Sum, name="g_")
-        for i, (g, w) in enumerate(zip(ts, want)):
+        for i, (g, w) in enumerate(zip(ts, want, strict=True)):
             self.expect(f"grouped_allreduce_.{i}", g, w)
 
     def reuse(self) -> None:
@@ -171,7 +173,7 @@ class Checks:
         r, n = self.rank, self.size
         sets = [list(range(k)) for k in range(1, n)] + ([list(range(1, n, 2))] if n > 2 else [])
         registered = [hvd.add_process_set(ranks) for ranks in sets]
-        for ranks, ps in zip(sets, registered):
+        for ranks, ps in zip(sets, registered, strict=True):
             label = f"set{ranks}"
             if r not in ranks:
                 try:

@@ -390,14 +390,14 @@ def fusion_in_place() -> dict[str, Any]:
         opt.synchronize()  # type: ignore[attr-defined]
         # Backward order is the reverse of the model's: the last layer's bias comes first.
         item = params[0].element_size()
-        ends = [a + p.numel() * item for a, p in zip(addresses, params)]
+        ends = [a + p.numel() * item for a, p in zip(addresses, params, strict=True)]
         seen["pool_order"].append(all(ends[i + 1] == addresses[i] for i in range(len(params) - 1)))
         seen["same_memory"].append([p.grad.data_ptr() for p in params] == addresses)
         total = [
             hvd.allreduce(local[i], op=hvd.Sum, name=f"pool.check.{i}") for i in range(len(params))
         ]
         seen["averaged"].append(
-            all(torch.equal(p.grad, t / hvd.size()) for p, t in zip(params, total))
+            all(torch.equal(p.grad, t / hvd.size()) for p, t in zip(params, total, strict=True))
         )
         with opt.skip_synchronize():  # type: ignore[attr-defined]
             opt.step()

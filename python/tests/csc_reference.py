@@ -66,7 +66,7 @@ def reference() -> tuple[list[list[int]], list[list[np.ndarray]]]:
         hu = np.where(is_important, m * hu + lr * avg, hu).astype(np.float32)
         w = np.where(is_important, w - hu, w).astype(np.float32)
         split = np.split(w, np.cumsum(sizes)[:-1])
-        weights_log.append([x.reshape(s) for x, s in zip(split, SHAPES)])
+        weights_log.append([x.reshape(s) for x, s in zip(split, SHAPES, strict=True)])
         # Selection for t + 1: L1 norms, important ones divided by the workers, summed.
         norms = np.zeros(chunks, np.float32)
         for r in range(WORKERS):

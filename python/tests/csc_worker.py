@@ -27,7 +27,7 @@ def make(weights: list[torch.Tensor]) -> tuple[list[torch.Tensor], CoarseSparseS
 def train(params: list[torch.Tensor], opt: CoarseSparseSGD, steps: range) -> tuple[list, list]:
     sent, weights = [], []
     for step in steps:
-        for p, g in zip(params, gradients(hvd.rank(), step)):
+        for p, g in zip(params, gradients(hvd.rank(), step), strict=True):
             p.grad = torch.from_numpy(g)
         sent.append(opt.important.tolist())
         opt.step()

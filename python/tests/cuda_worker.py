@@ -227,7 +227,7 @@ def check_optimizer(
         ref_opt.step()
     if cross_barrier:
         opt.synchronize()  # the last updates are done before the parameters are read
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"parameter {name}, {passes} passes"
 
 
@@ -264,7 +264,7 @@ def check_ddp_hook(rank: int, size: int, device: torch.device) -> None:
             ref_opt.step()
         # DDP's own all-reduce would give the same parameters: the hook must have run.
         assert buckets[0] >= 5, f"sumflow's hook ran for {buckets[0]} buckets in 5 steps"
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
             assert torch.allclose(p, q, rtol=1e-5, atol=1e-6), f"DDP hook: parameter {name}"
     finally:
         dist.destroy_process_group()

@@ -216,7 +216,7 @@ def test_training_with_top_k_keeps_the_workers_identical_and_learns(
     ranks: list[dict[str, Any]],
 ) -> None:
     a, b = (r["trained"] for r in ranks)
-    for p, q in zip(a["params"], b["params"]):
+    for p, q in zip(a["params"], b["params"], strict=True):
         assert torch.equal(p, q)
     assert a["losses"][-1] < 0.8 * a["losses"][0], a["losses"]
 
@@ -236,8 +236,8 @@ def test_the_wire_carries_the_compressed_bytes(ranks: list[dict[str, Any]]) -> N
 def test_the_ddp_hook_compresses_too(ranks: list[dict[str, Any]]) -> None:
     """Top-k keeping every element is lossless: the hooked DDP ends where it ends dense."""
     for r in ranks:
-        for dense, topk_all in zip(r["ddp"], r["ddp-topk"]):
+        for dense, topk_all in zip(r["ddp"], r["ddp-topk"], strict=True):
             assert torch.equal(dense, topk_all)
-    for p, q in zip(ranks[0]["ddp-topk"], ranks[1]["ddp-topk"]):
+    for p, q in zip(ranks[0]["ddp-topk"], ranks[1]["ddp-topk"], strict=True):
         assert torch.equal(p, q)
     assert any(name.startswith("ddp-topk.grad[") for name in ranks[0]["wire"])

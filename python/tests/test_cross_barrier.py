@@ -44,7 +44,7 @@ def assert_same(got: Any, want: Any, where: str) -> None:
             assert_same(got[k], want[k], f"{where}.{k}")
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_same(g, w, f"{where}[{i}]")
     elif isinstance(want, torch.Tensor):
         assert torch.equal(got, want), (where, (got - want).abs().max())
@@ -75,7 +75,7 @@ def test_one_parameter_at_a_time_equals_a_whole_step(cls: type[torch.optim.Optim
     whole = cls([{"params": params[:1], "lr": 0.02}, {"params": params[1:]}], lr=0.01)
     split = cls([{"params": twins[:1], "lr": 0.02}, {"params": twins[1:]}], lr=0.01)
     for _ in range(3):
-        for p, t in zip(params, twins):
+        for p, t in zip(params, twins, strict=True):
             p.grad = torch.randn_like(p)
             t.grad = p.grad.clone()
         whole.step()
@@ -85,7 +85,7 @@ def test_one_parameter_at_a_time_equals_a_whole_step(cls: type[torch.optim.Optim
                 per_parameter.step_one(cls, split.__dict__, t, hyper, index, f"twin.{index}")
     assert_same(twins, params, "parameters")
     assert_same(split.state_dict(), whole.state_dict(), "state")
-    assert all(not torch.equal(p, q) for p, q in zip(params, initial)), "nothing moved"
+    assert all(not torch.equal(p, q) for p, q in zip(params, initial, strict=True)), "nothing moved"
 
 
 def test_parameters_and_state_equal_the_synchronous_optimizer_exactly(

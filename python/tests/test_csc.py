@@ -106,8 +106,8 @@ def test_weights_equal_the_reference_of_algorithm_1(ranks: list[dict[str, Any]])
     _, want = reference()
     for rank, r in enumerate(ranks):
         assert len(r["weights"]) == STEPS
-        for step, (got, ref) in enumerate(zip(r["weights"], want)):
-            for g, w in zip(got, ref):
+        for step, (got, ref) in enumerate(zip(r["weights"], want, strict=True)):
+            for g, w in zip(got, ref, strict=True):
                 np.testing.assert_allclose(
                     g.numpy(), w, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank} step {step}"
                 )
@@ -127,8 +127,8 @@ def test_a_restored_state_dict_continues_exactly(ranks: list[dict[str, Any]]) ->
     half = STEPS // 2
     for r in ranks:
         assert r["restored_sent"] == r["sent"][half:]
-        for got, want in zip(r["restored_weights"], r["weights"][half:]):
-            for g, w in zip(got, want):
+        for got, want in zip(r["restored_weights"], r["weights"][half:], strict=True):
+            for g, w in zip(got, want, strict=True):
                 assert torch.equal(g, w)
 
 
@@ -156,4 +156,4 @@ def test_the_wire_carries_the_sent_chunks_and_the_norms(ranks: list[dict[str, An
         sent_norms = sum(wire[name][0] for name in names)
         assert norm_bytes < sent_norms < norm_bytes + 100 * norm_pushes
         total = r["wire_total"]
-        assert (total.sent, total.received) == tuple(map(sum, zip(*wire.values())))
+        assert (total.sent, total.received) == tuple(map(sum, zip(*wire.values(), strict=True)))

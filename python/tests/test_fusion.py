@@ -115,9 +115,9 @@ def test_zero_keeps_every_gradient_a_view_and_autograd_adds_into_the_pool() -> N
     x = [torch.arange(3.0), torch.arange(4.0).view(2, 2)]
     for _ in range(2):
         pool.zero()
-        sum((p * xi).sum() for p, xi in zip(params, x)).backward()
+        sum((p * xi).sum() for p, xi in zip(params, x, strict=True)).backward()
         # The same tensors, in the pool, holding this backward's gradients only.
-        assert all(p.grad is v for p, v in zip(params, views))
+        assert all(p.grad is v for p, v in zip(params, views, strict=True))
         assert torch.equal(params[0].grad, x[0])
         assert torch.equal(params[1].grad, x[1])
 

@@ -50,7 +50,7 @@ def one_process() -> dict[str, torch.Tensor]:
     opt = torch.optim.SGD(m.parameters(), lr=LR)
     for step in range(STEPS):
         opt.zero_grad()
-        xs, ys = zip(*(batch(step, r, WORKERS) for r in range(WORKERS)))
+        xs, ys = zip(*(batch(step, r, WORKERS) for r in range(WORKERS)), strict=True)
         # The workers' sums, averaged.
         (loss_of(m, torch.cat(xs), torch.cat(ys)) / WORKERS).backward()
         opt.step()

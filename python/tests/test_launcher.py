@@ -909,7 +909,7 @@ def test_cluster_form_runs_every_process_over_ssh(tmp_path: Path, token_file: bo
     assert Counter(host for host, _ in lines) == {"localhost": 3, "127.0.0.1": 2}
     assert sum("--host-id cpu-0" in cmd for _, cmd in lines) == 1
     infos = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
-    for r, (info, host) in enumerate(zip(infos, ["localhost", "127.0.0.1"])):
+    for r, (info, host) in enumerate(zip(infos, ["localhost", "127.0.0.1"], strict=True)):
         env = info["env"]
         assert env["RANK"] == str(r)
         assert env["WORLD_SIZE"] == "2"

@@ -398,7 +398,7 @@ def test_scale_keeps_tensors_and_order_and_scales_sizes_and_times() -> None:
     s = profiles.scale(p, size_scale=0.01, time_scale=3.0)
     assert [x.name for x in s.params()] == [x.name for x in p.params()]
     assert [layer.name for layer in s.layers] == [layer.name for layer in p.layers]
-    for a, b in zip(p.params(), s.params()):
+    for a, b in zip(p.params(), s.params(), strict=True):
         assert b.shape == (max(1, round(a.numel * 0.01)),)
     assert s.num_params == pytest.approx(p.num_params * 0.01, rel=0.01)
     assert s.forward_ms == pytest.approx(3 * p.forward_ms)

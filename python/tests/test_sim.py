@@ -67,7 +67,7 @@ def chain(forward_ms: list[float], backward_ms: list[float], elements: list[int]
         sample="none",
         layers=tuple(
             LayerProfile(f"L{i}", (ParamSpec(f"w{i}", (e,)),), f, b)
-            for i, (f, b, e) in enumerate(zip(forward_ms, backward_ms, elements))
+            for i, (f, b, e) in enumerate(zip(forward_ms, backward_ms, elements, strict=True))
         ),
     )
 

@@ -41,7 +41,7 @@ def reference(opt_name: str, workers: int) -> dict[str, torch.Tensor]:
     opt = make_optimizer(opt_name, m.parameters())
     for step in range(STEPS):
         opt.zero_grad()
-        xs, ys = zip(*(batch(step, r, workers) for r in range(workers)))
+        xs, ys = zip(*(batch(step, r, workers) for r in range(workers)), strict=True)
         torch.nn.functional.cross_entropy(m(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
     return m.state_dict()
@@ -150,7 +150,7 @@ def test_broadcasts_make_every_worker_equal_the_root(tmp_path: Path) -> None:
         assert r["lr"] == root["lr"]
         for k, v in root["state"].items():
             assert torch.equal(r["state"][k], v), k
-        for a, b in zip(r["momentum"], root["momentum"]):
+        for a, b in zip(r["momentum"], root["momentum"], strict=True):
             assert torch.equal(a, b)
 
 
@@ -204,7 +204,7 @@ def test_ddp_hook_matches_ddp_with_gloo(tmp_path: Path) -> None:
         tmp_path / "hook",
         run_worker_processes(tmp_path, 2, [WORKER, "ddp-sumflow", str(tmp_path / "hook")], 1),
     )
-    for g, h in zip(gloo, hook):
+    for g, h in zip(gloo, hook, strict=True):
         assert isinstance(g, dict)
         assert isinstance(h, dict)
         for k in g:

@@ -105,7 +105,7 @@ def test_a_traced_job_writes_each_workers_window_and_merges(tmp_path: Path) -> N
         forwards = on(trace, "compute", "forward")
         assert [e["args"]["step"] for e in forwards] == [2, 3, 4]
         assert [e["args"]["step"] for e in on(trace, "waits", "allreduce")] == [2, 3, 4]
-        for forward, layer in zip(forwards, on(trace, "compute", "layer")):
+        for forward, layer in zip(forwards, on(trace, "compute", "layer"), strict=True):
             assert layer["args"] == {"index": 0, "kind": "linear"}
             assert forward["ts"] <= layer["ts"]
             assert layer["ts"] + layer["dur"] <= forward["ts"] + forward["dur"]

@@ -584,7 +584,7 @@ def one_process_reference() -> dict[str, Any]:
     opt = make_optimizer(m.parameters())
     for step in range(STEPS):
         opt.zero_grad()
-        xs, ys = zip(*(batch(step, r, 2) for r in range(2)))
+        xs, ys = zip(*(batch(step, r, 2) for r in range(2)), strict=True)
         torch.nn.functional.cross_entropy(m(torch.cat(xs)), torch.cat(ys)).backward()
         opt.step()
     return m.state_dict()

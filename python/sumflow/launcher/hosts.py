@@ -118,7 +118,7 @@ def slurm_hosts(env: Mapping[str, str]) -> list[Host] | None:
         )
     if len(nodes) == 1 and env.get("SLURMD_NODENAME", "").strip() == nodes[0]:
         return None
-    return _no_duplicates([Host(n, s) for n, s in zip(nodes, slots)], name)
+    return _no_duplicates([Host(n, s) for n, s in zip(nodes, slots, strict=True)], name)
 
 
 def _no_duplicates(hosts: list[Host], where: str) -> list[Host]:

@@ -69,7 +69,7 @@ def vgg16(image_size: int = 224, classes: int = 1000) -> list[ArchLayer]:
         index += 2  # the convolution and its ReLU
     # AdaptiveAvgPool2d((7, 7)) makes the classifier's input 512x7x7 at any image size.
     for index, (fan_in, fan_out) in zip(
-        (0, 3, 6), ((512 * 7 * 7, 4096), (4096, 4096), (4096, classes))
+        (0, 3, 6), ((512 * 7 * 7, 4096), (4096, 4096), (4096, classes)), strict=True
     ):
         name = f"classifier.{index}"
         layers.append(

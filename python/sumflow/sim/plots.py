@@ -88,7 +88,7 @@ def plot_schedulers(
             base = results[relative_to]
             axes[1].plot(
                 gbps,
-                [b.iteration_s / r.iteration_s for r, b in zip(rs, base)],
+                [b.iteration_s / r.iteration_s for r, b in zip(rs, base, strict=True)],
                 marker="o",
                 label=name,
             )

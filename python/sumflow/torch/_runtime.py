@@ -94,7 +94,9 @@ def _trace_settings() -> _Options:
     directory = settings.TRACE_DIR.read()
     if not directory:
         given = [
-            s.name for s, value in zip(window, (start_step, steps, max_events)) if value is not None
+            s.name
+            for s, value in zip(window, (start_step, steps, max_events), strict=True)
+            if value is not None
         ]
         if given:
             raise ValueError(

@@ -50,7 +50,7 @@ class _Flat:
 
     def spans(self) -> Iterator[tuple[torch.Tensor, slice]]:
         """Each parameter and its elements' place in the flat buffers."""
-        for p, start in zip(self.params, self.offsets):
+        for p, start in zip(self.params, self.offsets, strict=True):
             yield p, slice(start, start + p.numel())
 
 
@@ -90,7 +90,7 @@ class _AsyncOptimizer(torch.optim.Optimizer):
         )
         self._sf_flats = [
             _Flat(params=group, offsets=offsets, tid=tid, base=base, delta=torch.empty_like(base))
-            for (_, group, offsets, base), tid in zip(flats, ids)
+            for (_, group, offsets, base), tid in zip(flats, ids, strict=True)
         ]
         self._sf_staleness = staleness
 

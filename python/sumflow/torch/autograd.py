@@ -116,7 +116,10 @@ class _GroupedAllgather(torch.autograd.Function):
             names = [base]
         else:
             names = [None if base is None else f"{base}.{i}" for i in range(len(grads))]
-        own = (_own_rows(g, rows, n, ctx.process_set) for g, rows, n in zip(grads, ctx.rows, names))
+        own = (
+            _own_rows(g, rows, n, ctx.process_set)
+            for g, rows, n in zip(grads, ctx.rows, names, strict=True)
+        )
         return (None, None, None, *own)
 
 

@@ -106,7 +106,7 @@ def grouped_allgather_async(
             outs.append(out)
 
         def finish() -> Any:
-            moved = [out.to(t.device) for out, t in zip(outs, tensors)]
+            moved = [out.to(t.device) for out, t in zip(outs, tensors, strict=True)]
             return moved[0] if _single else moved
 
         return relay.relay_work(full, regions, finish)
@@ -428,7 +428,7 @@ def _scattered_sum(
         for i in members:
             t = tensors[i].detach()
             counts = reducescatter_rows(t.shape[0], size)
-            for w, rows in zip(range(size), t.split(counts)):
+            for w, rows in zip(range(size), t.split(counts), strict=True):
                 shares[w].append(rows.reshape(-1).cpu())
         scales = _applied(tensors[members[0]], prescale_factor, postscale_factor)
         for w in range(size):
@@ -533,7 +533,7 @@ def _grouped_allreduce(
 
         def write_back(reduced: list[torch.Tensor]) -> list[torch.Tensor]:
             with torch.no_grad():
-                for t, r in zip(tensors, reduced):
+                for t, r in zip(tensors, reduced, strict=True):
                     t.copy_(r)
             return tensors
 

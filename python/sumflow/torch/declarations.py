@@ -175,10 +175,10 @@ def declare_layouts(
             places = [None] * len(specs) if homes is None else list(homes)
             ids = [
                 service.declare(n, d, e, c, members=m, home=places[i], shape=dims[j])
-                for j, (i, (n, d, e, c, m)) in enumerate(zip(fresh, wanted))
+                for j, (i, (n, d, e, c, m)) in enumerate(zip(fresh, wanted, strict=True))
             ]
         with _declared_lock:
-            for i, tid in zip(fresh, ids):
+            for i, tid in zip(fresh, ids, strict=True):
                 name, layout, _ = specs[i]
                 _declared.setdefault(name, {})[layout] = tid
                 _owner[tid] = (name, layout)

@@ -122,7 +122,7 @@ class GradientPool:
             offsets = [0]
             for p in params:
                 offsets.append(offsets[-1] + p.numel())
-            for p, start in zip(params, offsets):
+            for p, start in zip(params, offsets[:-1], strict=True):
                 self.view_of[id(p)] = pool[start : start + p.numel()].view(p.shape)
                 self._params.append(p)
             self._pools.append((params, offsets, pool))

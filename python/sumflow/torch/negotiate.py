@@ -132,7 +132,7 @@ def decode(table: torch.Tensor, ranks: Sequence[int]) -> list[Row | None]:
     """Every member's row, in member order (None where a member wrote none); ``ranks``
     are the members' worker ranks, by which rows are named."""
     rows: list[Row | None] = []
-    for rank, words in zip(ranks, table.tolist()):
+    for rank, words in zip(ranks, table.tolist(), strict=True):
         if words[0] != 1:
             rows.append(None)
             continue

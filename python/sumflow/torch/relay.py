@@ -57,7 +57,10 @@ def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) 
     # Placed one by one: each worker declares only the regions it pushes or takes. A
     # region whose size changed since its name's last operation retires its old layout.
     ids = declarations.declare_layouts(
-        [(r.name, (torch.int32, b.numel() // 4, None), r.members) for r, b in zip(live, buffers)],
+        [
+            (r.name, (torch.int32, b.numel() // 4, None), r.members)
+            for r, b in zip(live, buffers, strict=True)
+        ],
         together=False,
         homes=[r.home for r in live],
         replace=True,
@@ -72,11 +75,11 @@ def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) 
             pushes=None if r.pushes else [],
             pulls=[] if r.pushes else None,
         )
-        for r, buf, tid in zip(live, buffers, ids)
+        for r, buf, tid in zip(live, buffers, ids, strict=True)
     ]
 
     def done() -> Any:
-        for r, buf in zip(live, buffers):
+        for r, buf in zip(live, buffers, strict=True):
             if buf is not r.data and not r.pushes:
                 r.data.copy_(buf[: r.data.numel()])
         return finish()

@@ -170,7 +170,9 @@ class BayesianSearch:
                 ("fusion_octaves", math.log2(space.max_fusion_bytes / space.min_fusion_bytes))
             )
         modelled = [(name, o) for name, o in octaves if o > 0]
-        scales = {name: float(ls) * o for (name, o), ls in zip(modelled, acqf.length_scales)}
+        scales = {
+            name: float(ls) * o for (name, o), ls in zip(modelled, acqf.length_scales, strict=True)
+        }
         return {
             "kind": "gp-expected-improvement",
             "observations": len(seen),
