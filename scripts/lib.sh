@@ -38,10 +38,13 @@ install_pinned() {
   echo "$want" >"$stamp"
 }
 
+# The oldest CPython sumflow supports: requires-python in pyproject.toml.
+min_python=3.10
+
 # The Python environment, in .venv at the repository root, activated for the rest of the
 # calling script:
-#   1. a virtual environment of python3 (CPython >= 3.10, pyproject.toml's requires-python;
-#      Debian's python3-venv is installed if venv is missing);
+#   1. a virtual environment of python3 (CPython $min_python or newer; Debian's
+#      python3-venv is installed if venv is missing);
 #   2. the pinned tools of requirements-dev.txt (maturin, setuptools, pytest, ruff, numpy,
 #      torch), after upgrading pip; skipped when .venv already holds exactly that file's
 #      pins;
@@ -57,8 +60,8 @@ ensure_python_env() {
     echo "python3 not found; installing it from Debian's packages"
     apt_install python3 python3-venv
   fi
-  if ! python3 -c 'import sys; sys.exit(sys.version_info < (3, 10))'; then
-    echo "$(python3 --version) is older than sumflow supports (CPython 3.10 or newer);" \
+  if ! python3 -c "import sys; sys.exit(sys.version_info < tuple(map(int, '$min_python'.split('.'))))"; then
+    echo "$(python3 --version) is older than sumflow supports (CPython $min_python or newer);" \
       "put a newer python3 first on PATH" >&2
     return 1
   fi
@@ -88,11 +91,12 @@ ensure_python_env() {
   echo "built and installed sumflow and sumflow-bench in $((SECONDS - t))s (python environment: $((SECONDS - started))s)"
 }
 
-# The oldest CPython the package supports (requires-python in pyproject.toml): python3.10
-# on PATH, else one of pyenv's. Prints its path, or nothing where there is none.
+# A CPython $min_python: python$min_python on PATH, else one of pyenv's. Prints its path,
+# or nothing where there is none.
 oldest_python() {
   local p
-  for p in "$(command -v python3.10 || true)" "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.10.*/bin/python3.10; do
+  for p in "$(command -v "python$min_python" || true)" \
+    "${PYENV_ROOT:-$HOME/.pyenv}/versions/$min_python".*/bin/"python$min_python"; do
     if [ -x "$p" ] && "$p" -c 'import ensurepip, venv' 2>/dev/null; then
       echo "$p"
       return 0
@@ -110,8 +114,8 @@ ensure_oldest_torch_env() {
   python=$(oldest_python)
   if [ -z "$python" ]; then
     python=python3
-    echo "warning: no CPython 3.10 (the oldest pyproject.toml allows) on PATH or under pyenv;" \
-      "this environment uses $(python3 --version), and Python 3.10 goes untested" >&2
+    echo "warning: no CPython $min_python (the oldest sumflow supports) on PATH or under pyenv;" \
+      "this environment uses $(python3 --version), and Python $min_python goes untested" >&2
   fi
   version=$("$python" -c 'import sys; print(sys.version.split()[0])')
   if [ "$("$venv/bin/python" -c 'import sys; print(sys.version.split()[0])' 2>/dev/null)" != "$version" ] \

@@ -79,7 +79,7 @@ if [ "$pytest_status" -ne 0 ]; then
   exit "$pytest_status"
 fi
 
-step "the same wheel under the oldest Python and torch supported (3.10, requirements-torch-oldest.txt): the torch API's tests"
+step "the same wheel under the oldest Python and torch supported ($min_python, requirements-torch-oldest.txt): the torch API's tests"
 oldest=$(ensure_oldest_torch_env "$tmp/wheels")
 oldest_status=0
 # Every module of the package imports; the plugin's API, Horovod's and DDP's:

@@ -69,3 +69,16 @@ def test_the_benchmark_package_is_a_distribution_of_its_own() -> None:
     assert project["name"] == "sumflow-bench"
     assert any(dep.split("[")[0] == "sumflow" for dep in project["dependencies"])
     assert config["tool"]["setuptools"]["packages"] == ["sumflow_bench"]
+
+
+def test_the_scripts_oldest_python_is_requires_python() -> None:
+    """scripts/lib.sh builds CI's oldest environment on `min_python` and refuses an older
+    python3: it must be the floor pyproject.toml declares."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    floor = config["project"]["requires-python"]
+    (line,) = [
+        x
+        for x in (ROOT / "scripts" / "lib.sh").read_text().splitlines()
+        if x.startswith("min_python=")
+    ]
+    assert floor == ">=" + line.split("=", 1)[1], (floor, line)
