@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -361,6 +362,15 @@ class PortCounter:
         return {"hosts": hosts, "most": most}
 
 
+def _start_line(run: dict[str, Any]) -> str:
+    """How far apart the workers left each round's barrier (median over the rounds): the
+    round time, the slowest worker's, includes it."""
+    spreads = run.get("start_spread_seconds")
+    if not spreads:
+        return ""
+    return f", workers started within {statistics.median(spreads) * 1e3:.0f} ms"
+
+
 def _nic_line(run: dict[str, Any], what: str) -> str:
     nic = run["nic_bytes"]
     return (
@@ -411,6 +421,7 @@ def goodput_runs(
     print(
         f"    gloo all_reduce: {gloo['goodput_gbit']:.3f} Gbit/s per worker"
         + (f", {per_gb['busy']:.2f} core-s per GB summed" if per_gb else "")
+        + _start_line(gloo)
         + _nic_line(gloo, "a ring's traffic"),
         file=sys.stderr,
         flush=True,
@@ -449,7 +460,7 @@ def goodput_runs(
             )
         print(
             f"    sumflow k={k}: {run['goodput_gbit']:.3f} Gbit/s per worker, "
-            f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo"
+            f"{run['vs_optimum']:.2f}x the optimum, {run['vs_gloo']:.2f}x gloo{_start_line(run)}"
             f"{_cpu_line(run, gloo)}{_nic_line(run, 'Eq. 6 traffic')}",
             file=sys.stderr,
             flush=True,

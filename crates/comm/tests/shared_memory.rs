@@ -160,6 +160,42 @@ fn operations_in_a_different_order_on_each_worker_all_complete() {
 }
 
 #[test]
+fn rounds_across_machines_in_a_different_order_on_each_worker_all_complete() {
+    // Three workers on each of two machines: every round is aggregated inside each
+    // machine first. Each tensor is larger than what a worker copies in ahead of its own
+    // reduces, and no two workers of a machine issue them in the same order: each must
+    // still copy in what the others wait for.
+    let machines = vec!["a".to_string(), "b".to_string()];
+    let job = job_on(&machines, 6, 1);
+    let elements = 5 << 18; // 5 MiB of f32
+    run_on(job, 6, move |rank, addr| {
+        let mut cfg = config_on(addr, rank, &machines[rank as usize / 3]);
+        cfg.partition_bytes = Some(1 << 20);
+        let c = CommunicationService::start(cfg).unwrap();
+        let ids: Vec<u32> = (0..3)
+            .map(|t| c.declare(&format!("t{t}"), Dtype::F32, elements).unwrap())
+            .collect();
+        let mut data: Vec<Vec<f32>> = (0..3).map(|_| vec![0.0; elements as usize]).collect();
+        for round in 0..2 {
+            data.iter_mut().for_each(|d| d.fill(rank as f32 + 1.0));
+            let first = (rank as usize + round) % 3;
+            let mut hs = Vec::new();
+            for t in (0..3).map(|i| (i + first) % 3) {
+                hs.push(push_pull(&c, ids[t], &mut data[t], 0, ReduceOp::Sum));
+            }
+            for h in hs {
+                c.wait(h, Duration::from_secs(20)).unwrap();
+            }
+            assert!(
+                data.iter().all(|d| d.iter().all(|v| *v == 21.0)),
+                "worker {rank}, round {round}"
+            );
+        }
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
 fn relays_and_shares_take_only_their_ranges() {
     run_box(3, 0, |rank, addr| {
         let c = on_box(addr, rank);
@@ -395,4 +431,44 @@ fn a_wait_that_times_out_names_the_members_that_have_not_pushed() {
         t.join().unwrap();
     }
     finish(job);
+}
+
+#[test]
+fn a_copy_in_held_back_behind_earlier_rounds_says_so_when_it_times_out() {
+    // Workers 0, 1 on machine a; 2, 3 on machine b. Worker 1 is late: worker 0's first
+    // round fills what it copies in ahead of its reduces, so its second waits to be
+    // copied in, and a wait on it says why.
+    let machines = vec!["a".to_string(), "b".to_string()];
+    let job = job_on(&machines, 4, 1);
+    let late = Arc::new(Barrier::new(2));
+    let big = 5usize << 18; // 5 MiB of f32
+    run_on(job, 4, move |rank, addr| {
+        let mut cfg = config_on(addr, rank, &machines[rank as usize / 2]);
+        cfg.partition_bytes = Some(1 << 20);
+        let c = CommunicationService::start(cfg).unwrap();
+        let first = c.declare("first", Dtype::F32, big as u64).unwrap();
+        let second = c.declare("second", Dtype::F32, 1000).unwrap();
+        if rank == 1 {
+            late.wait();
+        }
+        let mut a = vec![1f32; big];
+        let mut b = vec![1f32; 1000];
+        let ha = push_pull(&c, first, &mut a, 0, ReduceOp::Sum);
+        let hb = push_pull(&c, second, &mut b, 0, ReduceOp::Sum);
+        if rank == 0 {
+            let err = c.wait(hb, Duration::from_millis(500)).unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, CommError::Timeout { .. }), "{msg}");
+            assert!(
+                msg.contains("its copy-in waits behind this worker's earlier rounds"),
+                "{msg}"
+            );
+            late.wait();
+        }
+        c.wait(ha, Duration::from_secs(20)).unwrap();
+        c.wait(hb, Duration::from_secs(20)).unwrap();
+        assert!(a.iter().all(|v| *v == 4.0), "worker {rank}");
+        assert!(b.iter().all(|v| *v == 4.0), "worker {rank}");
+        c.shutdown("done").unwrap();
+    });
 }

@@ -49,6 +49,9 @@ const POLL: Duration = Duration::from_millis(100);
 /// pass per tensor cost the one-machine benchmark 8-10% (a scan of every round and a ring
 /// of the doorbell each).
 const COPY_IN_BATCH: usize = 4 << 20;
+/// Bytes of rounds aggregated across machines that a worker copies in ahead of its own
+/// reduces (see [`Stage::run`]).
+const CROSSING_AHEAD: usize = 4 << 20;
 /// How long a failed slice's push and pull may take to let go of the result.
 const ABANDON_WAIT: Duration = Duration::from_secs(1);
 
@@ -140,6 +143,11 @@ struct Pending {
     /// The handle of its slice's push and pull, while it crosses, and since when.
     net: Option<u64>,
     crossed: Instant,
+    /// Whether its round is aggregated across machines (`LocalOp::cross`, which the
+    /// round takes when its slice leaves).
+    crosses: bool,
+    /// Whether its copy-in waits for this worker's earlier rounds across machines.
+    deferred: bool,
 }
 
 /// What each blocked operation waits for, by handle, for timeout messages and stall
@@ -165,6 +173,18 @@ struct Area {
     resync: bool,
     slot_reserved: bool,
     result_reserved: bool,
+}
+
+impl Area {
+    /// The round this worker's next copy-in will be, as `enter` numbers it: a tensor new
+    /// here, or after `join`, picks up at the round the machine completed.
+    fn next_round(&self) -> u64 {
+        if self.resync {
+            self.area.completed() + 1
+        } else {
+            self.round + 1
+        }
+    }
 }
 
 enum Step {
@@ -263,9 +283,24 @@ impl Stage {
                 moved |= went;
                 i += usize::from(!left);
             }
+            // A round that crosses machines is copied in only while this worker's
+            // earlier ones wait for less than CROSSING_AHEAD bytes of reduce, or once a
+            // member of the machine has pushed it: the network paces those rounds, and
+            // copying a whole gradient in at once (G workers per machine at a round's
+            // start) took the cores from the first reduces, which every machine's first
+            // sum waits for. A member that pushed is never kept waiting by this, so no
+            // order of issue across members can deadlock.
+            let mut ahead = crossing_ahead(&pending);
             let (mut i, mut copied) = (0, 0);
             while i < pending.len() && copied < COPY_IN_BATCH {
                 if !matches!(pending[i].phase, Phase::Enter) {
+                    i += 1;
+                    continue;
+                }
+                let deferred =
+                    pending[i].crosses && ahead >= CROSSING_AHEAD && !self.demanded(&pending[i].op);
+                self.note_deferred(&mut pending[i], deferred);
+                if deferred {
                     i += 1;
                     continue;
                 }
@@ -274,6 +309,7 @@ impl Stage {
                 if went {
                     moved = true;
                     copied += bytes;
+                    ahead = crossing_ahead(&pending);
                 }
                 i += usize::from(!left);
             }
@@ -285,6 +321,47 @@ impl Stage {
                 shm::wait(self.machine.doorbell(), seen, POLL);
             }
         }
+    }
+
+    /// Whether another member of the machine has pushed the round this worker would
+    /// copy `op` into next (it then waits for this worker).
+    fn demanded(&mut self, op: &LocalOp) -> bool {
+        let Ok(a) = self.area(op) else {
+            // The copy-in reports the error.
+            return true;
+        };
+        // As `enter` will number it: a tensor new here, or after `join`, picks up at the
+        // round the machine completed.
+        let round = if a.resync {
+            a.area.completed()
+        } else {
+            a.round
+        } + 1;
+        (0..op.members.len()).any(|k| k != a.me && a.area.pushed(k) >= round)
+    }
+
+    /// Says what a deferred copy-in waits for (for timeout messages), and forgets it once
+    /// it is not deferred.
+    fn note_deferred(&self, p: &mut Pending, deferred: bool) {
+        if p.deferred == deferred {
+            return;
+        }
+        p.deferred = deferred;
+        let mut waiting = self.waiting.lock().expect("waiting");
+        if !deferred {
+            waiting.remove(&p.op.handle);
+            return;
+        }
+        let text = "this machine's shared memory: its copy-in waits behind this worker's \
+                    earlier rounds across machines, which wait for the machine's other workers"
+            .to_string();
+        let waited = Waited {
+            tensor: p.op.tensor,
+            round: self.areas.get(&p.op.tensor).map_or(1, Area::next_round),
+            missing: Vec::new(),
+            text,
+        };
+        waiting.insert(p.op.handle, waited);
     }
 
     /// Advances `pending[i]` as far as it goes: whether it moved, and whether it left
@@ -419,7 +496,6 @@ impl Stage {
             return None;
         }
         Some(Pending {
-            op,
             round: 0,
             phase: Phase::Enter,
             issued: Instant::now(),
@@ -427,6 +503,9 @@ impl Stage {
             waited: Vec::new(),
             net: None,
             crossed: Instant::now(),
+            crosses: op.cross.is_some(),
+            deferred: false,
+            op,
         })
     }
 
@@ -798,6 +877,15 @@ impl Stage {
         self.tracer
             .span(Track::SharedMemory, "take", began, Instant::now(), &[]);
     }
+}
+
+/// Bytes of this worker's rounds across machines copied in and not yet reduced.
+fn crossing_ahead(pending: &[Pending]) -> usize {
+    pending
+        .iter()
+        .filter(|p| p.crosses && matches!(p.phase, Phase::Pushed))
+        .map(|p| p.op.data.len)
+        .sum()
 }
 
 /// `out` = the sources reduced by `op`; zeros without sources (a round every member
