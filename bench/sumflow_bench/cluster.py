@@ -66,8 +66,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workers-per-host",
         type=int,
         default=1,
-        help="worker processes G on each worker host (as one per GPU); gloo's ring then spans "
-        "all n x G of them, and sumflow aggregates inside each host first",
+        help="worker processes G on each worker host (as one per GPU), for goodput and "
+        "training; gloo's ring (and DDP) then spans all n x G of them, and sumflow aggregates "
+        "inside each host first",
     )
     net.add_argument(
         "--cpu-servers",

@@ -252,7 +252,13 @@ def run_step(
             store.unlink(missing_ok=True)
     if system.kind == "ddp-gloo":
         run_torch_job(
-            cluster, workers, argv, what=step.what, log_path=log_path, timeout=args.job_timeout
+            cluster,
+            workers,
+            argv,
+            what=step.what,
+            log_path=log_path,
+            timeout=args.job_timeout,
+            per_host=args.workers_per_host,
         )
     else:
         run_sumflow_job(
@@ -263,6 +269,7 @@ def run_step(
             what=step.what,
             log_path=log_path,
             timeout=args.job_timeout,
+            per_host=args.workers_per_host,
             launcher_args=sumflow_env(args, step, cell),
         )
     run = read_result(out, step.what)

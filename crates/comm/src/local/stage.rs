@@ -148,6 +148,8 @@ struct Pending {
     crosses: bool,
     /// Whether its copy-in waits for this worker's earlier rounds across machines.
     deferred: bool,
+    /// The phase whose wait `waited` was last recorded in.
+    noted: Option<std::mem::Discriminant<Phase>>,
 }
 
 /// What each blocked operation waits for, by handle, for timeout messages and stall
@@ -347,6 +349,8 @@ impl Stage {
             return;
         }
         p.deferred = deferred;
+        // Whatever it waits for next is recorded afresh.
+        p.noted = None;
         let mut waiting = self.waiting.lock().expect("waiting");
         if !deferred {
             waiting.remove(&p.op.handle);
@@ -391,62 +395,69 @@ impl Stage {
         }
     }
 
-    /// Records which members a blocked operation waits for, when that changed.
+    /// Records which members a blocked operation waits for, when that or its phase
+    /// changed: it runs on every pass for every blocked operation (161 of them a step for
+    /// ResNet-50), so the text is formatted only then (formatting it each time showed in
+    /// perf at 4 workers per machine).
     fn note_waiting(&self, p: &mut Pending) {
         let Some(a) = self.areas.get(&p.op.tensor) else {
             return;
         };
         let round = p.round;
-        let (missing, what): (Vec<u32>, String) = match p.phase {
+        let members = 0..p.op.members.len();
+        let missing: Vec<u32> = match p.phase {
             Phase::Enter => {
                 let round = a.round + 1;
-                let late = (0..p.op.members.len())
-                    .filter(|&k| a.area.consumed(k) < a.area.pushed(k).min(round - 1));
-                (
-                    late.map(|k| p.op.members[k]).collect(),
-                    format!("to finish round {} of it", round - 1),
-                )
+                members
+                    .filter(|&k| a.area.consumed(k) < a.area.pushed(k).min(round - 1))
+                    .map(|k| p.op.members[k])
+                    .collect()
             }
-            Phase::Pushed => (
-                (0..p.op.members.len())
-                    .filter(|&k| a.area.pushed(k) < round && !self.joined(p.op.members[k]))
-                    .map(|k| p.op.members[k])
-                    .collect(),
-                format!("to push round {round}"),
+            Phase::Pushed => members
+                .filter(|&k| a.area.pushed(k) < round && !self.joined(p.op.members[k]))
+                .map(|k| p.op.members[k])
+                .collect(),
+            Phase::Crossing => Vec::new(),
+            Phase::Reduced => members
+                .filter(|&k| a.area.pushed(k) >= round && a.area.reduced(k) < round)
+                .map(|k| p.op.members[k])
+                .collect(),
+        };
+        let phase = std::mem::discriminant(&p.phase);
+        if missing == p.waited && p.noted == Some(phase) {
+            return;
+        }
+        let text = match p.phase {
+            Phase::Enter => format!(
+                "this machine's shared memory, waiting for workers {missing:?} to finish \
+                 round {} of it",
+                a.round
             ),
-            Phase::Crossing => (
-                Vec::new(),
-                format!(
-                    "the summation servers' sum of its slice of round {round} over every machine"
-                ),
+            Phase::Pushed => format!(
+                "this machine's shared memory, waiting for workers {missing:?} to push round \
+                 {round}"
             ),
-            Phase::Reduced => (
-                (0..p.op.members.len())
-                    .filter(|&k| a.area.pushed(k) >= round && a.area.reduced(k) < round)
-                    .map(|k| p.op.members[k])
-                    .collect(),
-                format!("to reduce their slices of round {round}"),
+            Phase::Crossing => format!(
+                "this machine's shared memory, waiting for the summation servers' sum of its \
+                 slice of round {round} over every machine"
+            ),
+            Phase::Reduced => format!(
+                "this machine's shared memory, waiting for workers {missing:?} to reduce \
+                 their slices of round {round}"
             ),
         };
-        let crossing = matches!(p.phase, Phase::Crossing);
-        if missing != p.waited || crossing {
-            let text = if crossing {
-                format!("this machine's shared memory, waiting for {what}")
-            } else {
-                format!("this machine's shared memory, waiting for workers {missing:?} {what}")
-            };
-            let waited = Waited {
-                tensor: p.op.tensor,
-                round,
-                text,
-                missing: missing.clone(),
-            };
-            self.waiting
-                .lock()
-                .expect("waiting")
-                .insert(p.op.handle, waited);
-            p.waited = missing;
-        }
+        let waited = Waited {
+            tensor: p.op.tensor,
+            round,
+            text,
+            missing: missing.clone(),
+        };
+        self.waiting
+            .lock()
+            .expect("waiting")
+            .insert(p.op.handle, waited);
+        p.waited = missing;
+        p.noted = Some(phase);
     }
 
     fn stop(&mut self, pending: Vec<Pending>) {
@@ -505,6 +516,7 @@ impl Stage {
             crossed: Instant::now(),
             crosses: op.cross.is_some(),
             deferred: false,
+            noted: None,
             op,
         })
     }
