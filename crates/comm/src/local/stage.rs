@@ -332,13 +332,7 @@ impl Stage {
             // The copy-in reports the error.
             return true;
         };
-        // As `enter` will number it: a tensor new here, or after `join`, picks up at the
-        // round the machine completed.
-        let round = if a.resync {
-            a.area.completed()
-        } else {
-            a.round
-        } + 1;
+        let round = a.next_round();
         (0..op.members.len()).any(|k| k != a.me && a.area.pushed(k) >= round)
     }
 
