@@ -311,7 +311,11 @@ impl Stage {
                 if went {
                     moved = true;
                     copied += bytes;
-                    ahead = crossing_ahead(&pending);
+                    // Only this round moved: it adds to what waits for reduce if it
+                    // stopped there.
+                    if !left && pending[i].crosses && matches!(pending[i].phase, Phase::Pushed) {
+                        ahead += bytes;
+                    }
                 }
                 i += usize::from(!left);
             }
