@@ -698,6 +698,7 @@ impl CommunicationService {
                 Arc::clone(&handles),
                 job.failures(),
                 Arc::clone(&tracer),
+                slowest_link_bits(&map),
             )?;
             // Every worker has registered in its machine's area once all pass this.
             job.barrier(BarrierGroup::Workers, cfg.declare_timeout)?;

@@ -196,6 +196,89 @@ fn rounds_across_machines_in_a_different_order_on_each_worker_all_complete() {
 }
 
 #[test]
+fn machines_that_issue_rounds_across_them_in_opposite_orders_complete() {
+    // Two workers on each of two machines. Each tensor fills what a worker may have on
+    // its way to the summation servers (copied in, not back), and the machines issue
+    // them in opposite orders: each holds back the round the other waits for, until the
+    // window lets it in for want of any round coming back.
+    let machines = vec!["a".to_string(), "b".to_string()];
+    let job = job_on(&machines, 4, 1);
+    let elements = 4 << 20; // 16 MiB of f32, the window
+    run_on(job, 4, move |rank, addr| {
+        let mut cfg = config_on(addr, rank, &machines[rank as usize / 2]);
+        cfg.partition_bytes = Some(1 << 20);
+        let c = CommunicationService::start(cfg).unwrap();
+        let ids: Vec<u32> = (0..2)
+            .map(|t| c.declare(&format!("t{t}"), Dtype::F32, elements).unwrap())
+            .collect();
+        let mut data: Vec<Vec<f32>> = (0..2).map(|_| vec![0.0; elements as usize]).collect();
+        for round in 0..2 {
+            data.iter_mut().for_each(|d| d.fill(rank as f32 + 1.0));
+            let order = if rank < 2 { [0, 1] } else { [1, 0] };
+            let began = Instant::now();
+            let hs: Vec<u64> = order
+                .iter()
+                .map(|&t| push_pull(&c, ids[t], &mut data[t], 0, ReduceOp::Sum))
+                .collect();
+            for h in hs {
+                c.wait(h, Duration::from_secs(20)).unwrap();
+            }
+            assert!(
+                data.iter().all(|d| d.iter().all(|v| *v == 10.0)),
+                "worker {rank}, round {round}"
+            );
+            // The window opened after its stall time, not after a wait's timeout.
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "{:?}",
+                began.elapsed()
+            );
+        }
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
+fn a_copy_in_held_back_by_the_crossing_window_says_so_when_it_times_out() {
+    // Workers 0, 1 on machine a; 2, 3 on machine b, which is late: machine a's first
+    // round fills the window while it waits for machine b at the servers, so worker 0's
+    // second round waits to be copied in, and a wait on it says why.
+    let machines = vec!["a".to_string(), "b".to_string()];
+    let job = job_on(&machines, 4, 1);
+    let late = Arc::new(Barrier::new(3));
+    let big = 4usize << 20; // 16 MiB of f32, the window
+    run_on(job, 4, move |rank, addr| {
+        let mut cfg = config_on(addr, rank, &machines[rank as usize / 2]);
+        cfg.partition_bytes = Some(1 << 20);
+        let c = CommunicationService::start(cfg).unwrap();
+        let first = c.declare("first", Dtype::F32, big as u64).unwrap();
+        let second = c.declare("second", Dtype::F32, 1000).unwrap();
+        if rank >= 2 {
+            late.wait();
+        }
+        let mut a = vec![1f32; big];
+        let mut b = vec![1f32; 1000];
+        let ha = push_pull(&c, first, &mut a, 0, ReduceOp::Sum);
+        let hb = push_pull(&c, second, &mut b, 0, ReduceOp::Sum);
+        if rank == 0 {
+            let err = c.wait(hb, Duration::from_millis(500)).unwrap_err();
+            let msg = err.to_string();
+            assert!(matches!(err, CommError::Timeout { .. }), "{msg}");
+            assert!(
+                msg.contains("to come back from the summation servers"),
+                "{msg}"
+            );
+            late.wait();
+        }
+        c.wait(ha, Duration::from_secs(20)).unwrap();
+        c.wait(hb, Duration::from_secs(20)).unwrap();
+        assert!(a.iter().all(|v| *v == 4.0), "worker {rank}");
+        assert!(b.iter().all(|v| *v == 4.0), "worker {rank}");
+        c.shutdown("done").unwrap();
+    });
+}
+
+#[test]
 fn relays_and_shares_take_only_their_ranges() {
     run_box(3, 0, |rank, addr| {
         let c = on_box(addr, rank);

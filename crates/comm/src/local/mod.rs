@@ -50,6 +50,7 @@ impl SharedMemory {
         handles: Arc<Handles>,
         failures: crossbeam_channel::Receiver<NodeFailure>,
         tracer: Arc<Tracer>,
+        link_bits: Option<u64>,
     ) -> Result<SharedMemory, CommError> {
         let me = &map.workers[rank as usize];
         let here: Vec<u32> = map
@@ -105,7 +106,8 @@ impl SharedMemory {
             rx,
             tracer,
             Arc::clone(&waiting),
-        );
+        )
+        .with_crossing_window(stage::crossing_window(link_bits));
         let thread = std::thread::Builder::new()
             .name("sumflow-shm".into())
             .spawn(move || stage.run())
