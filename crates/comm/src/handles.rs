@@ -6,6 +6,7 @@
 //! push round r + 1.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -65,6 +66,8 @@ pub struct Handles {
     state: Mutex<State>,
     changed: Condvar,
     crossing: OnceLock<Wake>,
+    /// Operations on [`CROSSING`] tensor ids that ended so far (see [`Handles::crossings_ended`]).
+    crossings_ended: AtomicU64,
 }
 
 impl Handles {
@@ -75,9 +78,19 @@ impl Handles {
     }
 
     fn crossed(&self, ended: bool) {
-        if let (true, Some(wake)) = (ended, self.crossing.get()) {
+        if !ended {
+            return;
+        }
+        self.crossings_ended.fetch_add(1, Ordering::Release);
+        if let Some(wake) = self.crossing.get() {
             (wake.0)();
         }
+    }
+
+    /// How many operations on [`CROSSING`] tensor ids have completed or failed: while it
+    /// stays the same, polling those operations again tells nothing new.
+    pub fn crossings_ended(&self) -> u64 {
+        self.crossings_ended.load(Ordering::Acquire)
     }
 
     /// Wakes the waiters, if any sleep.

@@ -241,6 +241,10 @@ pub struct Stage {
     /// While the window holds a copy-in back: since when, or since one of this worker's
     /// rounds last came back from the servers, whichever is later.
     held_since: Option<Instant>,
+    /// `Handles::crossings_ended` when the rounds crossing machines were last polled, and
+    /// when they were last polled whatever it said.
+    crossings_seen: u64,
+    crossings_polled: Instant,
 }
 
 impl Stage {
@@ -266,6 +270,8 @@ impl Stage {
             failed: HashMap::new(),
             window: crossing_window(None),
             held_since: None,
+            crossings_seen: 0,
+            crossings_polled: Instant::now(),
         }
     }
 
@@ -303,7 +309,9 @@ impl Stage {
                     Err(TryRecvError::Empty) => break,
                 }
             }
+            let mut failure = false;
             while let Ok(f) = self.failures.try_recv() {
+                failure = true;
                 if f.node.role == Role::Worker {
                     self.failed
                         .insert(f.node.rank, format!("{} failed: {}", f.name, f.reason));
@@ -316,14 +324,24 @@ impl Stage {
             // slowest member had copied its whole gradient (40-110 ms a round at G = 4 on
             // the emulated cluster's 2 cores), and the others, asleep, heard of none of it
             // until the ring at the pass's end.
+            // A round crossing machines changes only when its network leg ends (the
+            // count tells) or a member fails: most of a step's rounds wait there, and
+            // polling each on every ring of the machine's doorbell cost more than the
+            // copies at 4 workers per machine. They are polled anyway every POLL.
+            let ended = self.handles.crossings_ended();
+            let poll_crossings =
+                ended != self.crossings_seen || failure || self.crossings_polled.elapsed() >= POLL;
+            if poll_crossings {
+                (self.crossings_seen, self.crossings_polled) = (ended, Instant::now());
+            }
             let mut moved = false;
             let mut i = 0;
             while i < pending.len() {
-                if matches!(pending[i].phase, Phase::Enter) {
+                let crossing = matches!(pending[i].phase, Phase::Crossing);
+                if matches!(pending[i].phase, Phase::Enter) || (crossing && !poll_crossings) {
                     i += 1;
                     continue;
                 }
-                let crossing = matches!(pending[i].phase, Phase::Crossing);
                 let (went, left) = self.drive(&mut pending, i);
                 if crossing && went {
                     // Back from the servers: whatever the window holds has not stalled.
@@ -488,29 +506,24 @@ impl Stage {
             return;
         };
         let round = p.round;
-        let members = 0..p.op.members.len();
-        let missing: Vec<u32> = match p.phase {
-            Phase::Enter => {
-                let round = a.round + 1;
-                members
-                    .filter(|&k| a.area.consumed(k) < a.area.pushed(k).min(round - 1))
-                    .map(|k| p.op.members[k])
-                    .collect()
-            }
-            Phase::Pushed => members
-                .filter(|&k| a.area.pushed(k) < round && !self.joined(p.op.members[k]))
+        // Whether member k is one the round waits for.
+        let missing = |k: usize| match p.phase {
+            Phase::Enter => a.area.consumed(k) < a.area.pushed(k).min(a.round),
+            Phase::Pushed => a.area.pushed(k) < round && !self.joined(p.op.members[k]),
+            Phase::Crossing => false,
+            Phase::Reduced => a.area.pushed(k) >= round && a.area.reduced(k) < round,
+        };
+        let members = || {
+            (0..p.op.members.len())
+                .filter(|&k| missing(k))
                 .map(|k| p.op.members[k])
-                .collect(),
-            Phase::Crossing => Vec::new(),
-            Phase::Reduced => members
-                .filter(|&k| a.area.pushed(k) >= round && a.area.reduced(k) < round)
-                .map(|k| p.op.members[k])
-                .collect(),
         };
         let phase = std::mem::discriminant(&p.phase);
-        if missing == p.waited && p.noted == Some(phase) {
+        // Compared without collecting: this runs for every blocked round on every pass.
+        if p.noted == Some(phase) && members().eq(p.waited.iter().copied()) {
             return;
         }
+        let missing: Vec<u32> = members().collect();
         let text = match p.phase {
             Phase::Enter => format!(
                 "this machine's shared memory, waiting for workers {missing:?} to finish \
@@ -760,11 +773,10 @@ impl Stage {
     /// slice for two phases, its ranges for a direct round.
     fn pushed(&mut self, p: &mut Pending) -> Result<Step, CommError> {
         let members = Arc::clone(&p.op.members);
-        let joined: Vec<bool> = members.iter().map(|&r| self.joined(r)).collect();
         let a = &self.areas[&p.op.tensor];
         let round = p.round;
-        let arrived = (0..members.len())
-            .all(|k| a.area.pushed(k) >= round || (joined[k] && a.area.pushed(k) < round));
+        let arrived =
+            (0..members.len()).all(|k| a.area.pushed(k) >= round || self.joined(members[k]));
         if !arrived {
             self.check_peers(&p.op)?;
             return Ok(Step::Blocked);
