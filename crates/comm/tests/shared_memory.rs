@@ -239,46 +239,6 @@ fn machines_that_issue_rounds_across_them_in_opposite_orders_complete() {
 }
 
 #[test]
-fn a_copy_in_held_back_by_the_crossing_window_says_so_when_it_times_out() {
-    // Workers 0, 1 on machine a; 2, 3 on machine b, which is late: machine a's first
-    // round fills the window while it waits for machine b at the servers, so worker 0's
-    // second round waits to be copied in, and a wait on it says why.
-    let machines = vec!["a".to_string(), "b".to_string()];
-    let job = job_on(&machines, 4, 1);
-    let late = Arc::new(Barrier::new(3));
-    let big = 4usize << 20; // 16 MiB of f32, the window
-    run_on(job, 4, move |rank, addr| {
-        let mut cfg = config_on(addr, rank, &machines[rank as usize / 2]);
-        cfg.partition_bytes = Some(1 << 20);
-        let c = CommunicationService::start(cfg).unwrap();
-        let first = c.declare("first", Dtype::F32, big as u64).unwrap();
-        let second = c.declare("second", Dtype::F32, 1000).unwrap();
-        if rank >= 2 {
-            late.wait();
-        }
-        let mut a = vec![1f32; big];
-        let mut b = vec![1f32; 1000];
-        let ha = push_pull(&c, first, &mut a, 0, ReduceOp::Sum);
-        let hb = push_pull(&c, second, &mut b, 0, ReduceOp::Sum);
-        if rank == 0 {
-            let err = c.wait(hb, Duration::from_millis(500)).unwrap_err();
-            let msg = err.to_string();
-            assert!(matches!(err, CommError::Timeout { .. }), "{msg}");
-            assert!(
-                msg.contains("to come back from the summation servers"),
-                "{msg}"
-            );
-            late.wait();
-        }
-        c.wait(ha, Duration::from_secs(20)).unwrap();
-        c.wait(hb, Duration::from_secs(20)).unwrap();
-        assert!(a.iter().all(|v| *v == 4.0), "worker {rank}");
-        assert!(b.iter().all(|v| *v == 4.0), "worker {rank}");
-        c.shutdown("done").unwrap();
-    });
-}
-
-#[test]
 fn relays_and_shares_take_only_their_ranges() {
     run_box(3, 0, |rank, addr| {
         let c = on_box(addr, rank);
@@ -516,23 +476,21 @@ fn a_wait_that_times_out_names_the_members_that_have_not_pushed() {
     finish(job);
 }
 
-#[test]
-fn a_copy_in_held_back_behind_earlier_rounds_says_so_when_it_times_out() {
-    // Workers 0, 1 on machine a; 2, 3 on machine b. Worker 1 is late: worker 0's first
-    // round fills what it copies in ahead of its reduces, so its second waits to be
-    // copied in, and a wait on it says why.
+/// Workers 0, 1 on machine a; 2, 3 on machine b. The `late` workers issue only once
+/// worker 0's wait on its second, small round has timed out: its first round, of `big`
+/// f32, holds the second back from its copy-in, and the timeout says why (`says`).
+fn a_held_back_copy_in_says_why(late: &'static [u32], big: usize, says: &'static str) {
     let machines = vec!["a".to_string(), "b".to_string()];
     let job = job_on(&machines, 4, 1);
-    let late = Arc::new(Barrier::new(2));
-    let big = 5usize << 18; // 5 MiB of f32
+    let gate = Arc::new(Barrier::new(late.len() + 1));
     run_on(job, 4, move |rank, addr| {
         let mut cfg = config_on(addr, rank, &machines[rank as usize / 2]);
         cfg.partition_bytes = Some(1 << 20);
         let c = CommunicationService::start(cfg).unwrap();
         let first = c.declare("first", Dtype::F32, big as u64).unwrap();
         let second = c.declare("second", Dtype::F32, 1000).unwrap();
-        if rank == 1 {
-            late.wait();
+        if late.contains(&rank) {
+            gate.wait();
         }
         let mut a = vec![1f32; big];
         let mut b = vec![1f32; 1000];
@@ -542,11 +500,8 @@ fn a_copy_in_held_back_behind_earlier_rounds_says_so_when_it_times_out() {
             let err = c.wait(hb, Duration::from_millis(500)).unwrap_err();
             let msg = err.to_string();
             assert!(matches!(err, CommError::Timeout { .. }), "{msg}");
-            assert!(
-                msg.contains("its copy-in waits behind this worker's earlier rounds"),
-                "{msg}"
-            );
-            late.wait();
+            assert!(msg.contains(says), "{msg}");
+            gate.wait();
         }
         c.wait(ha, Duration::from_secs(20)).unwrap();
         c.wait(hb, Duration::from_secs(20)).unwrap();
@@ -554,4 +509,22 @@ fn a_copy_in_held_back_behind_earlier_rounds_says_so_when_it_times_out() {
         assert!(b.iter().all(|v| *v == 4.0), "worker {rank}");
         c.shutdown("done").unwrap();
     });
+}
+
+#[test]
+fn a_copy_in_held_back_behind_earlier_rounds_says_so_when_it_times_out() {
+    // Worker 1 is late: worker 0's first round fills what it copies in ahead of its
+    // reduces (5 MiB).
+    a_held_back_copy_in_says_why(
+        &[1],
+        5 << 18,
+        "its copy-in waits behind this worker's earlier rounds",
+    );
+}
+
+#[test]
+fn a_copy_in_held_back_by_the_crossing_window_says_so_when_it_times_out() {
+    // Machine b is late: machine a's first round fills the crossing window (16 MiB)
+    // while it waits for machine b at the servers.
+    a_held_back_copy_in_says_why(&[2, 3], 4 << 20, "to come back from the summation servers");
 }
