@@ -393,12 +393,12 @@ impl ServerSender {
         op: ReduceOp,
         data: &[u8],
     ) -> Result<()> {
-        self.push_then(key, round, (dtype, op), Pushed::Raw(data), None)
+        self.push_then(key, round, (dtype, op), Pushed::Raw(data), &[])
     }
 
     /// Takes part in a round of a raw key without contributing to it: no payload.
     pub fn push_skip(&mut self, key: u64, round: u64, dtype: Dtype, op: ReduceOp) -> Result<()> {
-        self.push_then(key, round, (dtype, op), Pushed::Skip, None)
+        self.push_then(key, round, (dtype, op), Pushed::Skip, &[])
     }
 
     /// Pushes a payload of a compressed f32 key, encoded by its codec.
@@ -410,11 +410,13 @@ impl ServerSender {
         payload: &[u8],
     ) -> Result<()> {
         let how = (Dtype::F32, ReduceOp::Sum);
-        self.push_then(key, round, how, Pushed::Compressed(codec, payload), None)
+        self.push_then(key, round, how, Pushed::Compressed(codec, payload), &[])
     }
 
     /// Pushes and asks for the round's result (or only its completion, `wants_sum`
-    /// false) in one write: the pipeline's every partition.
+    /// false) in one write: the pipeline's every partition. `skips`: the members of this
+    /// worker's machine whose part in the round this push carries (`Message::Skips`),
+    /// ascending; empty for a push of this worker's own.
     pub fn push_and_pull(
         &mut self,
         key: u64,
@@ -422,13 +424,23 @@ impl ServerSender {
         (dtype, op): (Dtype, ReduceOp),
         pushed: Pushed<'_>,
         wants_sum: bool,
+        skips: &[u32],
     ) -> Result<()> {
         let pull = Message::Pull {
             key,
             round,
             wants_sum,
         };
-        self.push_then(key, round, (dtype, op), pushed, Some(&pull))
+        if skips.is_empty() {
+            return self.push_then(key, round, (dtype, op), pushed, &[&pull]);
+        }
+        let skips = Message::Skips {
+            key,
+            round,
+            op,
+            workers: skips.to_vec(),
+        };
+        self.push_then(key, round, (dtype, op), pushed, &[&skips, &pull])
     }
 
     /// Writes a push, and `then` behind it in the same write.
@@ -438,7 +450,7 @@ impl ServerSender {
         round: u64,
         (dtype, op): (Dtype, ReduceOp),
         pushed: Pushed<'_>,
-        then: Option<&Message>,
+        then: &[&Message],
     ) -> Result<()> {
         let (mode, codec, payload) = match pushed {
             Pushed::Skip => (PushMode::Skip, Codec::Raw, &[][..]),
@@ -467,7 +479,7 @@ impl ServerSender {
                 self.lent_bytes = self.lent_bytes.wrapping_add(lent.inline_surplus());
                 self.lent_frames += 1;
                 let mut frames = msg.encode_lent(lent);
-                if let Some(then) = then {
+                for then in then {
                     frames.extend_from_slice(&then.encode(0));
                 }
                 self.stream.write_all(&frames).map_err(WireError::from)

@@ -238,18 +238,18 @@ fn deltas_update_the_stored_value_at_once() {
     // Unbounded: worker 0 runs two rounds ahead of worker 1.
     for round in 1..=2 {
         let d = Pushed::Delta(&delta, None);
-        a.tx.push_and_pull(1, round, sum, d, true).unwrap();
+        a.tx.push_and_pull(1, round, sum, d, true, &[]).unwrap();
         let want = encode(
             Dtype::I32,
             [100 + round as i64, 200 + 2 * round as i64].into_iter(),
         );
         assert_eq!(stored(&mut a), want);
     }
-    b.tx.push_and_pull(1, 1, sum, Pushed::Delta(&delta, None), true)
+    b.tx.push_and_pull(1, 1, sum, Pushed::Delta(&delta, None), true, &[])
         .unwrap();
     assert_eq!(stored(&mut b), encode(Dtype::I32, [103, 206].into_iter()));
     // Staleness 0: worker 0's round 1 waits for worker 1's.
-    a.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true)
+    a.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true, &[])
         .unwrap();
     let waiting = thread::spawn(move || (stored(&mut a), a));
     thread::sleep(Duration::from_millis(200));
@@ -257,7 +257,7 @@ fn deltas_update_the_stored_value_at_once() {
         !waiting.is_finished(),
         "the pull must wait for worker 1's delta"
     );
-    b.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true)
+    b.tx.push_and_pull(2, 1, sum, Pushed::Delta(&delta, Some(0)), true, &[])
         .unwrap();
     let both = encode(Dtype::I32, [102, 204].into_iter());
     assert_eq!(stored(&mut b), both);
@@ -532,6 +532,34 @@ fn every_invalid_request_is_refused_by_name_and_closes_the_connection() {
             |c| {
                 c.tx.send_bytes(&lent_push(1, Lent { slot: 0, len: 12 }))
                     .unwrap();
+            },
+        ),
+        (
+            "skips naming the sender",
+            ErrorCode::BadRank,
+            "naming worker 0, itself",
+            |c| {
+                let skips = Message::Skips {
+                    key: 1,
+                    round: 1,
+                    op: sumflow_wire::ReduceOp::Sum,
+                    workers: vec![0],
+                };
+                c.tx.send_raw(&skips, &[]).unwrap();
+            },
+        ),
+        (
+            "skips naming a worker the job lacks",
+            ErrorCode::BadRank,
+            "a job of 2 workers has no rank 5",
+            |c| {
+                let skips = Message::Skips {
+                    key: 1,
+                    round: 1,
+                    op: sumflow_wire::ReduceOp::Sum,
+                    workers: vec![1, 5],
+                };
+                c.tx.send_raw(&skips, &[]).unwrap();
             },
         ),
         (

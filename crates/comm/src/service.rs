@@ -1256,6 +1256,7 @@ impl CommunicationService {
                 op: op.on_servers(),
                 pushes: Exchange::meets(&exchange.pushes, &partition),
                 wants_sum: Exchange::meets(&exchange.pulls, &partition),
+                skips: None,
                 delta: None,
             })
             .collect();
@@ -1330,6 +1331,7 @@ impl CommunicationService {
                     op: ReduceOp::Sum.on_servers(),
                     pushes: true,
                     wants_sum: true,
+                    skips: None,
                     delta: Some(Delta {
                         staleness,
                         initial: start.sub(offset, bytes),

@@ -196,6 +196,65 @@ fn rounds_across_machines_in_a_different_order_on_each_worker_all_complete() {
 }
 
 #[test]
+fn a_machine_sends_each_partition_once_and_its_other_members_nothing_for_it() {
+    // Three workers on each of two machines (BytePS §4.2.2): the member carrying a
+    // partition pushes the machine's sum and names the others in `Skips`; they send no
+    // frame of that key at all, so a server hears once per machine and partition.
+    let machines = vec!["a".to_string(), "b".to_string()];
+    let job = job_on(&machines, 6, 1);
+    let carried = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let seen = Arc::clone(&carried);
+    run_on(job, 6, move |rank, addr| {
+        let mut cfg = config_on(addr, rank, &machines[rank as usize / 3]);
+        cfg.partition_bytes = Some(1 << 12);
+        let c = CommunicationService::start(cfg).unwrap();
+        // One partition, which one member per machine carries; and 5 of 4 KiB, carried
+        // in runs of whole partitions (2, 2 and 1), not a third of each.
+        let small = c.declare("small", Dtype::F32, 10).unwrap();
+        let large = c.declare("large", Dtype::F32, 5_000).unwrap();
+        for round in 0..3 {
+            let mut a = vec![rank as f32 + 1.0; 10];
+            let mut b = vec![(round + rank) as f32; 5_000];
+            let ha = push_pull(&c, small, &mut a, 0, ReduceOp::Sum);
+            let hb = push_pull(&c, large, &mut b, 1, ReduceOp::Sum);
+            c.wait(ha, Duration::from_secs(20)).unwrap();
+            c.wait(hb, Duration::from_secs(20)).unwrap();
+            assert!(a.iter().all(|v| *v == 21.0), "worker {rank}, round {round}");
+            let want = (6 * round + 15) as f32;
+            assert!(b.iter().all(|v| *v == want), "worker {rank}, round {round}");
+        }
+        let (keys, _) = c.wire_bytes();
+        let mine: Vec<(String, u64)> = keys
+            .iter()
+            .filter(|k| k.bytes.sent > 0)
+            .map(|k| (k.tensor.to_string(), k.key))
+            .collect();
+        seen.lock().unwrap().push((rank, mine));
+        c.shutdown("done").unwrap();
+    });
+    let carried = carried.lock().unwrap();
+    for machine in [0..3u32, 3..6] {
+        let of = |tensor: &str| -> Vec<u64> {
+            let mut keys: Vec<u64> = carried
+                .iter()
+                .filter(|(rank, _)| machine.contains(rank))
+                .flat_map(|(_, keys)| keys.iter().filter(|(t, _)| t == tensor).map(|k| k.1))
+                .collect();
+            keys.sort_unstable();
+            keys
+        };
+        let small = of("small");
+        assert_eq!(small.len(), 1, "machine of {machine:?}: {carried:?}");
+        let large = of("large");
+        assert_eq!(large.len(), 5, "machine of {machine:?}: {carried:?}");
+        assert!(
+            large.windows(2).all(|w| w[0] < w[1]),
+            "each key sent by one member"
+        );
+    }
+}
+
+#[test]
 fn machines_that_issue_rounds_across_them_in_opposite_orders_complete() {
     // Two workers on each of two machines. Each tensor fills what a worker may have on
     // its way to the summation servers (copied in, not back), and the machines issue

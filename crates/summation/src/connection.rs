@@ -265,6 +265,12 @@ impl Connection<'_> {
                     round,
                     wants_sum,
                 } => self.pull(key, round, wants_sum),
+                Message::Skips {
+                    key,
+                    round,
+                    op,
+                    workers,
+                } => self.skips(key, round, op, workers),
                 Message::Join { joined } => {
                     let what = if joined { "joined" } else { "left join" };
                     info!(worker = self.worker, "worker {what}");
@@ -568,6 +574,48 @@ impl Connection<'_> {
         Ok(())
     }
 
+    /// Other workers of this worker's machine skip `round` of `key`: this worker's push
+    /// carries their machine's sum. The engine checks each as it would their own skips.
+    fn skips(
+        &mut self,
+        key: u64,
+        round: u64,
+        op: ReduceOp,
+        workers: Vec<u32>,
+    ) -> Result<(), Interrupted> {
+        let meta = self.meta(key, "skips")?;
+        let foreign = workers
+            .iter()
+            .find(|&&w| w == self.worker || w >= self.shared.workers);
+        if let Some(&w) = foreign {
+            let why = if w == self.worker {
+                "itself: its own push says whether it skips".to_string()
+            } else {
+                format!("a job of {} workers has no rank {w}", self.shared.workers)
+            };
+            return Err(Interrupted::Refused(Message::error(
+                ErrorCode::BadRank,
+                Some(key),
+                format!(
+                    "worker {} sent skips of round {round} for key {key} naming worker {w}, {why}",
+                    self.worker
+                ),
+            )));
+        }
+        self.shared.engine(
+            meta.engine,
+            Command::Skips {
+                key,
+                from: self.worker,
+                round,
+                op,
+                workers,
+                reply: self.tx.clone(),
+            },
+        );
+        Ok(())
+    }
+
     fn meta(&self, key: u64, op: &str) -> Result<crate::directory::KeyMeta, Interrupted> {
         let dir = self.shared.directory.read().expect("directory lock");
         if dir.retired_by(key, self.worker) {
@@ -686,6 +734,7 @@ fn key_of(m: &Message) -> Option<u64> {
         | Message::InitAck { key }
         | Message::Push { key, .. }
         | Message::Pull { key, .. }
+        | Message::Skips { key, .. }
         | Message::PushAck { key, .. }
         | Message::PullReply { key, .. }
         | Message::Retire { key } => Some(*key),

@@ -230,8 +230,18 @@ impl Engine {
                 reply,
             } => match delta {
                 Some(staleness) => self.on_delta(key, round, (worker, staleness), data, &reply),
-                None => self.on_push(key, round, (worker, op), data, &reply),
+                None => {
+                    self.on_push(key, round, (worker, op), data, &reply);
+                }
             },
+            Command::Skips {
+                key,
+                from,
+                round,
+                op,
+                workers,
+                reply,
+            } => self.on_skips(key, (from, round), op, &workers, &reply),
             Command::Pull {
                 key,
                 round,
@@ -324,7 +334,8 @@ impl Engine {
     }
 
     /// A push of `worker`'s contribution to `round`, combined by `op`; `data` None: the
-    /// worker skips the round, contributing nothing.
+    /// worker skips the round, contributing nothing. Returns whether it was counted (else
+    /// `reply` has the refusal).
     fn on_push(
         &mut self,
         key: u64,
@@ -332,37 +343,46 @@ impl Engine {
         (worker, op): (u32, ReduceOp),
         data: Option<PushData>,
         reply: &Replier,
-    ) {
+    ) -> bool {
         let Some(k) = self.keys.get_mut(&key) else {
-            return unknown_key(key, reply);
+            unknown_key(key, reply);
+            return false;
         };
         if k.deltas.is_some() {
             let why = format!(
                 "worker {worker} pushed round {round} to be summed, but the key takes \
                  asynchronous deltas (its first push was one)"
             );
-            return refuse_op(key, why, reply);
+            refuse_op(key, why, reply);
+            return false;
         }
         // A non-member's push is wrong whatever became of the members: refused first.
         if let Err(e) = k.rounds.admit(worker, "push", round) {
-            return refuse(key, e, reply);
+            refuse(key, e, reply);
+            return false;
         }
         if let Some(why) = blocker(&self.gone, &k.rounds, k.rounds.key_round(worker, round)) {
-            return fail_pull(key, round, &why, reply);
+            fail_pull(key, round, &why, reply);
+            return false;
         }
         if let Some(why) = retired_blocker(key, k, round) {
-            return fail_pull(key, round, &why, reply);
+            fail_pull(key, round, &why, reply);
+            return false;
         }
         if let Some(first) = k.round_op.filter(|&first| first != op) {
             let why = format!(
                 "worker {worker}'s push of round {round} reduces by {op}, but the round's \
                  earlier pushes by {first}"
             );
-            return refuse_op(key, why, reply);
+            refuse_op(key, why, reply);
+            return false;
         }
         match k.rounds.push(worker, round) {
             // The payload is dropped unsummed: a refused push leaves no partial sum.
-            Err(e) => refuse(key, e, reply),
+            Err(e) => {
+                refuse(key, e, reply);
+                return false;
+            }
             Ok(true) => {
                 k.staged.extend(data);
                 k.round_op = Some(op);
@@ -371,11 +391,58 @@ impl Engine {
             }
             Ok(false) => {
                 k.round_op = Some(op);
-                let Some(data) = data else { return };
-                if k.staged.is_empty() {
-                    self.dirty.push(key);
+                if let Some(data) = data {
+                    if k.staged.is_empty() {
+                        self.dirty.push(key);
+                    }
+                    k.staged.push(data);
                 }
-                k.staged.push(data);
+            }
+        }
+        true
+    }
+
+    /// `workers` skip the round that is `from`'s own `round` (a push of nothing each) and
+    /// take no notice of its end (a pull recorded that nobody waits for): `from`, of their
+    /// machine, pushes their machine's sum. Stops at the first refused, which `reply`
+    /// (`from`'s) hears of.
+    fn on_skips(
+        &mut self,
+        key: u64,
+        (from, round): (u32, u64),
+        op: ReduceOp,
+        workers: &[u32],
+        reply: &Replier,
+    ) {
+        let Some(k) = self.keys.get(&key) else {
+            return unknown_key(key, reply);
+        };
+        // A worker's own rounds lag the key's by those completed while it had joined.
+        let key_round = k.rounds.key_round(from, round);
+        // Checked for all first: a list naming a stranger counts none of them.
+        if let Some(&w) = workers.iter().find(|&&w| !k.rounds.counts(w)) {
+            let members = k.meta.members.as_deref().unwrap_or_default();
+            let _ = reply.send(Outgoing::Fatal(Message::error(
+                ErrorCode::BadRank,
+                Some(key),
+                format!(
+                    "key {key}: skips of round {round} name worker {w}, but the key's rounds \
+                     count only its members, workers {members:?}"
+                ),
+            )));
+            return;
+        }
+        let rounds: Vec<u64> = workers
+            .iter()
+            .map(|&w| k.rounds.own_round(w, key_round))
+            .collect();
+        for (&worker, round) in workers.iter().zip(rounds) {
+            if !self.on_push(key, round, (worker, op), None, reply) {
+                return;
+            }
+            let k = self.keys.get_mut(&key).expect("the push found the key");
+            if let Err(e) = k.rounds.pull(worker, round) {
+                return refuse(key, e, reply);
             }
         }
     }
@@ -1025,6 +1092,76 @@ mod tests {
         }
         e.on_pull(1, 3, 0, true, tx.clone());
         assert_eq!(sum_of(&rx), vec![0, 0, 0]);
+    }
+
+    /// Machines of several workers (BytePS §4.2.2): the member that carries a partition
+    /// pushes the machine's sum and its `Skips` stand for the others, who send nothing.
+    #[test]
+    fn skips_sent_for_a_machine_count_as_its_members_push_and_pull() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = replier();
+        // Two machines of two workers: 0 and 1, 2 and 3.
+        let mut e = engine(4);
+        for round in 1..=3 {
+            // Who carries the partition may change from round to round.
+            let (a, b) = if round == 2 { (1, 0) } else { (0, 1) };
+            e.on_push(
+                1,
+                round,
+                (a, ReduceOp::Sum),
+                Some(data(&pool, &[1, 2, 3])),
+                &tx,
+            );
+            e.on_skips(1, (a, round), ReduceOp::Sum, &[b], &tx);
+            e.on_pull(1, round, a, true, tx.clone());
+            assert!(
+                rx.try_recv().is_err(),
+                "round {round}: machine 2 has not pushed"
+            );
+            e.on_skips(1, (3, round), ReduceOp::Sum, &[2], &tx);
+            e.on_push(
+                1,
+                round,
+                (3, ReduceOp::Sum),
+                Some(data(&pool, &[10; 3])),
+                &tx,
+            );
+            e.fold_staged();
+            assert_eq!(sum_of(&rx), vec![11, 12, 13], "round {round}");
+            e.on_pull(1, round, 3, true, tx.clone());
+            assert_eq!(sum_of(&rx), vec![11, 12, 13], "round {round}");
+            assert!(
+                rx.try_recv().is_err(),
+                "round {round}: skipped workers get no notice"
+            );
+        }
+        // A skipped worker has pushed and pulled its round: skipping it again is a
+        // duplicate, and its own push must be of the next round.
+        e.on_skips(1, (0, 3), ReduceOp::Sum, &[1], &tx);
+        assert_eq!(error(&rx).1.code, ErrorCode::DuplicatePush);
+        e.on_push(1, 4, (1, ReduceOp::Sum), None, &tx);
+        assert!(
+            rx.try_recv().is_err(),
+            "worker 1's own skip of round 4 is in sequence"
+        );
+        // Skips are pushes: of the round's op, by members only.
+        e.on_skips(1, (1, 4), ReduceOp::Max, &[0], &tx);
+        assert_eq!(error(&rx).1.code, ErrorCode::KeyMismatch);
+        let mut m = Engine::new(Reducer::detect(), 4);
+        let mut key = meta(Dtype::I32, 3);
+        key.members = Some(Arc::from([0, 1]));
+        m.init(1, key, None);
+        m.on_skips(1, (0, 1), ReduceOp::Sum, &[1, 2], &tx);
+        let (fatal, err) = error(&rx);
+        assert!(fatal, "{err:?}");
+        assert_eq!(err.code, ErrorCode::BadRank);
+        assert!(err.message.contains("name worker 2"), "{}", err.message);
+        // None of the list was counted: worker 1's skip of round 1 is still to come.
+        m.on_skips(1, (0, 1), ReduceOp::Sum, &[1], &tx);
+        assert!(
+            rx.try_recv().is_err(),
+            "worker 1 had not skipped round 1 before"
+        );
     }
 
     #[test]
@@ -1777,6 +1914,41 @@ mod tests {
             Ok(Outgoing::Message(Message::JoinAck { joined: j })) => assert_eq!(j, joined),
             _ => panic!("expected the JoinAck"),
         }
+    }
+
+    #[test]
+    fn skips_name_the_senders_round_in_each_skipped_workers_own_numbering() {
+        let pool = BufferPool::new(8);
+        let (tx, rx) = replier();
+        // One machine of workers 0 and 1 and another of worker 2.
+        let mut e = engine(3);
+        // Key round 1 completes while worker 1 has joined: its own numbering lags by one.
+        join(&mut e, 1, true, &tx, &rx);
+        e.push(1, 1, 0, data(&pool, &[1, 1, 1]), &tx);
+        e.push(1, 1, 2, data(&pool, &[2, 2, 2]), &tx);
+        e.fold_staged();
+        for w in [0, 2] {
+            e.pull(1, 1, w, tx.clone());
+            assert_eq!(sum_of(&rx), vec![3, 3, 3]);
+        }
+        join(&mut e, 1, false, &tx, &rx);
+        // Key round 2: worker 0's round 2 is worker 1's own round 1.
+        e.push(1, 2, 0, data(&pool, &[5, 5, 5]), &tx);
+        e.on_skips(1, (0, 2), ReduceOp::Sum, &[1], &tx);
+        e.push(1, 2, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.fold_staged();
+        e.pull(1, 2, 0, tx.clone());
+        assert_eq!(sum_of(&rx), vec![6, 6, 6]);
+        // Key round 3, carried by worker 1 (its round 2) for worker 0 (its round 3).
+        e.push(1, 2, 1, data(&pool, &[7, 7, 7]), &tx);
+        e.on_skips(1, (1, 2), ReduceOp::Sum, &[0], &tx);
+        e.pull(1, 2, 2, tx.clone());
+        assert_eq!(sum_of(&rx), vec![6, 6, 6], "worker 2's pull of key round 2");
+        e.push(1, 3, 2, data(&pool, &[1, 1, 1]), &tx);
+        e.fold_staged();
+        e.pull(1, 2, 1, tx.clone());
+        assert_eq!(sum_of(&rx), vec![8, 8, 8]);
+        assert!(rx.try_recv().is_err(), "no refusal, no notice");
     }
 
     #[test]

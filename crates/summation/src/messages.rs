@@ -46,6 +46,17 @@ pub enum Command {
         data: Option<PushData>,
         reply: Replier,
     },
+    /// `workers` (of the sender's machine) skip `round` and want no notice of its end:
+    /// a skip's push and a pull without reply for each (`Message::Skips`). `round` is in
+    /// the numbering of `from`, the sender.
+    Skips {
+        key: u64,
+        from: u32,
+        round: u64,
+        op: ReduceOp,
+        workers: Vec<u32>,
+        reply: Replier,
+    },
     /// `wants_sum` false: answer with the notice that the round is complete, no payload.
     Pull {
         key: u64,

@@ -19,7 +19,7 @@ use std::fmt;
 use crate::error::WireError;
 
 pub const MAGIC: [u8; 4] = *b"SFLW";
-pub const VERSION: u8 = 2;
+pub const VERSION: u8 = 3;
 pub const HEADER_LEN: usize = 12;
 /// Default cap on a frame body: a 4 MB partition plus generous room for larger keys.
 pub const DEFAULT_MAX_BODY: u32 = 64 << 20;
@@ -74,6 +74,9 @@ ops! {
     // the memory's file descriptor), and the server's answer.
     Mailbox = 0x1a,
     MailboxAck = 0x1b,
+    // Members of the pusher's machine that skip the round: worker -> server, after the
+    // push that carries their machine's sum.
+    Skips = 0x1c,
     Shutdown = 0x30,
     Error = 0x3f,
 }

@@ -231,19 +231,19 @@ pub fn write_message<W: Write>(w: &mut W, msg: &Message) -> Result<(), WireError
 /// without copying, in the same system call as the header (so that, with Nagle's delay
 /// off, the header does not leave as a packet of its own).
 pub fn write_data<W: Write>(w: &mut W, msg: &Message, payload: &[u8]) -> Result<(), WireError> {
-    write_data_then(w, msg, payload, None)
+    write_data_then(w, msg, payload, &[])
 }
 
-/// [`write_data`], and the payload-less frame `then` behind it in the same system call:
+/// [`write_data`], and the payload-less frames `then` behind it in the same system call:
 /// one packet rather than two for a push and the pull after it.
 pub fn write_data_then<W: Write>(
     w: &mut W,
     msg: &Message,
     payload: &[u8],
-    then: Option<&Message>,
+    then: &[&Message],
 ) -> Result<(), WireError> {
     let mut head = msg.encode(payload.len());
-    let tail = then.map(|m| m.encode(0)).unwrap_or_default();
+    let tail: Vec<u8> = then.iter().flat_map(|m| m.encode(0)).collect();
     if payload.len() <= COALESCE_LIMIT {
         head.extend_from_slice(payload);
         head.extend_from_slice(&tail);

@@ -286,6 +286,17 @@ pub enum Message {
         round: u64,
         wants_sum: bool,
     },
+    /// `workers`, of the sender's machine, take part in `round` of `key` without
+    /// contributing, and want no notice of its end: the sender's push of the round
+    /// carries their machine's sum (BytePS §4.2.2), so they send nothing for the key
+    /// themselves. As if each had pushed a skip and pulled without wanting the sum; no
+    /// reply. `op` is the round's, as a skip's push would carry it.
+    Skips {
+        key: u64,
+        round: u64,
+        op: ReduceOp,
+        workers: Vec<u32>,
+    },
     /// The server has read a push (whatever the other workers have done): the worker's
     /// scheduler counts its credit by these.
     PushAck {
@@ -377,6 +388,7 @@ impl Message {
             Message::InitAck { .. } => Op::InitAck,
             Message::Push { .. } => Op::Push,
             Message::Pull { .. } => Op::Pull,
+            Message::Skips { .. } => Op::Skips,
             Message::PushAck { .. } => Op::PushAck,
             Message::Join { .. } => Op::Join,
             Message::JoinAck { .. } => Op::JoinAck,
@@ -565,6 +577,20 @@ impl Message {
                 wants_sum,
             } => {
                 e.u64(*key).u64(*round).u8(u8::from(*wants_sum));
+            }
+            Message::Skips {
+                key,
+                round,
+                op,
+                workers,
+            } => {
+                e.u64(*key)
+                    .u64(*round)
+                    .u8(*op as u8)
+                    .u32(workers.len() as u32);
+                for rank in workers {
+                    e.u32(*rank);
+                }
             }
             Message::PushAck { key, round } => {
                 e.u64(*key).u64(*round);
@@ -810,6 +836,19 @@ impl Message {
                 round: d.u64("round")?,
                 wants_sum: flag(&mut d, "wants_sum")?,
             },
+            Op::Skips => {
+                let key = d.u64("key")?;
+                let round = d.u64("round")?;
+                let code = d.u8("op")?;
+                let op = ReduceOp::from_code(code)
+                    .ok_or_else(|| d.bad("op", format!("unknown reduction {code}")))?;
+                Message::Skips {
+                    key,
+                    round,
+                    op,
+                    workers: members(&mut d)?,
+                }
+            }
             Op::PushAck => Message::PushAck {
                 key: d.u64("key")?,
                 round: d.u64("round")?,

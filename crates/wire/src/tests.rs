@@ -136,6 +136,15 @@ fn samples() -> Vec<(Message, Vec<u8>)> {
         ),
         (Message::Retire { key: 12 << 32 | 3 }, vec![]),
         (
+            Message::Skips {
+                key: 7 << 32 | 2,
+                round: 9,
+                op: ReduceOp::Max,
+                workers: vec![1, 2, 7],
+            },
+            vec![],
+        ),
+        (
             Message::InitKey {
                 key: 5,
                 dtype: Dtype::F16,
@@ -502,7 +511,7 @@ fn frames_written_together_are_the_frames_written_one_by_one() {
             max: usize::MAX,
             calls: 0,
         };
-        write_data_then(&mut all, &push, &payload, Some(&pull)).unwrap();
+        write_data_then(&mut all, &push, &payload, &[&pull]).unwrap();
         assert_eq!((all.out == want, all.calls), (true, 1), "{len} bytes");
         let mut trickle = Trickle {
             out: Vec::new(),
@@ -510,7 +519,7 @@ fn frames_written_together_are_the_frames_written_one_by_one() {
             calls: 0,
         };
         let mut counted = crate::accounting::Counted::new(&mut trickle);
-        write_data_then(&mut counted, &push, &payload, Some(&pull)).unwrap();
+        write_data_then(&mut counted, &push, &payload, &[&pull]).unwrap();
         assert_eq!(
             counted.counted(),
             want.len() as u64,
@@ -949,6 +958,36 @@ fn retiring_frames_are_checked() {
 }
 
 #[test]
+fn a_skips_frame_names_distinct_ascending_workers_and_a_known_op() {
+    let skips = |op: u8, ranks: &[u32]| {
+        let mut body = Vec::new();
+        body.extend_from_slice(&7u64.to_le_bytes());
+        body.extend_from_slice(&3u64.to_le_bytes());
+        body.push(op);
+        body.extend_from_slice(&(ranks.len() as u32).to_le_bytes());
+        for r in ranks {
+            body.extend_from_slice(&r.to_le_bytes());
+        }
+        body
+    };
+    let good = Message::Skips {
+        key: 7,
+        round: 3,
+        op: ReduceOp::Min,
+        workers: vec![1, 4],
+    };
+    assert_eq!(good.encode(0)[HEADER_LEN..], skips(1, &[1, 4])[..]);
+    let e = body_err(Op::Skips, &skips(1, &[]));
+    assert!(e.to_string().contains("at least one rank"), "{e}");
+    let e = body_err(Op::Skips, &skips(1, &[4, 1]));
+    assert!(e.to_string().contains("distinct and ascending"), "{e}");
+    let e = body_err(Op::Skips, &skips(9, &[1]));
+    assert!(e.to_string().contains("unknown reduction 9"), "{e}");
+    let e = body_err(Op::Skips, &skips(1, &[1, 4])[..20]);
+    assert_eq!(e.code(), ErrorCode::BadFrame);
+}
+
+#[test]
 fn random_bytes_never_panic_the_decoder() {
     let mut x = 0x9e3779b97f4a7c15u64;
     for _ in 0..20_000 {
@@ -1181,7 +1220,7 @@ fn a_refused_clients_name_is_logged_escaped() {
 /// [`crate::frame::VERSION`]: peers of different builds then refuse each other by the
 /// header ("unsupported protocol version 2 (this build speaks version 3)") instead of
 /// misreading a body.
-const LAYOUT_DIGESTS: &[(u8, u64)] = &[(2, 0x0522_f217_19ec_9f46)];
+const LAYOUT_DIGESTS: &[(u8, u64)] = &[(2, 0x0522_f217_19ec_9f46), (3, 0x75ba_bec3_d369_6a57)];
 
 #[test]
 fn a_frame_layout_change_comes_with_a_new_protocol_version() {

@@ -1,15 +1,16 @@
 //! The network leg of a round aggregated inside the machine first (BytePS §4.2.2,
 //! `sumflow_plan::hierarchy`): once the machine's sum of this worker's run of partitions
 //! is in the shared memory's result, it pushes that run to the summation servers and
-//! pulls back the sum over every machine, and pushes a skip (taking only the notice) for
-//! every other partition, so that the keys' rounds complete as for any push of the tensor.
+//! pulls back the sum over every machine. Its pushes stand for the machine's other members
+//! that take part (`Message::Skips`), which send nothing for those keys: a server hears
+//! once per machine and partition, however many workers the machine has.
 
 use std::sync::Arc;
 
 use sumflow_plan::partition::Partition;
 use sumflow_wire::{Dtype, KeyCodec, ReduceOp};
 
-use super::stage::Cross;
+use super::stage::{Cross, Leg};
 use crate::handles::{Handles, CROSSING};
 use crate::pipeline::{HostSlice, PartTask, Pipeline};
 
@@ -39,35 +40,34 @@ pub fn plan(r: &Round<'_>, pipeline: &Arc<Pipeline>, handles: &Arc<Handles>) -> 
     let (members, priority, op, divisor) = (r.members.clone(), r.priority, r.op, r.divisor);
     let (pipeline, handles) = (Arc::clone(pipeline), Arc::clone(handles));
     let legs = parts.clone();
-    let send = Box::new(
-        move |result: HostSlice, run: Vec<usize>, pushes: bool| -> Result<u64, _> {
-            let handle = handles.start(tensor | CROSSING, &name, &legs)?;
-            let tasks = legs
-                .iter()
-                .enumerate()
-                .map(|(index, &partition)| {
-                    let carried = run.binary_search(&index).is_ok();
-                    PartTask {
-                        name: Arc::clone(&name),
-                        index: index as u32,
-                        handle,
-                        partition,
-                        round,
-                        dtype,
-                        data: result.sub(partition.offset as usize, partition.bytes as usize),
-                        codec: KeyCodec::RAW,
-                        members: members.clone(),
-                        divisor,
-                        op,
-                        pushes: carried && pushes,
-                        wants_sum: carried,
-                        delta: None,
-                    }
-                })
-                .collect();
-            pipeline.enqueue(tensor, &name, priority, tasks);
-            Ok(handle)
-        },
-    );
+    let send = Box::new(move |result: HostSlice, leg: Leg| -> Result<u64, _> {
+        let carried: Vec<Partition> = leg.run.iter().map(|&i| legs[i]).collect();
+        let handle = handles.start(tensor | CROSSING, &name, &carried)?;
+        let skips = (!leg.skips.is_empty()).then_some(leg.skips);
+        let tasks = leg
+            .run
+            .iter()
+            .zip(carried)
+            .map(|(&index, partition)| PartTask {
+                name: Arc::clone(&name),
+                index: index as u32,
+                handle,
+                partition,
+                round,
+                dtype,
+                data: result.sub(partition.offset as usize, partition.bytes as usize),
+                codec: KeyCodec::RAW,
+                members: members.clone(),
+                divisor,
+                op,
+                pushes: leg.pushes,
+                wants_sum: true,
+                skips: skips.clone(),
+                delta: None,
+            })
+            .collect();
+        pipeline.enqueue(tensor, &name, priority, tasks);
+        Ok(handle)
+    });
     Cross { parts, send }
 }

@@ -103,15 +103,25 @@ pub struct LocalOp {
 pub struct Cross {
     /// The tensor's partitions in the layout of the round.
     pub parts: Vec<Partition>,
-    /// Starts the push and pull of the run (partition indices, ascending) it carries from the result
-    /// (the whole tensor's span in the shared memory), the run's push a skip when
-    /// `pushes` is false (no member of the machine contributed), and a skip for every
-    /// other partition; returns the handle to poll.
+    /// Starts the push and pull of its [`Leg`] from the result (the whole tensor's span
+    /// in the shared memory); returns the handle to poll.
     pub send: SendLeg,
 }
 
+/// What one member carries of a round across machines.
+#[derive(Debug)]
+pub struct Leg {
+    /// The partitions (indices, ascending) it pushes and pulls: its run.
+    pub run: Vec<usize>,
+    /// Whether any member of the machine contributed (else its pushes are skips).
+    pub pushes: bool,
+    /// The machine's other members taking part in the round, ascending: its pushes stand
+    /// for theirs, so that they send nothing for the run's keys (`Message::Skips`).
+    pub skips: Arc<[u32]>,
+}
+
 /// Starts a round's network leg (see [`Cross::send`]).
-pub type SendLeg = Box<dyn FnOnce(HostSlice, Vec<usize>, bool) -> Result<u64, CommError> + Send>;
+pub type SendLeg = Box<dyn FnOnce(HostSlice, Leg) -> Result<u64, CommError> + Send>;
 
 impl std::fmt::Debug for Cross {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -792,6 +802,14 @@ impl Stage {
                 .expect("took part");
             hierarchy::runs(&c.parts, took_part.len()).swap_remove(i)
         });
+        let others: Arc<[u32]> = match &p.op.cross {
+            Some(_) => took_part
+                .iter()
+                .filter(|&&k| k != a.me)
+                .map(|&k| members[k])
+                .collect(),
+            None => Arc::from([]),
+        };
         // Across machines, every member's slice must cross whatever it takes back.
         let two_phase = p.op.cross.is_some()
             || (took_part.len() == members.len()
@@ -844,13 +862,20 @@ impl Stage {
             Instant::now(),
             &[("sources", Arg::Uint(sources.len() as u64))],
         );
-        if let (Some(cross), Some(run)) = (p.op.cross.take(), run) {
+        // A member whose run is empty (fewer partitions than members) sends nothing: the
+        // others' pushes stand for it.
+        if let (Some(cross), Some(run)) = (p.op.cross.take(), run.filter(|r| !r.is_empty())) {
             // SAFETY: the result region lies inside the mapping, which stays mapped while
             // the tensor has an operation (it is unmapped at retirement, refused while one
             // is in flight); the network leg writes only this member's slice of it.
             let result = unsafe { HostSlice::new(a.area.at(result), p.op.data.len) }
                 .expect("a mapping is never at address 0");
-            match (cross.send)(result, run, !sources.is_empty()) {
+            let leg = Leg {
+                run,
+                pushes: !sources.is_empty(),
+                skips: others,
+            };
+            match (cross.send)(result, leg) {
                 Ok(net) => {
                     p.net = Some(net);
                     p.crossed = Instant::now();

@@ -98,6 +98,7 @@ pub(super) fn send(
     );
     let wire_len = task.wire_len();
     let members = task.members.clone();
+    let skips = task.skips.clone();
     let data = task.data;
     let delta = task.delta;
     let tensor_name = Arc::clone(&task.name);
@@ -147,7 +148,9 @@ pub(super) fn send(
         } else {
             Pushed::Compressed(codec.codec, &buffers.payload)
         };
-        let sent = init.and_then(|()| tx.push_and_pull(key, round, (dtype, op), pushed, wants_sum));
+        let skips = skips.as_deref().unwrap_or_default();
+        let sent =
+            init.and_then(|()| tx.push_and_pull(key, round, (dtype, op), pushed, wants_sum, skips));
         sh.wire.sent(key, &tensor_name, tx.bytes_sent() - before);
         sent
     };

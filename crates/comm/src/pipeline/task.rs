@@ -79,6 +79,9 @@ pub struct PartTask {
     /// Whether this worker takes the round's result back into the partition; false: it
     /// awaits only the notice that the round is complete, and the span is left alone.
     pub wants_sum: bool,
+    /// The other members of this worker's machine whose part in the round its push
+    /// carries (`Message::Skips`), ascending; `None`: only its own.
+    pub skips: Option<Arc<[u32]>>,
     /// The tensor's name and the partition's index in it, for the trace.
     pub name: Arc<str>,
     pub index: u32,

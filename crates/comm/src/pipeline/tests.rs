@@ -126,6 +126,7 @@ impl Worker {
                 op: sumflow_wire::ReduceOp::Sum,
                 pushes: true,
                 wants_sum: true,
+                skips: None,
                 name: Arc::from(format!("tensor{tensor}")),
                 index: i as u32,
                 delta: None,
