@@ -780,9 +780,7 @@ impl Message {
                 let dtype = dtype(&mut d)?;
                 let codec = codec(&mut d)?;
                 let mode = d.u8("mode")?;
-                let code = d.u8("op")?;
-                let op = ReduceOp::from_code(code)
-                    .ok_or_else(|| d.bad("op", format!("unknown reduction {code}")))?;
+                let op = reduce_op(&mut d)?;
                 let mode = match mode {
                     0 => {
                         d.zeros(4, "reserved")?;
@@ -839,9 +837,7 @@ impl Message {
             Op::Skips => {
                 let key = d.u64("key")?;
                 let round = d.u64("round")?;
-                let code = d.u8("op")?;
-                let op = ReduceOp::from_code(code)
-                    .ok_or_else(|| d.bad("op", format!("unknown reduction {code}")))?;
+                let op = reduce_op(&mut d)?;
                 Message::Skips {
                     key,
                     round,
@@ -992,6 +988,11 @@ fn rank(d: &mut Dec<'_>, field: &'static str) -> Result<Option<u32>, WireError> 
 fn dtype(d: &mut Dec<'_>) -> Result<Dtype, WireError> {
     let v = d.u8("dtype")?;
     Dtype::from_code(v).ok_or_else(|| d.bad("dtype", format!("unknown dtype code {v}")))
+}
+
+fn reduce_op(d: &mut Dec<'_>) -> Result<ReduceOp, WireError> {
+    let v = d.u8("op")?;
+    ReduceOp::from_code(v).ok_or_else(|| d.bad("op", format!("unknown reduction {v}")))
 }
 
 fn codec(d: &mut Dec<'_>) -> Result<Codec, WireError> {
