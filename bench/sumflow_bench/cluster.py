@@ -120,7 +120,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     tr.add_argument(
         "--train-partition-bytes",
         type=int,
-        help="sumflow's partition size for training (None: 4 MiB scaled like the tensors)",
+        help="sumflow's partition size for training (default: sumflow's own, derived from "
+        "each declaration as for a user who sets none; BytePS's 4 MiB scaled like the "
+        "tensors is the cell's scaled_partition_bytes in results.json)",
     )
     tr.add_argument("--iterations", type=int, default=15, help="measured iterations per run")
     tr.add_argument("--warmup-iterations", type=int, default=3, help="iterations before measuring")

@@ -61,7 +61,8 @@ class System:
         scheduler: SUMFLOW_SCHEDULER, or None for the core's default.
         cross_barrier: train with the optimizer that crosses the global barrier.
         tuned: preceded by a tuning run whose best configuration the measured run reuses.
-        partition_bytes: SUMFLOW_PARTITION_BYTES, or None for the cell's (4 MiB scaled).
+        partition_bytes: SUMFLOW_PARTITION_BYTES, or None for the cell's (sumflow's derived
+            size unless --train-partition-bytes sets one).
         credit_bytes: SUMFLOW_CREDIT_BYTES, or None for the scheduler's default.
         fusion: fuse gradients (lazy allreduce) into spans of at least the partition size.
         compression: gradients sent through this compressor (a ``Compression.parse`` spec).

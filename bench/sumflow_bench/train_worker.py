@@ -197,11 +197,14 @@ class Sumflow(System):
     """``sumflow.torch`` with Horovod's recipe."""
 
     name = "sumflow"
+    #: The schedule the gradients were declared with (``CommunicationService.schedule``).
+    schedule: dict[str, Any]
 
     def __init__(self, profile: profiles.ModelProfile, args: argparse.Namespace) -> None:
         if args.partition_bytes is not None:
             os.environ[settings.PARTITION_BYTES.name] = str(args.partition_bytes)
         import sumflow.torch as hvd
+        from sumflow.torch import _runtime
 
         self.hvd = hvd
         hvd.init()
@@ -214,6 +217,7 @@ class Sumflow(System):
             self.optimizer = hvd.CoarseSparseSGD(
                 self.model.parameters(), lr=args.lr, density=args.csc, warmup_steps=0
             )
+            self.schedule = _runtime.current().service.schedule()
             hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
             return
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
@@ -235,6 +239,9 @@ class Sumflow(System):
                 f"train_worker --cross-barrier: this sumflow.torch cannot cross the global "
                 f"barrier ({e})"
             ) from None
+        # The optimizer declared the gradients: the partition size they got (derived
+        # unless --partition-bytes set one) and the credit, before any tuning.
+        self.schedule = _runtime.current().service.schedule()
         hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def step(self) -> float:
@@ -469,6 +476,7 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         for r in range(system.size)
     ]
     it = _describe(times)
+    schedule = system.schedule if isinstance(system, Sumflow) else {}
     return {
         "system": system.name,
         "profile": profile.name,
@@ -479,7 +487,10 @@ def run(args: argparse.Namespace, profile: profiles.ModelProfile) -> dict[str, A
         "param_bytes": profile.param_bytes,
         "tensors": profile.num_tensors,
         "profile_compute_ms": profile.compute_ms,
-        "partition_bytes": args.partition_bytes if system.name == "sumflow" else None,
+        "partition_bytes": schedule.get("partition_bytes"),
+        "partition_derived": schedule.get("derived"),
+        "partition_reason": schedule.get("partition_reason"),
+        "credit_bytes": schedule.get("credit_bytes"),
         "fusion_threshold": args.fusion_threshold if system.name == "sumflow" else None,
         "compression": args.compression,
         "csc_density": args.csc,

@@ -102,7 +102,9 @@ def new_cell(cell: Cell, scales: EmulationScales, args: argparse.Namespace) -> d
         "size_scale": scales.size_scale,
         "time_scale": scales.time_scale,
         "compute_s": scales.compute_s,
-        "partition_bytes": args.train_partition_bytes or scales.partition_bytes,
+        # None: sumflow derives a size from the declaration, as for a user who sets none.
+        "partition_bytes": args.train_partition_bytes,
+        "scaled_partition_bytes": scales.partition_bytes,
         "bucket_cap_mb": scales.bucket_cap_mb,
         "scaling": scales.reason,
         "runs": [],
@@ -157,11 +159,14 @@ def worker_argv(args: argparse.Namespace, step: Step, cell: dict[str, Any], out:
     if system.kind == "ddp-gloo":
         return [*argv, "--bucket-cap-mb", repr(cell["bucket_cap_mb"])]
     partition = system.partition_bytes or cell["partition_bytes"]
-    argv += ["--partition-bytes", str(partition)]
+    if partition is not None:
+        argv += ["--partition-bytes", str(partition)]
     if system.fusion:
-        # A span as large as a partition: small gradients stop costing a key each, and
-        # no span is coarser than what the scheduler already sends.
-        argv += ["--fusion-threshold", str(partition)]
+        # A span as large as a partition (BytePS's 4 MiB scaled where sumflow derives
+        # the size): small gradients stop costing a key each, and no span is coarser than
+        # what the scheduler already sends.
+        threshold = partition or cell["scaled_partition_bytes"]
+        argv += ["--fusion-threshold", str(threshold)]
     if system.cross_barrier:
         argv.append("--cross-barrier")
     if system.compression is not None:

@@ -664,6 +664,16 @@ def test_job_arguments_of_a_tuned_system(tmp_path: Path) -> None:
     # Spans as large as the cell's partitions.
     assert fused_argv[fused_argv.index("--fusion-threshold") + 1] == "4096"
     assert matrix.tuning_space(1e-6) == (4096, 4096)  # never below a page
+    # With no size given, sumflow derives its own, as for a user who sets none; fused
+    # spans are BytePS's 4 MiB scaled like the tensors.
+    derived = {**cell, "partition_bytes": None, "scaled_partition_bytes": 8192}
+    plain = training.worker_argv(
+        args, matrix.Step(step.cell, systems["bytescheduler"]), derived, tmp_path
+    )
+    assert "--partition-bytes" not in plain
+    fused_derived = training.worker_argv(args, matrix.Step(step.cell, fused), derived, tmp_path)
+    assert "--partition-bytes" not in fused_derived
+    assert fused_derived[fused_derived.index("--fusion-threshold") + 1] == "8192"
     fp16, topk, csc = matrix.scheduler_systems(
         ["bytescheduler-fp16", "bytescheduler-topk", "csc"], 0
     )
