@@ -213,19 +213,26 @@ class Sumflow(System):
         self.cross_barrier = args.cross_barrier
         self.csc = args.csc is not None
         self.exact = not self.csc and args.compression in (None, "none")
+        self.optimizer = self._optimizer(args)
+        # The optimizer declared the gradients: the partition size they got (derived
+        # unless --partition-bytes set one) and the credit, before any tuning.
+        self.schedule = _runtime.current().service.schedule()
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+
+    def _optimizer(self, args: argparse.Namespace) -> torch.optim.Optimizer:
+        """CSC's optimizer, or SGD in a ``DistributedOptimizer``."""
+        import sumflow.torch as hvd
+
         if self.csc:
-            self.optimizer = hvd.CoarseSparseSGD(
+            return hvd.CoarseSparseSGD(
                 self.model.parameters(), lr=args.lr, density=args.csc, warmup_steps=0
             )
-            self.schedule = _runtime.current().service.schedule()
-            hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-            return
         opt = torch.optim.SGD(self.model.parameters(), lr=args.lr)
         crossing: dict[str, Any] = (
             {"cross_barrier": True, "model": self.model} if self.cross_barrier else {}
         )
         try:
-            self.optimizer = hvd.DistributedOptimizer(
+            return hvd.DistributedOptimizer(
                 opt,
                 named_parameters=self.model.named_parameters(),
                 fusion_threshold=args.fusion_threshold,
@@ -239,10 +246,6 @@ class Sumflow(System):
                 f"train_worker --cross-barrier: this sumflow.torch cannot cross the global "
                 f"barrier ({e})"
             ) from None
-        # The optimizer declared the gradients: the partition size they got (derived
-        # unless --partition-bytes set one) and the credit, before any tuning.
-        self.schedule = _runtime.current().service.schedule()
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
 
     def step(self) -> float:
         if self.csc:
