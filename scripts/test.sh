@@ -91,6 +91,7 @@ oldest_status=0
   python/tests/test_torch.py python/tests/test_collectives.py python/tests/test_cross_barrier.py \
   python/tests/test_fusion.py python/tests/test_groups.py python/tests/test_join.py \
   python/tests/test_compression.py python/tests/test_csc.py python/tests/test_async.py \
+  python/tests/test_adasum.py \
   python/tests/test_jobenv.py python/tests/test_membership.py python/tests/test_elastic_sampler.py \
   "python/tests/test_horovod_conformance.py::test_no_horovod_test_that_passed_fails_now[1x2]" \
   || oldest_status=$?

@@ -96,8 +96,8 @@ def main() -> None:
     )
     fails(
         "adasum",
-        NotImplementedError,
-        ["Adasum"],
+        ValueError,
+        ["Adasum", "power-of-two number of workers"],
         lambda: hvd.allreduce(torch.ones(2), op=hvd.Adasum),
     )
     fails(

@@ -181,7 +181,7 @@ def test_horovod_collectives(tmp_path: Path) -> None:
         assert torch.equal(out["scaled"], torch.full((2,), 3.0))
         errors = out["errors"]
         for label, kind, hint in [
-            ("adasum", "NotImplementedError", "Sum or Average"),
+            ("adasum", "ValueError", "power-of-two number of workers"),
             ("bool", "TypeError", "torch.bool"),
             (
                 "mismatch",

@@ -81,29 +81,10 @@ def grouped_allgather_async(
         extra=tuple(firsts),
         any_first_dim=_single,
     )
-    rank = group.rank
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
         counts = [row.extra for row in rows]  # counts[r][i]: rows of tensor i from member r
-        outs, regions = [], []
-        for i, t in enumerate(tensors):
-            per_row = _row_bytes(t)
-            out = torch.empty((sum(c[i] for c in counts), *t.shape[1:]), dtype=t.dtype)
-            landing = relay.host_bytes(out)
-            offset = 0
-            for r, c in enumerate(counts):
-                span = landing[offset : offset + c[i] * per_row]
-                offset += span.numel()
-                label = f"{full}#{r}" if _single else f"{full}#{i}.{r}"
-                # Kept on the holder's machine: it pushes locally, the others pull once.
-                home = group.ranks[r]
-                if r == rank:
-                    mine = relay.host_bytes(t)
-                    span.copy_(mine)
-                    regions.append(relay.Region(label, mine, True, group.members, home))
-                else:
-                    regions.append(relay.Region(label, span, False, group.members, home))
-            outs.append(out)
+        outs, regions = relay.gathered(full, tensors, counts, group, _single)
 
         def finish() -> Any:
             moved = [out.to(t.device) for out, t in zip(outs, tensors, strict=True)]

@@ -19,6 +19,7 @@ from sumflow.torch import (
     _runtime,
     _staging,
     _work,
+    adasum,
     declarations,
     negotiate,
     process_sets,
@@ -456,7 +457,8 @@ def allreduce_work(
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
     if op is Adasum:
         raise NotImplementedError(
-            f"'{name}': op=Adasum is not supported by sumflow; use Sum or Average"
+            f"'{name}': op=Adasum is taken by allreduce and DistributedOptimizer, one tensor "
+            "at a time, not by grouped operations: allreduce each tensor"
         )
     if tensor.dtype not in DTYPES and tensor.dtype not in _INT_CARRIERS:
         raise TypeError(
@@ -484,7 +486,10 @@ def allreduce_async_(
     group = process_sets.group_of(process_set, "allreduce")
     full = _auto_name("allreduce", name, group)
     reduce_op = _op_of(average, op)
-    _check_reduce_op(full, tensor, reduce_op)
+    if reduce_op is Adasum:
+        adasum.check(full, tensor, group.size, compression)
+    else:
+        _check_reduce_op(full, tensor, reduce_op)
     if tensor.requires_grad and tensor.is_leaf:
         raise ValueError(f"tensor '{full}' is a leaf that requires grad; pass tensor.data")
     comp_name = getattr(compression, "__name__", type(compression).__name__)
@@ -496,6 +501,10 @@ def allreduce_async_(
         op=_op_code(reduce_op),
         facts=_facts(tensor, prescale_factor, postscale_factor, extra=comp_name),
     )
+    if reduce_op is Adasum:
+        return adasum.allreduce_async_(
+            tensor, full, group, prescale_factor, postscale_factor, request
+        )
     # The data stage starts on the negotiation thread, after the work queued so far on
     # this thread's stream (which produces `tensor`).
     stream = torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None

@@ -28,7 +28,16 @@ from typing import Any, Literal, cast
 import torch
 
 from sumflow import settings
-from sumflow.torch import _runtime, _work, fusion, ops, per_parameter, process_sets, trace
+from sumflow.torch import (
+    _runtime,
+    _work,
+    adasum,
+    fusion,
+    ops,
+    per_parameter,
+    process_sets,
+    trace,
+)
 from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.fusion import GradientPool, Span
 from sumflow.torch.overlap import CrossBarrier, Update, once, zero_grad_of
@@ -101,22 +110,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         bundles: list[Bundle],
     ) -> None:
         params = [p for group in self.param_groups for p in group["params"]]
-        if named_parameters:
-            names = {p: n for n, p in named_parameters}
-            missing = [i for i, p in enumerate(params) if p not in names]
-            if missing:
-                raise ValueError(
-                    f"named_parameters does not name {len(missing)} of the optimizer's "
-                    f"parameters (first: index {missing[0]}); pass model.named_parameters() "
-                    "of the model whose parameters the optimizer updates"
-                )
-            dupes = {n for n, count in Counter(n for n, _ in named_parameters).items() if count > 1}
-            if dupes:
-                raise ValueError(f"named_parameters repeats names: {sorted(dupes)}")
-            order = [p for _, p in named_parameters if p in set(params)]
-        else:
-            names = {p: f"param.{i}" for i, p in enumerate(params)}
-            order = params
+        names, order = parameter_names(params, named_parameters)
         if backward_passes_per_step < 1:
             raise ValueError(
                 f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}"
@@ -566,6 +560,27 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         super(self.__class__, self).load_state_dict(state_dict)
 
 
+def parameter_names(
+    params: list[torch.Tensor], named_parameters: list[tuple[str, torch.Tensor]]
+) -> tuple[dict[torch.Tensor, str], list[torch.Tensor]]:
+    """Each of the optimizer's `params` by its name in `named_parameters` (by position
+    without them), and the parameters in model order; refuses names missing or repeated."""
+    if not named_parameters:
+        return {p: f"param.{i}" for i, p in enumerate(params)}, params
+    names = {p: n for n, p in named_parameters}
+    missing = [i for i, p in enumerate(params) if p not in names]
+    if missing:
+        raise ValueError(
+            f"named_parameters does not name {len(missing)} of the optimizer's "
+            f"parameters (first: index {missing[0]}); pass model.named_parameters() "
+            "of the model whose parameters the optimizer updates"
+        )
+    dupes = {n for n, count in Counter(n for n, _ in named_parameters).items() if count > 1}
+    if dupes:
+        raise ValueError(f"named_parameters repeats names: {sorted(dupes)}")
+    return names, [p for _, p in named_parameters if p in set(params)]
+
+
 def DistributedOptimizer(
     optimizer: torch.optim.Optimizer,
     named_parameters: Iterable[tuple[str, torch.Tensor]] | None = None,
@@ -638,6 +653,20 @@ def DistributedOptimizer(
             raise ValueError("model= is only used with cross_barrier=True")
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, not {type(model).__name__}")
+    if op is ops.Adasum:
+        return _adasum_optimizer(
+            optimizer,
+            named_parameters,
+            compression,
+            backward_passes_per_step,
+            gradient_predivide_factor,
+            num_groups,
+            groups,
+            sparse_as_dense,
+            process_set,
+            cross_barrier,
+            fusion_threshold,
+        )
     # A worker outside the optimizer's process set steps on its own gradients, as in
     # Horovod: nothing is sent for it.
     outside = isinstance(process_set, process_sets.ProcessSet) and not process_set.included()
@@ -697,6 +726,47 @@ def DistributedOptimizer(
         group,
         process_set,
         bundles,
+    )
+    return wrapped
+
+
+def _adasum_optimizer(
+    optimizer: torch.optim.Optimizer,
+    named_parameters: Iterable[tuple[str, torch.Tensor]] | None,
+    compression: type[Compressor] | Compressor | None,
+    backward_passes_per_step: int,
+    gradient_predivide_factor: float,
+    num_groups: int,
+    groups: Any,
+    sparse_as_dense: bool,
+    process_set: Any,
+    cross_barrier: bool,
+    fusion_threshold: int | None,
+) -> torch.optim.Optimizer:
+    """``DistributedOptimizer(op=Adasum)``, refusing what only the averaging optimizer does."""
+    refused = [
+        what
+        for what, given in (
+            ("cross_barrier=True", cross_barrier),
+            ("groups", bool(groups) or bool(num_groups)),
+            ("fusion_threshold > 0", bool(fusion_threshold)),
+            ("gradient_predivide_factor", gradient_predivide_factor != 1.0),
+            ("sparse_as_dense", sparse_as_dense),
+        )
+        if given
+    ]
+    if refused:
+        raise ValueError(
+            f"DistributedOptimizer(op=Adasum) combines each parameter's update on its own: "
+            f"it does not take {', '.join(refused)}"
+        )
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    names, _ = parameter_names(params, list(named_parameters or []))
+    chosen = Compression.from_env() if compression is None else compression
+    local = adasum.check_optimizer(optimizer, chosen, backward_passes_per_step, process_set)
+    wrapped = cast("adasum.AdasumOptimizer", wrapping(optimizer, adasum.AdasumOptimizer))
+    wrapped._sf_adasum_setup(
+        optimizer.__class__, names, backward_passes_per_step, process_set, local
     )
     return wrapped
 

@@ -15,6 +15,7 @@ the holder pushes straight from its input, the takers receive straight into the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 
 from sumflow.torch import _runtime, _work, declarations
+from sumflow.torch.process_sets import Group
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,38 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if flat.device.type != "cpu" or not flat.is_contiguous():
         flat = flat.cpu().contiguous()
     return flat.view(torch.uint8)
+
+
+def gathered(
+    name: str,
+    tensors: Sequence[torch.Tensor],
+    counts: Sequence[Sequence[int]],
+    group: Group,
+    single: bool,
+) -> tuple[list[torch.Tensor], list[Region]]:
+    """The landing tensors of an allgather of `tensors` over the group's members, each
+    member `r` contributing ``counts[r][i]`` rows of tensor `i`, and the regions that fill
+    them: this worker's rows pushed from its own tensor, every other member's taken, each
+    kept on its holder's machine (it pushes locally, the others pull once)."""
+    outs, regions = [], []
+    for i, t in enumerate(tensors):
+        per_row = math.prod(t.shape[1:]) * t.element_size()
+        out = torch.empty((sum(c[i] for c in counts), *t.shape[1:]), dtype=t.dtype)
+        landing = host_bytes(out)
+        offset = 0
+        for r, c in enumerate(counts):
+            span = landing[offset : offset + c[i] * per_row]
+            offset += span.numel()
+            label = f"{name}#{r}" if single else f"{name}#{i}.{r}"
+            home = group.ranks[r]
+            if r == group.rank:
+                mine = host_bytes(t)
+                span.copy_(mine)
+                regions.append(Region(label, mine, True, group.members, home))
+            else:
+                regions.append(Region(label, span, False, group.members, home))
+        outs.append(out)
+    return outs, regions
 
 
 def relay_work(name: str, regions: Sequence[Region], finish: Callable[[], Any]) -> _work.CoreWork:
