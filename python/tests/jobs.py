@@ -232,6 +232,15 @@ def run_worker_processes(
         return run_processes([sys.executable, *argv], envs, timeout)
 
 
+def assert_every_worker_reported_ok(tmp_path: Path, outcomes: list[Outcome]) -> None:
+    """Every worker exited 0 and wrote "ok" to tmp_path/rank<r>.txt (the workers' own
+    checks; otherwise the file lists what failed)."""
+    for o in outcomes:
+        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
+        report = (tmp_path / f"rank{o.rank}.txt").read_text()
+        assert report == "ok", f"worker {o.rank}:\n{report}"
+
+
 def run_processes(
     command: list[str], envs: list[dict[str, str]], timeout: float, cwd: Path | None = None
 ) -> list[Outcome]:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import run_worker_processes
+from jobs import assert_every_worker_reported_ok, run_worker_processes
 
 from sumflow.torch import adasum
 from sumflow.torch.compression import Compression
@@ -56,7 +56,4 @@ def test_allreduce_and_the_delta_optimizer_equal_the_combination(
     tmp_path: Path, workers: int, cpu_servers: int
 ) -> None:
     outcomes = run_worker_processes(tmp_path, workers, [WORKER, str(tmp_path)], cpu_servers)
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from jobs import run_worker_processes
+from jobs import assert_every_worker_reported_ok, run_worker_processes
 
 import sumflow.torch as hvd
 
@@ -28,10 +28,7 @@ def test_every_delta_reaches_the_servers_within_the_staleness_bound(
         colocated=True,
         env={"SUMFLOW_TIMEOUT": "60"},
     )
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)
 
 
 @pytest.mark.parametrize("staleness", [-1, 1.5, True, 1 << 32])

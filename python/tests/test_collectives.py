@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs import run_worker_processes
+from jobs import assert_every_worker_reported_ok, run_worker_processes
 
 WORKER = str(Path(__file__).with_name("collectives_worker.py"))
 ERRORS = str(Path(__file__).with_name("collective_errors_worker.py"))
@@ -19,18 +19,12 @@ def test_every_collective_matches_its_reference(
     tmp_path: Path, workers: int, cpu_servers: int
 ) -> None:
     outcomes = run_worker_processes(tmp_path, workers, [WORKER, str(tmp_path)], cpu_servers)
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)
 
 
 def test_bad_calls_fail_that_call_on_every_worker_and_the_job_goes_on(tmp_path: Path) -> None:
     outcomes = run_worker_processes(tmp_path, 3, [ERRORS, str(tmp_path)], 1)
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)
 
 
 @pytest.mark.parametrize(("workers", "cpu_servers"), [(3, 0), (2, 2)])
@@ -38,7 +32,4 @@ def test_collectives_move_only_the_bytes_they_need(
     tmp_path: Path, workers: int, cpu_servers: int
 ) -> None:
     outcomes = run_worker_processes(tmp_path, workers, [WIRE_BYTES, str(tmp_path)], cpu_servers)
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)

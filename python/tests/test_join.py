@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from jobs import run_worker_processes
+from jobs import assert_every_worker_reported_ok, run_worker_processes
 
 WORKER = str(Path(__file__).with_name("join_worker.py"))
 
@@ -26,7 +26,4 @@ def test_joined_workers_count_as_zeros_gathers_fail_and_everything_works_after(
         machines=machines,
         env={"SUMFLOW_TIMEOUT": "60"},
     )
-    for o in outcomes:
-        assert o.returncode == 0, f"worker {o.rank} exited {o.returncode}:\n{o.stderr[-3000:]}"
-        report = (tmp_path / f"rank{o.rank}.txt").read_text()
-        assert report == "ok", f"worker {o.rank}:\n{report}"
+    assert_every_worker_reported_ok(tmp_path, outcomes)
