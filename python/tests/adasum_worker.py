@@ -89,6 +89,15 @@ def main() -> int:
             inplace = mine.clone()
             hvd.allreduce_(inplace, op=hvd.Adasum, name=f"b.{seed}")
             check(f"allreduce_ {dtype}", inplace, want)
+        # A grouped allreduce combines each tensor on its own.
+        shapes = [(5,), (2, 3), (7,)]
+        group = [data(rank, shape, torch.float32, 20 + i) for i, shape in enumerate(shapes)]
+        wants = [reference(size, shape, torch.float32, 20 + i) for i, shape in enumerate(shapes)]
+        for i, got in enumerate(hvd.grouped_allreduce(group, op=hvd.Adasum, name="grouped")):
+            check(f"grouped {i}", got, wants[i])
+        hvd.grouped_allreduce_(group, op=hvd.Adasum, name="grouped_")
+        for i, got in enumerate(group):
+            check(f"grouped_ {i}", got, wants[i])
         # Scaling factors apply around the combination, as Horovod applies them.
         mine = data(rank, (40,), torch.float32, 9)
         handle = hvd.allreduce_async(

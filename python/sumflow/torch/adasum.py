@@ -80,6 +80,34 @@ def check(name: str, tensor: torch.Tensor, members: int, compression: Any) -> No
         )
 
 
+def combined_work(
+    name: str,
+    tensors: list[torch.Tensor],
+    prescale_factor: float,
+    postscale_factor: float,
+    group: process_sets.Group,
+    single: bool,
+) -> _work.CoreWork:
+    """The data stage of an agreed Adasum of each of `tensors` over the group's workers:
+    every member's tensors gathered, then combined here; the work's result is the list of
+    combined tensors, each shaped and placed as its input."""
+    flats = [t.detach().reshape(1, -1) for t in tensors]
+    counts = [[1] * len(flats)] * group.size
+    outs, regions = relay.gathered(name, flats, counts, group, single)
+
+    def finish() -> list[torch.Tensor]:
+        results = []
+        for gathered, t in zip(outs, tensors, strict=True):
+            scaled = gathered if prescale_factor == 1.0 else gathered * prescale_factor
+            result = combine(scaled)
+            if postscale_factor != 1.0:
+                result = result * postscale_factor
+            results.append(result.reshape(t.shape).to(t.device))
+        return results
+
+    return relay.relay_work(name, regions, finish)
+
+
 def allreduce_async_(
     tensor: torch.Tensor,
     name: str,
@@ -90,21 +118,15 @@ def allreduce_async_(
 ) -> int:
     """Starts combining `tensor` by Adasum over the group's workers, in place (the
     agreement `request` already names it); returns the handle."""
-    flat = tensor.detach().reshape(1, -1)
+
+    def write_back(results: list[torch.Tensor]) -> torch.Tensor:
+        with torch.no_grad():
+            tensor.copy_(results[0])
+        return tensor
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        (gathered,), regions = relay.gathered(name, [flat], [[1]] * group.size, group, True)
-
-        def finish() -> torch.Tensor:
-            scaled = gathered if prescale_factor == 1.0 else gathered * prescale_factor
-            result = combine(scaled)
-            if postscale_factor != 1.0:
-                result = result * postscale_factor
-            with torch.no_grad():
-                tensor.copy_(result.reshape(tensor.shape))
-            return tensor
-
-        return relay.relay_work(name, regions, finish)
+        scales = (prescale_factor, postscale_factor)
+        return combined_work(name, [tensor], *scales, group, True).then(write_back)
 
     return ops.negotiated(request, group, start)
 

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from sumflow.torch import _staging, _work, negotiate, ops, process_sets, relay
+from sumflow.torch import _staging, _work, adasum, negotiate, ops, process_sets, relay
 from sumflow.torch.compression import Compression, Compressor
-from sumflow.torch.ops import Average, ReduceOp, Sum
+from sumflow.torch.ops import Adasum, Average, ReduceOp, Sum
 
 
 def _row_bytes(tensor: torch.Tensor) -> int:
@@ -496,7 +496,10 @@ def _grouped_allreduce(
         raise ValueError(f"grouped_allreduce '{full}': no tensors given")
     _one_device(f"grouped_allreduce '{full}'", tensors)
     for t in tensors:
-        ops._check_reduce_op(full, t, reduce_op)
+        if reduce_op is Adasum:
+            adasum.check(full, t, group.size, Compression.none)
+        else:
+            ops._check_reduce_op(full, t, reduce_op)
     request = negotiate.Request(
         kind="grouped_allreduce",
         name=full,
@@ -508,7 +511,12 @@ def _grouped_allreduce(
     )
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
-        work = _fused_sum(full, tensors, reduce_op, prescale_factor, postscale_factor, group)
+        scales = (prescale_factor, postscale_factor)
+        work = (
+            adasum.combined_work(full, tensors, *scales, group, False)
+            if reduce_op is Adasum
+            else _fused_sum(full, tensors, reduce_op, *scales, group)
+        )
         if not in_place:
             return work
 

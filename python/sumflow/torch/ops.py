@@ -455,11 +455,7 @@ def allreduce_work(
 
 
 def _check_reduce_op(name: str, tensor: torch.Tensor, op: ReduceOp) -> None:
-    if op is Adasum:
-        raise NotImplementedError(
-            f"'{name}': op=Adasum is taken by allreduce and DistributedOptimizer, one tensor "
-            "at a time, not by grouped operations: allreduce each tensor"
-        )
+    """Refuses a tensor the servers cannot reduce (Adasum is checked by ``adasum``)."""
     if tensor.dtype not in DTYPES and tensor.dtype not in _INT_CARRIERS:
         raise TypeError(
             f"'{name}': sumflow reduces float16, bfloat16, float32, float64, uint8, int8, "
