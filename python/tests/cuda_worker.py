@@ -172,6 +172,31 @@ def check_relays(rank: int, size: int, device: torch.device) -> None:
     assert torch.equal(mine, torch.full((2, 5), total, device=device))
 
 
+def check_adasum(rank: int, size: int, device: torch.device) -> None:
+    """Adasum on CUDA tensors (power-of-two jobs only): combined on the host, the result
+    back on the tensor's device, every worker's parameters equal after a delta step."""
+    if size & (size - 1):
+        return
+    from sumflow.torch import adasum
+
+    rows = torch.stack([data(r, 777, torch.float32, torch.device("cpu")) for r in range(size)])
+    got = hvd.allreduce(data(rank, 777, torch.float32, device), op=hvd.Adasum, name="adasum")
+    assert got.device == device, "adasum device"
+    assert torch.equal(got.cpu(), adasum.combine(rows)), "adasum"
+    model = torch.nn.Linear(5, 3).to(device)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=model.named_parameters(),
+        op=hvd.Adasum,
+    )
+    model(torch.randn(4, 5, device=device) * (rank + 1)).sum().backward()
+    opt.step()
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).reshape(1, -1)
+    every = hvd.allgather(flat, name="adasum.params")
+    assert torch.equal(every, flat.expand(size, -1)), "adasum optimizer: workers differ"
+
+
 def two_models(device: torch.device) -> tuple[torch.nn.Module, torch.nn.Module]:
     """A small model and a copy of it with the same parameters."""
     torch.manual_seed(0)
@@ -291,6 +316,7 @@ def main() -> int:
     check_optimizer(rank, size, device, passes=1, cross_barrier=True)
     check_optimizer(rank, size, device, passes=1, fusion=0, cross_barrier=True)
     check_ddp_hook(rank, size, device)
+    check_adasum(rank, size, device)
     hvd.shutdown()
     (out / f"rank{rank}.txt").write_text("ok")
     return 0

@@ -1,7 +1,7 @@
 """CUDA tensors through sumflow (``_staging``: pinned buffers, copies on a side stream,
 sums issued as their copies complete; by the core through the CUDA driver, and by the
-Python thread): every collective exact, DistributedOptimizer equal
-to one process on the whole batch, and a sum of a CUDA tensor issued without waiting for
+Python thread): every collective exact (Adasum too, on 2 workers), DistributedOptimizer
+equal to one process on the whole batch, and a sum of a CUDA tensor issued without waiting for
 the GPU. Skipped where no GPU is present; run them on a GPU machine."""
 
 from __future__ import annotations

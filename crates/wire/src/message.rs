@@ -648,7 +648,7 @@ impl Message {
     }
 
     /// Decodes a body. For data ops `body` is the 24-byte meta block (with, for an `InitKey`
-    /// with members, its member list: see [`inline_len`]) and `payload_len` the number of
+    /// with members, its member list: see `inline_len`) and `payload_len` the number of
     /// payload bytes that follow it on the wire; for other ops `body` is the whole body and
     /// `payload_len` must be 0.
     pub fn decode(op: Op, body: &[u8], payload_len: usize) -> Result<Message, WireError> {
