@@ -70,6 +70,37 @@ def updates_by_hand(size: int, steps: int, lr: float, passes: int) -> list[torch
     return params
 
 
+def check_failed_step_keeps_local_values(rank: int, failures: list[str]) -> None:
+    """A combination that fails (here: its wait, on this worker only) leaves each
+    parameter at its locally updated value, not at the bare update."""
+    from sumflow.torch import ops
+
+    model = Model()
+    opt = hvd.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        named_parameters=[(f"fail.{n}", p) for n, p in model.named_parameters()],
+        op=hvd.Adasum,
+    )
+    model(batch(rank, 0)).square().sum().backward()
+    pairs = zip(Model().parameters(), model.parameters(), strict=True)
+    local = [p - 0.1 * q.grad for p, q in pairs]
+    real = ops.synchronize
+
+    def lost(handle: int) -> object:
+        raise RuntimeError("a peer was lost")
+
+    ops.synchronize = lost
+    try:
+        opt.step()
+        failures.append("a failed combination did not raise")
+    except RuntimeError:
+        for p, want in zip(model.parameters(), local, strict=True):
+            if not torch.allclose(p.detach(), want.detach(), rtol=1e-6, atol=1e-7):
+                failures.append(f"after a failed step: {p} != {want}")
+    finally:
+        ops.synchronize = real
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     hvd.init()
@@ -139,6 +170,7 @@ def main() -> int:
             for (n, p), w in zip(model.named_parameters(), want_params, strict=True):
                 if not torch.allclose(p.detach(), w, rtol=1e-6, atol=1e-7):
                     failures.append(f"DistributedOptimizer {opt_name} {n}: {p} != {w}")
+        check_failed_step_keeps_local_values(rank, failures)
         try:
             hvd.DistributedOptimizer(
                 torch.optim.SGD(Model().parameters(), lr=0.1), op=hvd.Adasum, num_groups=2

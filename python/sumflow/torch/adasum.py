@@ -200,12 +200,18 @@ class AdasumOptimizer(torch.optim.Optimizer):
                 self._sf_handles[p] = -1
                 return
             p.sub_(start)
-        self._sf_handles[p] = ops.allreduce_async_(
-            p.data,
-            name=f"DistributedOptimizer.adasum.{self._sf_names[p]}",
-            op=ops.Adasum,
-            process_set=self._sf_process_set,
-        )
+        try:
+            self._sf_handles[p] = ops.allreduce_async_(
+                p.data,
+                name=f"DistributedOptimizer.adasum.{self._sf_names[p]}",
+                op=ops.Adasum,
+                process_set=self._sf_process_set,
+            )
+        except BaseException:
+            # The parameter keeps its locally updated value rather than the bare update.
+            with torch.no_grad():
+                p.add_(start)
+            raise
 
     def synchronize(self) -> None:
         """Waits for every update sent and applies the combined ones; a parameter whose
@@ -216,12 +222,21 @@ class AdasumOptimizer(torch.optim.Optimizer):
                 self._sf_send(p)
         handles, self._sf_handles = self._sf_handles, {}
         self._sf_counts.clear()
-        for p, handle in handles.items():
-            if handle < 0:
-                continue
-            ops.synchronize(handle)
+        pending = [(p, h) for p, h in handles.items() if h >= 0]
+        try:
+            while pending:
+                p, handle = pending[0]
+                ops.synchronize(handle)
+                with torch.no_grad():
+                    p.add_(self._sf_starts[p])
+                pending.pop(0)
+        except BaseException:
+            # A failed combination (a peer lost) leaves every parameter still holding its
+            # bare update at its locally updated value, not at the update alone.
             with torch.no_grad():
-                p.add_(self._sf_starts[p])
+                for p, _ in pending:
+                    p.add_(self._sf_starts[p])
+            raise
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
