@@ -9,11 +9,13 @@ broadcast to everyone first. The learning rate is the per-worker rate times the 
 workers, since the global batch grows with them (Goyal et al., 2017). The test accuracy is
 computed on shards of the test set and summed across workers with ``allreduce``.
 
-With ``--asynchronous`` the workers train asynchronously instead (``AsyncOptimizer``,
-BytePS §4.3): each applies its own gradients at the per-worker rate and pushes the change
-to the summation servers, which keep the parameters; ``--staleness N`` bounds how far a
-worker may run ahead of the slowest. ``--slow-rank R --slow-factor F`` makes one worker F
-times slower (it sleeps after each step), to see what asynchrony buys the others.
+With ``--adasum`` the workers' updates are combined by Adasum (``op=hvd.Adasum``, Horovod's
+delta optimizer) at the per-worker rate instead. With ``--asynchronous`` the workers train
+asynchronously (``AsyncOptimizer``, BytePS §4.3): each applies its own gradients at the
+per-worker rate and pushes the change to the summation servers, which keep the parameters;
+``--staleness N`` bounds how far a worker may run ahead of the slowest.
+``--slow-rank R --slow-factor F`` makes one worker F times slower (it sleeps after each
+step), to see what asynchrony buys the others.
 
 Run it with the launcher, or alone as a job of one::
 
@@ -156,6 +158,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "at the per-worker lr and pushes the change; the servers keep the parameters",
     )
     parser.add_argument(
+        "--adasum",
+        action="store_true",
+        help="combine the workers' updates by Adasum (DistributedOptimizer(op=Adasum), a "
+        "power-of-two number of workers) at the per-worker lr, instead of averaging gradients",
+    )
+    parser.add_argument(
         "--staleness",
         type=int,
         help="with --asynchronous: at most this many steps ahead of the slowest worker",
@@ -191,6 +199,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--staleness bounds --asynchronous training")
     if args.asynchronous and (args.csc is not None or args.fp16 or args.compression):
         parser.error("--asynchronous sends raw parameter changes: no --csc, --fp16, --compression")
+    if args.adasum and (args.asynchronous or args.csc is not None or args.fp16 or args.compression):
+        parser.error(
+            "--adasum combines raw updates: no --asynchronous, --csc, --fp16 or --compression"
+        )
     if args.slow_factor < 1.0:
         parser.error("--slow-factor must be at least 1")
     if args.compression is not None:
@@ -255,7 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     model = DigitsNet()
     # Synchronous steps average the workers' gradients, so the rate grows with them;
     # asynchronous workers each apply their own, and their changes add up on the servers.
-    lr = args.lr if args.asynchronous else args.lr * size
+    # Adasum adds orthogonal updates and averages agreeing ones: no scaling either.
+    lr = args.lr if args.asynchronous or args.adasum else args.lr * size
     steps = math.ceil(math.ceil(len(train_y) / size) / args.batch_size)
     # Every worker starts from rank 0's weights (and optimizer state).
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
@@ -290,8 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 sgd,
                 named_parameters=model.named_parameters(),
                 compression=compression,
-                op=hvd.Average,
+                op=hvd.Adasum if args.adasum else hvd.Average,
             )
+            if args.adasum:
+                sent_as = "parameter updates, combined by Adasum"
 
     if rank == 0:
         print(
