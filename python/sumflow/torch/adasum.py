@@ -223,18 +223,18 @@ class AdasumOptimizer(torch.optim.Optimizer):
         handles, self._sf_handles = self._sf_handles, {}
         self._sf_counts.clear()
         pending = [(p, h) for p, h in handles.items() if h >= 0]
+        applied = 0
         try:
-            while pending:
-                p, handle = pending[0]
+            for p, handle in pending:
                 ops.synchronize(handle)
                 with torch.no_grad():
                     p.add_(self._sf_starts[p])
-                pending.pop(0)
+                applied += 1
         except BaseException:
             # A failed combination (a peer lost) leaves every parameter still holding its
             # bare update at its locally updated value, not at the update alone.
             with torch.no_grad():
-                for p, _ in pending:
+                for p, _ in pending[applied:]:
                     p.add_(self._sf_starts[p])
             raise
 

@@ -23,10 +23,6 @@ from sumflow.torch.compression import Compression, Compressor
 from sumflow.torch.ops import Adasum, Average, ReduceOp, Sum
 
 
-def _row_bytes(tensor: torch.Tensor) -> int:
-    return math.prod(tensor.shape[1:]) * tensor.element_size()
-
-
 def _first_dim(tensor: torch.Tensor, what: str) -> int:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} needs a torch.Tensor, not {type(tensor).__name__}")
@@ -178,7 +174,7 @@ def alltoall_async(
         extra=tuple(values),
         any_first_dim=True,
     )
-    per_row = _row_bytes(tensor)
+    per_row = relay.row_bytes(tensor)
 
     def start(rows: list[negotiate.Row]) -> _work.Work:
         matrix = [row.extra for row in rows]  # matrix[i][j]: rows from i to j

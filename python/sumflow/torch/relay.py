@@ -50,6 +50,11 @@ def host_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def row_bytes(tensor: torch.Tensor) -> int:
+    """The bytes of one row (first-dimension slice) of `tensor`."""
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
 def gathered(
     name: str,
     tensors: Sequence[torch.Tensor],
@@ -63,7 +68,7 @@ def gathered(
     kept on its holder's machine (it pushes locally, the others pull once)."""
     outs, regions = [], []
     for i, t in enumerate(tensors):
-        per_row = math.prod(t.shape[1:]) * t.element_size()
+        per_row = row_bytes(t)
         out = torch.empty((sum(c[i] for c in counts), *t.shape[1:]), dtype=t.dtype)
         landing = host_bytes(out)
         offset = 0
